@@ -1,0 +1,47 @@
+PYTHON ?= python3
+VENV ?= .venv
+PY = $(VENV)/bin/python
+BENCH_ARGS ?=
+
+STAMP = $(VENV)/.installed
+
+.DEFAULT_GOAL := help
+.PHONY: help demo test fuzz bench clean
+
+help:
+	@echo "Targets:"
+	@echo "  make demo    build $(VENV) and run examples/quickstart.py"
+	@echo "  make test    build $(VENV) and run the test suite (not slow)"
+	@echo "  make fuzz    run the slow (property/fuzz) tests"
+	@echo "  make bench   run benchmarks/run.py (BENCH_ARGS=...)"
+	@echo "  make clean   remove $(VENV), build artefacts and caches"
+	@echo "  make help    show this message"
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $@
+
+demo: $(STAMP)
+	$(PY) examples/quickstart.py
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not slow"
+	if [ -f tests/test_x64.py ]; then \
+		JAX_ENABLE_X64=1 $(PY) -m pytest -m "not slow" tests/test_x64.py; \
+	fi
+
+fuzz: $(STAMP)
+	$(PY) -m pytest -m slow
+
+bench: $(STAMP)
+	@if [ -f benchmarks/run.py ]; then \
+		$(PY) benchmarks/run.py $(BENCH_ARGS); \
+	else \
+		echo "no benchmarks yet"; \
+	fi
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

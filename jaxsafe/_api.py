@@ -1,0 +1,224 @@
+"""The public entry points: `nan_safe` and `make_jaxpr`, with the per-signature cache."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import threading
+from typing import Any, Callable, Hashable, Sequence
+
+import jax
+import numpy as np
+
+from ._compat import ClosedJaxpr
+from ._rewrite import Report, rewrite_with_report
+
+DEFAULT_CACHE_SIZE = 256
+"""Signatures (shapes, dtypes, static values) remembered per `nan_safe` function."""
+
+
+def _normalize_static(fun: Callable, static_argnums, static_argnames, who: str):
+    if isinstance(static_argnums, int):
+        static_argnums = (static_argnums,)
+    if isinstance(static_argnames, str):
+        static_argnames = (static_argnames,)
+    try:
+        static_argnums = tuple(int(i) for i in static_argnums)
+    except TypeError:
+        raise TypeError(f"{who}: `static_argnums` must be an int or a sequence of ints, "
+                        f"got {static_argnums!r}.") from None
+    if not all(isinstance(n, str) for n in static_argnames):
+        raise TypeError(f"{who}: `static_argnames` must be a str or a sequence of str, "
+                        f"got {static_argnames!r}.")
+    static_argnames = tuple(static_argnames)
+    try:  # map names <-> positions the way jax.jit does
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [p.name for p in params
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    nums = set(static_argnums)
+    names = set(static_argnames)
+    for n in static_argnames:
+        if n in positional:
+            nums.add(positional.index(n))
+    for i in static_argnums:
+        if 0 <= i < len(positional):
+            names.add(positional[i])
+    return tuple(sorted(nums)), tuple(sorted(names))
+
+
+def _check_leaf(leaf: Any, where: str, who: str) -> None:
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex,
+                         jax.core.Tracer)):
+        return
+    if hasattr(leaf, "__jax_array__"):
+        return
+    raise TypeError(
+        f"{who}: argument {where} of type {type(leaf).__name__} is not a valid JAX type. "
+        f"Pass arrays or Python scalars, or mark the argument static with "
+        f"static_argnums=/static_argnames= (as with jax.jit).")
+
+
+def _hashable(value: Any, where: str, who: str) -> Hashable:
+    try:
+        hash(value)
+    except TypeError:
+        raise TypeError(
+            f"{who}: static argument {where} of type {type(value).__name__} is not hashable; "
+            f"static arguments must be hashable (as with jax.jit). Pass it as an array instead, "
+            f"or convert it (a tuple for a list).") from None
+    return value
+
+
+class _Traced:
+    """One signature's rewritten program and how to run it."""
+
+    def __init__(self, closed: ClosedJaxpr, report: Report, out_tree, use_jit: bool):
+        self.closed = closed
+        self.report = report
+        self.out_tree = out_tree
+        evaluate = functools.partial(jax.core.eval_jaxpr, closed.jaxpr, closed.consts)
+        self.run = jax.jit(evaluate) if use_jit else evaluate
+
+
+class NanSafeFunction:
+    """`fun` with its dropped lanes made safe to differentiate; see `nan_safe`."""
+
+    def __init__(self, fun: Callable, static_argnums, static_argnames, use_jit: bool,
+                 cache_size: int):
+        self._fun = fun
+        self._static_argnums, self._static_argnames = _normalize_static(
+            fun, static_argnums, static_argnames, "nan_safe")
+        self._use_jit = bool(use_jit)
+        if not isinstance(cache_size, int) or cache_size < 0:
+            raise TypeError(f"nan_safe: `cache_size` must be an int >= 0, got {cache_size!r}.")
+        self._cache_size = cache_size
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        functools.update_wrapper(self, fun)
+
+    # -- signature ------------------------------------------------------------------------
+    def _split(self, args: tuple, kwargs: dict):
+        n = len(args)
+        nums = {i % n if i < 0 else i for i in self._static_argnums if -n <= i < n}
+        static_pos = tuple((i, _hashable(args[i], f"{i} (positional)", "nan_safe"))
+                           for i in sorted(nums))
+        static_kw = tuple(sorted((k, _hashable(v, f"'{k}'", "nan_safe"))
+                                 for k, v in kwargs.items() if k in self._static_argnames))
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in nums)
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self._static_argnames}
+        return static_pos, static_kw, dyn_args, dyn_kwargs
+
+    def _flat_fun(self, static_pos, static_kw, in_tree):
+        n_args = in_tree.children()[0].num_leaves if in_tree.num_leaves else 0
+        del n_args
+
+        def flat(*leaves):
+            dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
+            args = list(dyn_args)
+            for i, v in static_pos:
+                args.insert(i, v)
+            kwargs = dict(dyn_kwargs, **dict(static_kw))
+            return self._fun(*args, **kwargs)
+        return flat
+
+    def _trace(self, args, kwargs) -> tuple[_Traced, list]:
+        static_pos, static_kw, dyn_args, dyn_kwargs = self._split(args, kwargs)
+        leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        paths = [jax.tree_util.keystr(p) for p, _ in
+                 jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]]
+        for leaf, path in zip(leaves, paths):
+            _check_leaf(leaf, path, "nan_safe")
+        avals = tuple(jax.typeof(x) for x in leaves)
+        key = (in_tree, avals, static_pos, static_kw)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit, leaves
+        closed, out_shape = jax.make_jaxpr(
+            self._flat_fun(static_pos, static_kw, in_tree), return_shape=True)(*avals)
+        new, report = rewrite_with_report(closed)
+        traced = _Traced(new, report, jax.tree_util.tree_structure(out_shape), self._use_jit)
+        closes_over_tracers = any(isinstance(c, jax.core.Tracer) for c in new.consts)
+        if not closes_over_tracers and self._cache_size:
+            with self._lock:
+                self._cache[key] = traced
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        return traced, leaves
+
+    def __call__(self, *args, **kwargs):
+        traced, leaves = self._trace(args, kwargs)
+        outs = traced.run(*leaves)
+        return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+
+    # -- inspection -----------------------------------------------------------------------
+    def trace(self, *args, **kwargs) -> tuple[ClosedJaxpr, Report]:
+        """The rewritten ClosedJaxpr for these arguments, and the report of what was guarded."""
+        traced, _ = self._trace(args, kwargs)
+        return traced.closed, traced.report
+
+    def cache_info(self) -> dict:
+        return {"size": len(self._cache), "max_size": self._cache_size}
+
+    def __get__(self, obj, objtype=None):  # methods: bind like a function
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
+
+def nan_safe(fun: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
+             static_argnames: str | Sequence[str] = (), jit: bool = True,
+             cache_size: int = DEFAULT_CACHE_SIZE):
+    """Make the dropped lanes of `fun` contribute exactly zero to every derivative.
+
+    `fun` is traced with `jax.make_jaxpr` once per call signature; every NaN-prone primitive
+    (sqrt, log, div, pow, ...) whose result has lanes that reach no output (the unselected side
+    of `jnp.where`, the losing side of `jnp.maximum`, lanes sliced away, ...) gets a safe input in
+    those lanes, and the rewritten program runs instead. Forward values are unchanged.
+
+    **Arguments:**
+    - `fun`: the function to wrap. Use as `@nan_safe` or `@nan_safe(...)`.
+    - `static_argnums`, `static_argnames`: arguments that are Python values, not arrays (as in
+      `jax.jit`); they must be hashable and are part of the cache key.
+    - `jit`: run the rewritten program compiled by XLA (default). `jit=False` evaluates it
+      equation by equation, for `jax_debug_nans` or pdb.
+    - `cache_size`: how many signatures to remember (LRU); 0 disables the cache.
+
+    **Returns:** a callable with `fun`'s name and docstring, composable with `jax.jit`,
+    `jax.grad`, `jax.vmap` and the rest of JAX.
+
+    !!! Example
+        ```python
+        @jaxsafe.nan_safe
+        def f(x):
+            return jnp.where(x > 0, jnp.sqrt(x), 0.)
+        jax.grad(f)(0.)  # 0.0, not nan
+        ```
+    """
+    if fun is None:
+        return functools.partial(nan_safe, static_argnums=static_argnums,
+                                 static_argnames=static_argnames, jit=jit, cache_size=cache_size)
+    if not callable(fun):
+        raise TypeError(f"nan_safe: `fun` must be callable, got {type(fun).__name__}: {fun!r}.")
+    return NanSafeFunction(fun, static_argnums, static_argnames, jit, cache_size)
+
+
+def make_jaxpr(fun: Callable, *, static_argnums: int | Sequence[int] = (),
+               static_argnames: str | Sequence[str] = ()) -> Callable[..., ClosedJaxpr]:
+    """Like `jax.make_jaxpr`, but returns the jaxpr that `nan_safe(fun)` runs.
+
+    Read it to see what was guarded: each guard is a `select_n(live, safe, x)` in front of a
+    NaN-prone primitive. When nothing needs a guard, it is the original jaxpr.
+    """
+    if not callable(fun):
+        raise TypeError(f"make_jaxpr: `fun` must be callable, got {type(fun).__name__}: {fun!r}.")
+    safe_fun = NanSafeFunction(fun, static_argnums, static_argnames, True, 0)
+
+    def make(*args, **kwargs) -> ClosedJaxpr:
+        return safe_fun.trace(*args, **kwargs)[0]
+    functools.update_wrapper(make, fun)
+    return make

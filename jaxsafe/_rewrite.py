@@ -1,0 +1,370 @@
+"""The rewrite: emit a program whose dropped lanes are safe to differentiate.
+
+Given a traced program (a ClosedJaxpr), `rewrite` returns an equivalent one in three parts, all
+emitted by tracing an interpreter over the original equations:
+
+1. **The original program**, unchanged (nested scan/while/cond/remat bodies are rewritten on their
+   own, keeping their signatures, so they return bitwise the same values). Every predicate and
+   comparison that decides liveness reads these original values.
+2. **The masks**: for each guarded equation, the liveness of its output, computed backward from
+   the outputs by the rules in `_liveness` (only on the paths between hazards and drops).
+3. **The guarded shadow**: the equations from each guard down to the outputs, re-emitted with safe
+   operands in dropped lanes: `select_n(live, safe, x)`. An equation is guarded when its output has
+   dropped lanes and either it is in the guard table (`_guards`: sqrt, log, div, ...) or one of its
+   operands may be non-finite there (a NaN/inf literal or constant, a value the program itself
+   tests with isnan/isinf/isfinite, or the output of a primitive we know nothing about) and the
+   equation is not linear, so a zero cotangent would meet that NaN in a product.
+   Implicit selections (`max`, `min`, `clamp`) whose operands changed are re-emitted as a
+   `select_n` on the original decision, so in dropped lanes they return the winning operand itself.
+
+Dead-code elimination then removes whatever the shadow made unused: for `jnp.where(c, sqrt(x), 0)`
+the result is exactly the hand-written double where. When nothing needs a guard, the original
+ClosedJaxpr is returned as it is.
+
+`jit` and `closed_call` equations are inlined first (a jit boundary changes no value), so liveness
+and guards cross them: `jnp.where` is itself a jit, and the hazard and the drop usually sit on
+opposite sides of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _liveness as L
+from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, bind_eqn, dce, trace_to_jaxpr
+from ._compat import primitives as P
+from ._guards import guard_for
+
+# Primitives through which a zero cotangent never meets a value: a NaN in a dropped lane of an
+# operand cannot leak into another operand's derivative.
+LINEAR: frozenset = frozenset({
+    P.add_p, P.sub_p, P.neg_p, P.reshape_p, P.broadcast_in_dim_p, P.squeeze_p, P.transpose_p,
+    P.rev_p, P.slice_p, P.dynamic_slice_p, P.dynamic_update_slice_p, P.pad_p, P.concatenate_p,
+    P.select_n_p, P.reduce_sum_p, P.cumsum_p, P.convert_element_type_p, P.copy_p,
+    P.real_p, P.imag_p, P.conj_p, P.complex_p, P.gather_p, P.scatter_add_p, P.add_jaxvals_p,
+    P.reduce_precision_p, P.stop_gradient_p,
+})
+
+INLINED: frozenset = frozenset({P.jit_p, P.closed_call_p})
+
+# Parameters that hold sub-jaxprs rewritten on their own (signature kept, outputs all live).
+NESTED_PARAMS: dict = {
+    P.scan_p: ("jaxpr",),
+    P.while_p: ("body_jaxpr",),
+    P.cond_p: ("branches",),
+    P.remat_p: ("jaxpr",),
+}
+
+COMPARISONS: frozenset = frozenset({P.eq_p, P.ne_p, P.lt_p, P.le_p, P.gt_p, P.ge_p})
+
+_JAX_PRIMITIVES = frozenset(v for v in vars(P).values() if isinstance(v, jax.extend.core.Primitive))
+
+
+@dataclasses.dataclass
+class Site:
+    """One guarded equation: which operands take which value in its dropped lanes, and why."""
+    eqn: JaxprEqn
+    replace: dict[int, float]
+    reasons: dict[int, str]
+
+
+@dataclasses.dataclass
+class Report:
+    """What a rewrite did, for `jaxsafe.explain` and the tests."""
+    sites: list[Site] = dataclasses.field(default_factory=list)
+    selections: list[JaxprEqn] = dataclasses.field(default_factory=list)
+    unknown: list[JaxprEqn] = dataclasses.field(default_factory=list)
+    nested: list[tuple[JaxprEqn, "Report"]] = dataclasses.field(default_factory=list)
+    skipped: list[tuple[JaxprEqn, str]] = dataclasses.field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.sites or self.selections or
+                    any(r.changed for _, r in self.nested))
+
+
+# --------------------------------------------------------------------------- inlining jit
+
+def _has_inlinable(jaxpr: Jaxpr) -> bool:
+    return any(e.primitive in INLINED for e in jaxpr.eqns)
+
+
+def _inline(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    env: dict = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        invals = [L.read(env, v) for v in eqn.invars]
+        if eqn.primitive in INLINED:
+            inner = L._call_jaxpr(eqn)
+            outs = _inline(inner.jaxpr, inner.consts, invals)
+        else:
+            outs = bind_eqn(eqn, invals)
+        env.update(zip(eqn.outvars, outs))
+    return [L.read(env, v) for v in jaxpr.outvars]
+
+
+def flatten(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """The same program with every jit/closed_call inlined (recursively)."""
+    if not _has_inlinable(closed.jaxpr):
+        return closed
+    avals = [v.aval for v in closed.jaxpr.invars]
+    return trace_to_jaxpr(lambda *args: _inline(closed.jaxpr, closed.consts, args), avals)
+
+
+# --------------------------------------------------------------------------- the plan
+
+def _is_nonfinite_literal(atom) -> bool:
+    if not isinstance(atom, Literal) or not L.is_float(atom):
+        return False
+    return not bool(np.all(np.isfinite(np.asarray(atom.val))))
+
+
+def _may_be_nonfinite_const(value) -> bool:
+    if isinstance(value, jax.core.Tracer):
+        return False  # unknown; treated like an input: tainted only if the program tests it
+    try:
+        arr = np.asarray(value)
+    except Exception:  # pragma: no cover
+        return False
+    return arr.dtype.kind in "fc" and not bool(np.all(np.isfinite(arr)))
+
+
+def _tested_for_nonfinite(eqn: JaxprEqn) -> list[Var]:
+    """Values that the program tests for NaN/inf: `x != x`, `is_finite(x)`, `x == inf`, ..."""
+    prim, ins = eqn.primitive, eqn.invars
+    if prim is P.is_finite_p:
+        return [v for v in ins if isinstance(v, Var)]
+    if prim in COMPARISONS and len(ins) == 2:
+        a, b = ins
+        if a is b and isinstance(a, Var):
+            return [a]
+        if _is_nonfinite_literal(a) and isinstance(b, Var):
+            return [b]
+        if _is_nonfinite_literal(b) and isinstance(a, Var):
+            return [a]
+    return []
+
+
+def _contains_hazard(closed: ClosedJaxpr) -> bool:
+    """Whether a sub-jaxpr can make NaN/inf from finite inputs (recursively)."""
+    for eqn in closed.jaxpr.eqns:
+        if eqn.primitive in L_GUARDED_PRIMS() or eqn.primitive not in _JAX_PRIMITIVES:
+            return True
+        if any(_is_nonfinite_literal(v) for v in eqn.invars):
+            return True
+        for sub in _sub_jaxprs(eqn):
+            if _contains_hazard(sub):
+                return True
+    return False
+
+
+def L_GUARDED_PRIMS():
+    from ._guards import GUARDS
+    return GUARDS
+
+
+def _sub_jaxprs(eqn: JaxprEqn) -> list[ClosedJaxpr]:
+    out = []
+    for v in eqn.params.values():
+        for item in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(item, ClosedJaxpr):
+                out.append(item)
+            elif isinstance(item, Jaxpr):
+                out.append(ClosedJaxpr(item, ()))
+    return out
+
+
+@dataclasses.dataclass
+class Plan:
+    closed: ClosedJaxpr
+    sweep: L.Sweep
+    sites: dict[int, Site]
+    reemit: list[int]
+    selections: set[int]
+    needed: set
+    nested: dict[int, dict]
+    report: Report
+
+
+def make_plan(closed: ClosedJaxpr) -> Plan:
+    jaxpr = closed.jaxpr
+    eqns = jaxpr.eqns
+    report = Report()
+    sweep = L.sweep_for(jaxpr, [L.Kind.LIVE] * len(jaxpr.outvars), False)
+
+    # Nested bodies: rewritten on their own.
+    nested: dict[int, dict] = {}
+    for i, eqn in enumerate(eqns):
+        names = NESTED_PARAMS.get(eqn.primitive)
+        if not names:
+            continue
+        new_params = dict(eqn.params)
+        for name in names:
+            value = eqn.params[name]
+            if isinstance(value, tuple):
+                results = [rewrite_with_report(br) for br in value]
+                new_value = tuple(r[0] for r in results)
+                for _, rep in results:
+                    if rep.changed:
+                        report.nested.append((eqn, rep))
+            elif isinstance(value, Jaxpr):  # remat: an open jaxpr, no constants allowed
+                new_closed, rep = rewrite_with_report(ClosedJaxpr(value, ()))
+                if rep.changed and new_closed.consts:
+                    report.skipped.append((eqn, "rewritten body needs constants"))
+                    new_value = value
+                else:
+                    new_value = new_closed.jaxpr
+                    if rep.changed:
+                        report.nested.append((eqn, rep))
+            else:
+                new_value, rep = rewrite_with_report(value)
+                if rep.changed:
+                    report.nested.append((eqn, rep))
+            new_params[name] = new_value
+        if any(new_params[n] is not eqn.params[n] for n in names):
+            nested[i] = new_params
+
+    # Taint: values whose dropped lanes may hold NaN/inf that no guard put there.
+    tainted: set = set()
+    for v, c in zip(jaxpr.constvars, closed.consts):
+        if _may_be_nonfinite_const(c):
+            tainted.add(v)
+    tested = [v for eqn in eqns for v in _tested_for_nonfinite(eqn)]
+    if tested:
+        producer = {o: e for e in eqns for o in e.outvars}
+        stack = list(tested)
+        while stack:  # a tested value may be non-finite because of any of its ancestors
+            v = stack.pop()
+            if v in tainted or not isinstance(v, Var) or not L.is_float(v):
+                continue
+            tainted.add(v)
+            e = producer.get(v)
+            if e is not None:
+                stack.extend(u for u in e.invars if isinstance(u, Var))
+
+    sites: dict[int, Site] = {}
+    selections: set[int] = set()
+    changed: set = set()
+    reemit: list[int] = []
+    for i, eqn in enumerate(eqns):
+        diff = sweep.diff[i]
+        out_kinds = [sweep.kind(o) for o in eqn.outvars]
+        has_dropped = any(k == L.Kind.MAYBE and L.is_float(o)
+                          for k, o in zip(out_kinds, eqn.outvars))
+        known = eqn.primitive in _JAX_PRIMITIVES or L.has_rule(eqn.primitive)
+        if not known:
+            report.unknown.append(eqn)
+        replace: dict[int, float] = {}
+        reasons: dict[int, str] = {}
+        if has_dropped and not eqn.effects:
+            op_kinds = L.operand_kinds(eqn, out_kinds, sweep.ctx)
+            guard = guard_for(eqn)
+            if guard is not None:
+                for k, value in guard.safe.items():
+                    if k < len(eqn.invars) and L.is_float(eqn.invars[k]) \
+                            and op_kinds[k] != L.Kind.LIVE:
+                        replace[k], reasons[k] = value, "table"
+            if eqn.primitive not in LINEAR:
+                for k, v in enumerate(eqn.invars):
+                    if diff[k] and v in tainted and k not in replace \
+                            and op_kinds[k] != L.Kind.LIVE:
+                        replace[k], reasons[k] = 0.0, "may be non-finite"
+        if replace:
+            sites[i] = Site(eqn, replace, reasons)
+        operand_changed = any(d and isinstance(v, Var) and v in changed
+                              for d, v in zip(diff, eqn.invars))
+        if (replace or operand_changed) and not eqn.effects:
+            reemit.append(i)
+            changed.update(o for o in eqn.outvars if L.is_float(o))
+            if operand_changed and eqn.primitive in (P.max_p, P.min_p, P.clamp_p):
+                selections.add(i)
+        # taint of the outputs, after the guards
+        out_tainted = any(isinstance(v, Var) and v in tainted and k not in replace
+                          for k, v in enumerate(eqn.invars))
+        out_tainted |= any(_is_nonfinite_literal(v) for v in eqn.invars)
+        out_tainted |= not known
+        if eqn.primitive in L.CUSTOM_RULE_CALLS or eqn.primitive in NESTED_PARAMS:
+            out_tainted |= any(_contains_hazard(s) for s in _sub_jaxprs(eqn))
+        if out_tainted:
+            tainted.update(o for o in eqn.outvars if L.is_float(o))
+
+    # Masks needed: the guarded outputs, and everything they flow into.
+    needed: set = set()
+    for i in sites:
+        needed.update(o for o in eqns[i].outvars if sweep.kind(o) == L.Kind.MAYBE)
+    for i, eqn in enumerate(eqns):
+        if any(d and isinstance(v, Var) and v in needed for d, v in zip(sweep.diff[i], eqn.invars)):
+            needed.update(o for o in eqn.outvars if sweep.kind(o) == L.Kind.MAYBE)
+
+    report.sites = list(sites.values())
+    report.selections = [eqns[i] for i in sorted(selections)]
+    return Plan(closed, sweep, sites, reemit, selections, needed, nested, report)
+
+
+# --------------------------------------------------------------------------- emission
+
+def _emit(plan: Plan, *args):
+    jaxpr = plan.closed.jaxpr
+    sweep = plan.sweep
+    env: dict = dict(zip(jaxpr.constvars, plan.closed.consts))
+    env.update(zip(jaxpr.invars, args))
+
+    # 1. the original program
+    for i, eqn in enumerate(jaxpr.eqns):
+        outs = bind_eqn(eqn, [L.read(env, v) for v in eqn.invars], plan.nested.get(i))
+        env.update(zip(eqn.outvars, outs))
+
+    # 2. the masks
+    mask_of = sweep.masks(env, [None] * len(jaxpr.outvars), plan.needed)
+
+    # 3. the guarded shadow
+    safe: dict = {}
+    for i in plan.reemit:
+        eqn = jaxpr.eqns[i]
+        diff = sweep.diff[i]
+        orig = [L.read(env, v) for v in eqn.invars]
+        invals = [safe.get(v, x) if d and isinstance(v, Var) else x
+                  for d, v, x in zip(diff, eqn.invars, orig)]
+        site = plan.sites.get(i)
+        if site is not None:
+            in_masks = L.operand_masks(eqn, [mask_of(o) for o in eqn.outvars], orig, sweep.ctx)
+            for k, value in site.replace.items():
+                live = in_masks[k]
+                if live is None:
+                    continue
+                x = invals[k]
+                invals[k] = lax.select_n(live, lax.full_like(x, value), x)
+        if i in plan.selections:
+            out = bind_eqn(eqn, invals)[0]
+            shape = out.shape
+            cases = [out] + [jnp.broadcast_to(jnp.asarray(x, out.dtype), shape) for x in invals]
+            outs = [lax.select_n(L.winner(eqn, orig), *cases)]
+        else:
+            outs = bind_eqn(eqn, invals, plan.nested.get(i))
+        for o, val in zip(eqn.outvars, outs):
+            if L.is_float(o):
+                safe[o] = val
+    return [safe.get(v, L.read(env, v)) if isinstance(v, Var) else L.read(env, v)
+            for v in jaxpr.outvars]
+
+
+def rewrite_with_report(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, Report]:
+    """Rewrite `closed`; returns it unchanged (the same object) when nothing needs a guard."""
+    flat = flatten(closed)
+    plan = make_plan(flat)
+    if not plan.report.changed:
+        return closed, plan.report
+    avals = [v.aval for v in closed.jaxpr.invars]
+    new = dce(trace_to_jaxpr(partial(_emit, plan), avals))
+    return new, plan.report
+
+
+def rewrite(closed: ClosedJaxpr) -> ClosedJaxpr:
+    return rewrite_with_report(closed)[0]

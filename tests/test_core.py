@@ -1,0 +1,164 @@
+"""The acceptance examples of the core: each against the hand-written double where."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxsafe
+from jaxsafe import nan_safe
+
+from helpers import assert_bitwise, assert_close, assert_finite
+
+
+def issue_19089(x, pre_filter=False):
+    delta = jnp.array((0, 1)) * x
+    if pre_filter:
+        return jnp.sum(jnp.where(delta > 0, delta, 0) ** 0.5)
+    return jnp.sum(jnp.where(delta > 0, delta ** 0.5, 0))
+
+
+def test_issue_19089_gradient_is_half():
+    assert np.isnan(jax.grad(issue_19089)(1.))  # the bug is real
+    assert jax.grad(nan_safe(issue_19089))(1.) == 0.5
+    assert jax.grad(lambda x: issue_19089(x, True))(1.) == 0.5
+
+
+def test_issue_19089_forward_bitwise():
+    assert_bitwise(nan_safe(issue_19089)(1.), jax.jit(issue_19089)(1.))
+
+
+@pytest.mark.parametrize("x", [-1., 0., 2.])
+def test_sqrt_times_log_branch(x):
+    f = lambda x: jnp.where(x > 0, jnp.sqrt(x) * jnp.log(x), x ** 2)
+
+    def hand(x):
+        xs = jnp.where(x > 0, x, 1.)
+        return jnp.where(x > 0, jnp.sqrt(xs) * jnp.log(xs), x ** 2)
+    assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+    g = jax.grad(nan_safe(f))(x)
+    assert_finite(g)
+    assert g == jax.grad(hand)(x)
+
+
+def test_real_singularity_is_kept():
+    f = lambda x: jnp.where(x >= 0, jnp.sqrt(x), 0.)
+    assert jax.grad(nan_safe(f))(0.) == jnp.inf
+
+
+def test_maximum_drops_the_losing_side():
+    f = lambda x: jnp.maximum(jnp.sqrt(x), 1.)
+    assert np.isnan(jax.grad(f)(0.))
+    assert nan_safe(f)(0.) == 1.
+    assert jax.grad(nan_safe(f))(0.) == 0.
+    # ties stay live: d/dx max(sqrt(x), 1) at x = 1 is JAX's 0.5 * 0.5
+    assert jax.grad(nan_safe(f))(1.) == jax.grad(f)(1.)
+    assert jax.grad(nan_safe(f))(4.) == 0.25
+
+
+def test_maximum_with_two_differentiable_sides_keeps_the_winner():
+    # the guarded side must not turn into a tie with the winner (d/db would become 0.5)
+    f = lambda x, b: jnp.maximum(jnp.log(x), b)
+    gx, gb = jax.grad(nan_safe(f), (0, 1))(0.5, -0.1)  # log(0.5) = -0.69 < b
+    assert (gx, gb) == (0., 1.)
+    gx, gb = jax.grad(nan_safe(f), (0, 1))(0., 0.)  # log(0) = -inf, b = 0 wins
+    assert (gx, gb) == (0., 1.)
+
+
+def test_clip_keeps_decision_and_zero_gradient():
+    f = lambda x: jnp.clip(jnp.log(x), -5., 5.)
+    assert nan_safe(f)(0.) == -5.
+    assert jax.grad(nan_safe(f))(0.) == 0.
+    assert jax.grad(nan_safe(f))(1.) == 1.
+
+
+def test_drops_by_slicing_and_indexing():
+    x = jnp.array([0., 1., 4.])
+    assert_close(jax.grad(nan_safe(lambda x: jnp.sum(jnp.sqrt(x)[1:])))(x),
+                 jax.grad(lambda x: jnp.sum(jnp.sqrt(x[1:])))(x))
+    assert_close(jax.grad(nan_safe(lambda x: jnp.log(x)[2]))(x),
+                 jax.grad(lambda x: jnp.log(x[2]))(x))
+    idx = np.array([1, 2])
+    assert_close(jax.grad(nan_safe(lambda x: jnp.sum(jnp.log(x)[idx])))(x),
+                 jax.grad(lambda x: jnp.sum(jnp.log(x[idx])))(x))
+
+
+def test_dynamic_slice_drop():
+    x = jnp.array([0., 1., 4.])
+    f = lambda x, i: jnp.sum(lax.dynamic_slice(jnp.sqrt(x), (i,), (2,)))
+    ref = lambda x, i: jnp.sum(jnp.sqrt(lax.dynamic_slice(x, (i,), (2,))))
+    assert_close(jax.grad(nan_safe(f))(x, 1), jax.grad(ref)(x, 1))
+    assert_close(jax.grad(nan_safe(f))(x, 0), jax.grad(ref)(x, 0))  # the singular lane is live
+
+
+def test_sum_with_where_argument():
+    x = jnp.array([0., 1., 4.])
+    f = lambda x: jnp.sum(jnp.log(x), where=x > 0)
+    hand = lambda x: jnp.sum(jnp.log(jnp.where(x > 0, x, 1.)), where=x > 0)
+    assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+    assert_close(jax.grad(nan_safe(f))(x), jax.grad(hand)(x))
+
+
+def test_predicate_computed_from_the_guarded_value():
+    def f(x):
+        y = jnp.sqrt(x)
+        return jnp.where(jnp.isnan(y), 0., y)
+    x = jnp.array([-1., 0.25, 4.])
+    assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+    g = jax.grad(lambda x: jnp.sum(nan_safe(f)(x)))(x)
+    assert_close(g, jnp.array([0., 1., 0.25]))
+
+
+def test_nan_targets_in_the_data():
+    y = jnp.array([1., jnp.nan, 3.])
+
+    def loss(w, x):
+        return jnp.sum(jnp.where(jnp.isnan(y), 0., w * jnp.abs(x - y)))
+
+    def hand(w, x):
+        y0 = jnp.where(jnp.isnan(y), 0., y)
+        return jnp.sum(jnp.where(jnp.isnan(y), 0., w * jnp.abs(x - y0)))
+    args = (2., jnp.array([0.5, 1., 2.]))
+    assert any(np.isnan(g).any() for g in jax.grad(loss, (0, 1))(*args))
+    assert_close(jax.grad(nan_safe(loss), (0, 1))(*args), jax.grad(hand, (0, 1))(*args))
+
+
+def masked_attention(s, v, mask):
+    s = jnp.where(mask, s, -jnp.inf)
+    p = jax.nn.softmax(s)
+    return jnp.where(mask.any(-1, keepdims=True), p @ v, 0.)
+
+
+def test_masked_softmax_rows_match_the_valid_rows_alone():
+    mask = np.array([[True, False, True, False], [False] * 4, [True] * 4, [False] * 4])
+    s = jnp.linspace(-1., 2., 16).reshape(4, 4)
+    v = jnp.linspace(0., 1., 12).reshape(4, 3)
+    valid = np.array([0, 2])
+    loss = lambda s, v: jnp.sum(jnp.sin(masked_attention(s, v, mask)))
+    ref = lambda s, v: jnp.sum(jnp.sin(masked_attention(s[valid], v, mask[valid])))
+    assert any(np.isnan(g).any() for g in jax.grad(loss, (0, 1))(s, v))
+    gs, gv = jax.grad(nan_safe(loss), (0, 1))(s, v)
+    gs_ref, gv_ref = jax.grad(ref, (0, 1))(s, v)
+    assert_finite((gs, gv))
+    assert_close(gs, gs_ref, rtol=1e-5)  # the reference never reads rows 1 and 3: zero there
+    assert np.all(np.asarray(gs)[[1, 3]] == 0)
+    assert_close(gv, gv_ref, rtol=1e-5)
+    assert_bitwise(nan_safe(loss)(s, v), jax.jit(loss)(s, v))
+
+
+def test_nothing_to_guard_is_the_original_program():
+    for f, args in [(lambda x: jnp.where(x > 0, x * x, 0.), (1.,)),
+                    (lambda x: jnp.sum(jnp.sin(x)[1:]), (jnp.ones(3),)),
+                    (lambda x: jnp.sqrt(x) * 2., (1.,))]:
+        orig = jax.make_jaxpr(f)(*args)
+        new = jaxsafe.make_jaxpr(f)(*args)
+        assert [e.primitive for e in new.eqns] == [e.primitive for e in orig.eqns]
+        assert new.jaxpr is orig.jaxpr or str(new) == str(orig)
+
+
+def test_rewrite_is_the_double_where():
+    new = jaxsafe.make_jaxpr(lambda x: jnp.where(x > 0, jnp.sqrt(x), 0.))(1.)
+    prims = [e.primitive for e in new.eqns]
+    P = jax.extend.core.primitives
+    assert prims.count(P.select_n_p) == 2 and prims.count(P.sqrt_p) == 1
