@@ -27,7 +27,7 @@ demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow" --ignore=tests/test_x64.py
 	if [ -f tests/test_x64.py ]; then \
 		JAX_ENABLE_X64=1 $(PY) -m pytest -m "not slow" tests/test_x64.py; \
 	fi
