@@ -16,6 +16,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from . import _liveness
 from ._compat import JaxprEqn, Primitive, primitives as P
 
 
@@ -53,7 +54,9 @@ def register_guard(primitive: Primitive, safe: Mapping[int, float] | float,
       primitive's domain and away from its singularities (sqrt: 1, log: 1, div denominator: 1).
     - `applies`: optional predicate on the equation; the guard is used only where it is true.
 
-    Registering a primitive that is already in the table replaces its entry.
+    Registering a primitive that is already in the table replaces its entry. A guarded
+    primitive with no liveness rule of its own is treated as elementwise (a guard is a per-lane
+    substitution, so the primitive must be elementwise for it to make sense).
     """
     if not isinstance(primitive, Primitive):
         raise TypeError(
@@ -67,6 +70,8 @@ def register_guard(primitive: Primitive, safe: Mapping[int, float] | float,
             raise ValueError(f"register_guard: safe value {value!r} for operand {index} of "
                              f"{primitive} must be finite.")
     GUARDS[primitive] = Guard(dict(safe), applies or (lambda eqn: True))
+    if not _liveness.has_rule(primitive):
+        _liveness.register(primitive)(_liveness.elementwise)
 
 
 for _prim, _safe in [

@@ -160,7 +160,7 @@ def _shape(atom) -> tuple[int, ...]:
 
 # --------------------------------------------------------------------------- elementwise
 
-def _elementwise(eqn, outs, invals, ctx):
+def elementwise(eqn, outs, invals, ctx):
     return [fit(outs[0], _shape(v)) for v in eqn.invars]
 
 
@@ -175,7 +175,7 @@ ELEMENTWISE: tuple[Primitive, ...] = (
     P.regularized_incomplete_beta_p, P.convert_element_type_p, P.reduce_precision_p,
     P.copy_p, P.real_p, P.imag_p, P.complex_p, P.conj_p, P.stop_gradient_p, P.add_jaxvals_p,
 )
-register(*ELEMENTWISE)(_elementwise)
+register(*ELEMENTWISE)(elementwise)
 
 
 # --------------------------------------------------------------------------- selections by value
@@ -211,7 +211,7 @@ def winner(eqn: JaxprEqn, invals: Sequence[Any]) -> jax.Array:
 
 def _decided_by_value(eqn, outs, invals, ctx):
     if ctx.structural:
-        return _elementwise(eqn, outs, invals, ctx)
+        return elementwise(eqn, outs, invals, ctx)
     shape = _shape(eqn.outvars[0])
     win = None if eqn.primitive is P.select_n_p else winner(eqn, invals)
     first = 1 if eqn.primitive is P.select_n_p else 0  # select_n's predicate carries no lanes

@@ -1,0 +1,155 @@
+"""The public surface: decorator forms, caching and tracing, bad input, unknown primitives."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.interpreters import ad, mlir
+
+import jaxsafe
+from jaxsafe import nan_safe
+
+from helpers import assert_bitwise
+
+
+def test_decorator_forms_keep_name_and_docstring():
+    @nan_safe
+    def plain(x):
+        """Docstring."""
+        return jnp.where(x > 0, jnp.log(x), 0.)
+
+    @nan_safe(static_argnums=1)
+    def with_static(x, n):
+        return jnp.where(x > 0, jnp.log(x), 0.) * n
+
+    assert plain.__name__ == "plain" and plain.__doc__ == "Docstring."
+    assert jax.grad(plain)(0.) == 0.
+    assert jax.grad(with_static)(0., 3) == 0.
+    assert with_static(jnp.e, 3) == 3.
+
+
+def test_same_signature_traces_once_new_shape_traces_again():
+    count = []
+
+    @nan_safe
+    def f(x):
+        count.append(1)
+        return jnp.where(x > 0, jnp.sqrt(x), 0.)
+
+    f(jnp.ones(3))
+    f(jnp.zeros(3))
+    jax.grad(lambda x: jnp.sum(f(x)))(jnp.ones(3))
+    assert len(count) == 1
+    f(jnp.ones(4))
+    assert len(count) == 2
+    f(jnp.ones(3, jnp.int32))
+    assert len(count) == 3
+    f(1.)  # weak-typed Python scalar: its own signature
+    f(2.)
+    assert len(count) == 4
+
+
+def test_static_values_are_part_of_the_signature():
+    count = []
+
+    @nan_safe(static_argnames="mode")
+    def f(x, mode):
+        count.append(mode)
+        return jnp.where(x > 0, jnp.log(x), 0.) if mode == "log" else jnp.sqrt(jnp.abs(x))
+
+    assert f(0., mode="log") == 0. and f(0., mode="log") == 0.
+    assert f(4., mode="sqrt") == 2.
+    assert count == ["log", "sqrt"]
+
+
+def test_cache_is_bounded():
+    f = nan_safe(lambda x: jnp.where(x > 0, jnp.log(x), 0.), cache_size=2)
+    for n in range(1, 6):
+        f(jnp.ones(n))
+    assert f.cache_info() == {"size": 2, "max_size": 2}
+
+
+def test_calls_from_threads_with_mixed_shapes():
+    f = nan_safe(lambda x: jnp.sum(jnp.where(x > 0, jnp.sqrt(x), 0.)))
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            x = jnp.arange(float(i % 3 + 2)) - 1.
+            results[i] = (float(f(x)), np.asarray(jax.grad(f)(x)))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i, (value, grad) in results.items():
+        x = np.arange(float(i % 3 + 2)) - 1.
+        assert value == pytest.approx(np.sum(np.sqrt(np.maximum(x, 0))))
+        assert np.all(np.isfinite(grad))
+
+
+def test_non_callable_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match="`fun` must be callable"):
+        nan_safe(3)
+    with pytest.raises(TypeError, match="`fun` must be callable"):
+        jaxsafe.make_jaxpr("sqrt")
+
+
+def test_non_array_argument_is_a_clear_type_error():
+    f = nan_safe(lambda x, s: x)
+    with pytest.raises(TypeError, match=r"argument .*\[1\].* str .*static_argnums"):
+        f(1., "text")
+
+
+def test_unhashable_static_argument_is_a_type_error():
+    f = nan_safe(lambda x, opts: x * len(opts), static_argnums=1)
+    with pytest.raises(TypeError, match="not hashable"):
+        f(1., [1, 2])
+
+
+def _user_primitive():
+    prim = jax.extend.core.Primitive("user_sqrt")
+    prim.def_impl(lambda x: jnp.sqrt(x))
+    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+    mlir.register_lowering(prim, mlir.lower_fun(jnp.sqrt, multiple_results=False))
+    ad.defjvp(prim, lambda t, x: t * 0.5 / prim.bind(x))
+    return prim
+
+
+USER_SQRT = _user_primitive()
+
+
+def test_primitive_without_a_rule_passes_through_and_is_reported():
+    f = lambda x: jnp.where(x > 0, USER_SQRT.bind(x), 0.)
+    x = jnp.array([0., 4.])
+    assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+    assert jnp.array_equal(nan_safe(f)(x), jnp.array([0., 2.]))
+    jax.grad(lambda x: jnp.sum(nan_safe(f)(x)))(x)  # runs; unguarded, so it may be NaN
+    assert "unknown primitive user_sqrt" in jaxsafe.explain(f)(x)
+
+
+def test_register_guard_makes_a_user_primitive_safe():
+    prim = _user_primitive()
+    f = lambda x: jnp.where(x > 0, prim.bind(x), 0.)
+    assert np.isnan(jax.grad(nan_safe(f))(0.))
+    jaxsafe.register_guard(prim, 1.0)
+    assert jax.grad(nan_safe(f))(0.) == 0.
+
+
+def test_explain_names_the_source_line():
+    f = lambda x: jnp.where(x > 0, jnp.sqrt(x), 0.)
+    text = jaxsafe.explain(f)(1.)
+    assert "guarded sqrt" in text and "test_api.py" in text
+    assert "nothing to guard" in jaxsafe.explain(lambda x: x * 2.)(1.)
+
+
+def test_make_jaxpr_accepts_static_arguments():
+    closed = jaxsafe.make_jaxpr(lambda x, n: jnp.where(x > 0, jnp.log(x), 0.) * n,
+                                static_argnums=1)(1., 2)
+    assert isinstance(closed, jax.extend.core.ClosedJaxpr)

@@ -1,0 +1,112 @@
+"""Leaking wheres inside loops and branches: the bodies are rewritten, the structure is kept."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jaxsafe
+from jaxsafe import nan_safe
+
+from helpers import assert_bitwise, assert_close, assert_finite
+
+P = jax.extend.core.primitives
+XS = jnp.array([-1., 0., 0.25, 4.])
+
+
+def _prims(closed):
+    return [e.primitive for e in closed.eqns]
+
+
+def test_scan_body():
+    def body(c, x):
+        return c + jnp.where(x > 0, jnp.sqrt(x), 0.), c
+
+    def hand_body(c, x):
+        return c + jnp.where(x > 0, jnp.sqrt(jnp.where(x > 0, x, 1.)), 0.), c
+
+    f = lambda xs: lax.scan(body, 0., xs)[0]
+    hand = lambda xs: lax.scan(hand_body, 0., xs)[0]
+    assert np.isnan(jax.grad(f)(XS)).any()
+    assert_bitwise(nan_safe(f)(XS), jax.jit(f)(XS))
+    assert_close(jax.grad(nan_safe(f))(XS), jax.grad(hand)(XS))
+    new = jaxsafe.make_jaxpr(f)(XS)
+    assert _prims(new).count(P.scan_p) == 1  # a rewritten scan stays a scan
+    body_prims = _prims(new.eqns[-1].params["jaxpr"]) if new.eqns[-1].primitive is P.scan_p else []
+    assert body_prims.count(P.select_n_p) >= 2
+
+
+def test_fori_loop_with_static_bounds():
+    f = lambda x: lax.fori_loop(0, 3, lambda i, c: c + jnp.where(c > 0, jnp.log(c), 0.), x)
+    hand = lambda x: lax.fori_loop(
+        0, 3, lambda i, c: c + jnp.where(c > 0, jnp.log(jnp.where(c > 0, c, 1.)), 0.), x)
+    assert np.isnan(jax.grad(f)(0.))
+    for x in [0., -2., 1.5]:
+        assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+        assert jax.grad(nan_safe(f))(x) == jax.grad(hand)(x)
+
+
+def test_while_body_is_guarded():
+    def f(x, n):
+        def body(c):
+            i, v = c
+            return i + 1, v + jnp.where(v > 0, jnp.log(v), 0.)
+        return lax.while_loop(lambda c: c[0] < n, body, (0, x))[1]
+
+    new = jaxsafe.make_jaxpr(f)(0., 3)
+    (loop,) = [e for e in new.eqns if e.primitive is P.while_p]
+    assert _prims(loop.params["body_jaxpr"]).count(P.select_n_p) >= 2
+    for x in [0., -2., 1.5]:
+        assert_bitwise(nan_safe(f)(x, 3), jax.jit(f)(x, 3))
+    # while loops are forward-differentiable only; the guarded body stays NaN-free forward
+    with jax.debug_nans(True):
+        primal, tangent = jax.jvp(lambda x: nan_safe(f, jit=False)(x, 3), (0.,), (1.,))
+    assert (primal, tangent) == (0., 1.)
+
+
+def test_cond_branches():
+    f = lambda x: lax.cond(jnp.sum(x) > 0, lambda x: jnp.where(x > 0, jnp.sqrt(x), 0.),
+                           lambda x: x, x)
+    loss = lambda g: (lambda x: jnp.sum(g(x)))
+    assert np.isnan(jax.grad(loss(f))(XS)).any()
+    assert_bitwise(nan_safe(f)(XS), jax.jit(f)(XS))
+    assert_close(jax.grad(loss(nan_safe(f)))(XS), jnp.array([0., 0., 1., 0.25]))
+    assert_close(jax.grad(loss(nan_safe(f)))(-XS), jnp.ones(4))
+
+
+def test_vmap_of_cond_whose_branch_has_sqrt():
+    c = lambda x: lax.cond(x > 0, jnp.sqrt, lambda x: 0. * x, x)
+    want = jnp.array([0., 0., 1., 0.25])
+    assert_close(jax.vmap(jax.grad(nan_safe(c)))(XS), want)
+    assert_close(jax.grad(lambda x: jnp.sum(nan_safe(jax.vmap(c))(x)))(XS), want)
+    assert_bitwise(nan_safe(jax.vmap(c))(XS), jax.jit(jax.vmap(c))(XS))
+
+
+def test_where_inside_checkpoint():
+    f = jax.checkpoint(lambda x: jnp.where(x > 0, jnp.sqrt(x), 0.))
+    assert np.isnan(jax.grad(f)(0.))
+    assert jax.grad(nan_safe(f))(0.) == 0.
+    assert _prims(jaxsafe.make_jaxpr(f)(0.)).count(P.remat_p) == 1
+
+
+def test_jit_boundaries_are_crossed():
+    f = lambda x: jnp.where(x > 0, jax.jit(jnp.sqrt)(x), 0.)
+    assert jax.grad(nan_safe(f))(0.) == 0.
+    norm = lambda x: jnp.sum(jnp.where(jnp.any(x != 0), x / jnp.linalg.norm(x), 0.))
+    assert np.isnan(jax.grad(norm)(jnp.zeros(3))).all()
+    assert_close(jax.grad(nan_safe(norm))(jnp.zeros(3)), jnp.zeros(3))
+    x = jnp.array([3., 4., 0.])
+    assert_close(jax.grad(nan_safe(norm))(x), jax.grad(norm)(x))
+
+
+def test_custom_jvp_rule_is_kept():
+    relu = lambda x: jnp.where(x > 0, jax.nn.relu(jnp.sqrt(x)), 0.)
+    assert jax.grad(nan_safe(relu))(0.) == 0.
+    assert jax.grad(nan_safe(relu))(4.) == 0.25
+
+    @jax.custom_jvp
+    def straight_through(x):
+        return jnp.round(x)
+    straight_through.defjvp(lambda p, t: (straight_through(p[0]), t[0]))
+    g = lambda x: straight_through(jnp.sqrt(x))
+    assert jax.grad(nan_safe(g))(4.) == 0.25  # the user's rule, not round's zero derivative
