@@ -49,9 +49,11 @@ def _normalize_static(fun: Callable, static_argnums, static_argnames, who: str):
     return tuple(sorted(nums)), tuple(sorted(names))
 
 
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex, jax.core.Tracer)
+
+
 def _check_leaf(leaf: Any, where: str, who: str) -> None:
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex,
-                         jax.core.Tracer)):
+    if isinstance(leaf, _ARRAY_TYPES):
         return
     if hasattr(leaf, "__jax_array__"):
         return
@@ -112,9 +114,6 @@ class NanSafeFunction:
         return static_pos, static_kw, dyn_args, dyn_kwargs
 
     def _flat_fun(self, static_pos, static_kw, in_tree):
-        n_args = in_tree.children()[0].num_leaves if in_tree.num_leaves else 0
-        del n_args
-
         def flat(*leaves):
             dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
             args = list(dyn_args)
@@ -127,10 +126,11 @@ class NanSafeFunction:
     def _trace(self, args, kwargs) -> tuple[_Traced, list]:
         static_pos, static_kw, dyn_args, dyn_kwargs = self._split(args, kwargs)
         leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        paths = [jax.tree_util.keystr(p) for p, _ in
-                 jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]]
-        for leaf, path in zip(leaves, paths):
-            _check_leaf(leaf, path, "nan_safe")
+        if not all(isinstance(x, _ARRAY_TYPES) for x in leaves):
+            paths = [jax.tree_util.keystr(p) for p, _ in
+                     jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]]
+            for leaf, path in zip(leaves, paths):
+                _check_leaf(leaf, path, "nan_safe")
         avals = tuple(jax.typeof(x) for x in leaves)
         key = (in_tree, avals, static_pos, static_kw)
         with self._lock:

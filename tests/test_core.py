@@ -162,3 +162,34 @@ def test_rewrite_is_the_double_where():
     prims = [e.primitive for e in new.eqns]
     P = jax.extend.core.primitives
     assert prims.count(P.select_n_p) == 2 and prims.count(P.sqrt_p) == 1
+
+
+def test_n_way_select_with_int_predicates():
+    x = jnp.array([-1., 0., 0.25, 4.])
+    f = lambda x: lax.select_n(jnp.clip(x, 0, 2).astype(jnp.int32),
+                               jnp.log(x), jnp.sqrt(x - 0.25), x)
+    loss = lambda f: (lambda x: jnp.sum(f(x)))
+    g = jax.grad(loss(nan_safe(f)))(x)
+    assert np.isnan(jax.grad(loss(f))(x)).any()
+    # taken branches: log at -1 (finite slope -1), log at 0 (a real singularity: inf), log at
+    # 0.25 (4), identity at 4 (1)
+    np.testing.assert_array_equal(g, [-1., np.inf, 4., 1.])
+    assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+
+    s = lambda x: jnp.select([x < 0, x == 0], [jnp.log(x + 2), jnp.log(x)], jnp.sqrt(x))
+    hand = lambda x: jnp.select([x < 0, x == 0], [jnp.log(jnp.where(x < 0, x, -1.) + 2),
+                                                  jnp.log(jnp.where(x == 0, x, 1.))],
+                                jnp.sqrt(jnp.where(x > 0, x, 1.)))
+    np.testing.assert_array_equal(jax.grad(loss(nan_safe(s)))(x), jax.grad(loss(hand))(x))
+
+
+def test_liveness_through_reshape_transpose_and_dot():
+    def f(a, b):
+        m = jnp.log(a).reshape(2, 2).T @ b
+        return jnp.sum(jnp.where(jnp.arange(2)[:, None] > 0, m, 0.))
+
+    def dropped_removed(a, b):  # row 0 of m never reaches the output: compute row 1 only
+        return jnp.sum(jnp.log(a.reshape(2, 2).T[1]) @ b)
+    a, b = jnp.array([0., 1., 0., 2.]), jnp.linspace(1., 2., 6).reshape(2, 3)
+    assert any(np.isnan(g).any() for g in jax.grad(f, (0, 1))(a, b))
+    assert_close(jax.grad(nan_safe(f), (0, 1))(a, b), jax.grad(dropped_removed, (0, 1))(a, b))
