@@ -11,6 +11,7 @@ from typing import Any, Callable, Hashable, Sequence
 import jax
 import numpy as np
 
+from . import _guards
 from ._compat import ClosedJaxpr
 from ._rewrite import Report, rewrite_with_report
 
@@ -74,14 +75,48 @@ def _hashable(value: Any, where: str, who: str) -> Hashable:
     return value
 
 
+def _values_of(original: ClosedJaxpr, rewritten: ClosedJaxpr) -> Callable:
+    """Original program for the values, rewritten program for the derivatives.
+
+    Forward values are then bit for bit those of `jax.jit(f)` (XLA fuses a guarded program
+    differently, which can move the last bit of e.g. igamma), and a call that is not
+    differentiated costs exactly what `f` costs. Under jvp/grad the rule runs the rewritten
+    program; its own derivatives (second order and up) are the rewritten program's too.
+    """
+    @jax.custom_jvp
+    def run(orig_consts, new_consts, *args):
+        return jax.core.eval_jaxpr(original.jaxpr, orig_consts, *args)
+
+    @run.defjvp
+    def run_jvp(primals, tangents):
+        orig_consts, new_consts, *args = primals
+        _, t_new_consts, *t_args = tangents
+        out = run(orig_consts, new_consts, *args)
+        _, t_out = jax.jvp(lambda c, *a: jax.core.eval_jaxpr(rewritten.jaxpr, c, *a),
+                           (new_consts, *args), (t_new_consts, *t_args))
+        return out, t_out
+
+    return functools.partial(run, list(original.consts), list(rewritten.consts))
+
+
 class _Traced:
     """One signature's rewritten program and how to run it."""
 
-    def __init__(self, closed: ClosedJaxpr, report: Report, out_tree, use_jit: bool):
+    def __init__(self, original: ClosedJaxpr, closed: ClosedJaxpr, report: Report, out_tree,
+                 use_jit: bool):
         self.closed = closed
         self.report = report
         self.out_tree = out_tree
-        evaluate = functools.partial(jax.core.eval_jaxpr, closed.jaxpr, closed.consts)
+        self.closes_over_tracers = any(isinstance(c, jax.core.Tracer)
+                                       for c in (*original.consts, *closed.consts))
+        if closed is original or not use_jit or self.closes_over_tracers:
+            # Closing over outer tracers: the call is staged into the outer trace anyway, and a
+            # custom_jvp that captures those tracers would keep them alive in JAX's caches.
+            # jit=False runs the rewritten program equation by equation: each primitive alone
+            # gives the same bits in live lanes, and dropped lanes stay finite for debug_nans.
+            evaluate = functools.partial(jax.core.eval_jaxpr, closed.jaxpr, closed.consts)
+        else:
+            evaluate = _values_of(original, closed)
         self.run = jax.jit(evaluate) if use_jit else evaluate
 
 
@@ -132,7 +167,7 @@ class NanSafeFunction:
             for leaf, path in zip(leaves, paths):
                 _check_leaf(leaf, path, "nan_safe")
         avals = tuple(jax.typeof(x) for x in leaves)
-        key = (in_tree, avals, static_pos, static_kw)
+        key = (in_tree, avals, static_pos, static_kw, _guards.GENERATION)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -141,9 +176,9 @@ class NanSafeFunction:
         closed, out_shape = jax.make_jaxpr(
             self._flat_fun(static_pos, static_kw, in_tree), return_shape=True)(*avals)
         new, report = rewrite_with_report(closed)
-        traced = _Traced(new, report, jax.tree_util.tree_structure(out_shape), self._use_jit)
-        closes_over_tracers = any(isinstance(c, jax.core.Tracer) for c in new.consts)
-        if not closes_over_tracers and self._cache_size:
+        traced = _Traced(closed, new, report, jax.tree_util.tree_structure(out_shape),
+                         self._use_jit)
+        if not traced.closes_over_tracers and self._cache_size:
             with self._lock:
                 self._cache[key] = traced
                 while len(self._cache) > self._cache_size:

@@ -42,9 +42,10 @@ def dce(closed: ClosedJaxpr) -> ClosedJaxpr:
 def source_summary(eqn: JaxprEqn) -> str:
     """'file:line (function)' of the user code that emitted `eqn`, or 'unknown'."""
     try:
-        return _source_info_util.summarize(eqn.source_info)
+        summary = _source_info_util.summarize(eqn.source_info)
     except Exception:  # pragma: no cover - best effort only
-        return "unknown"
+        summary = ""
+    return summary or "(inside JAX, no user frame)"
 
 
 def eqn_context(eqn: JaxprEqn) -> contextlib.AbstractContextManager:

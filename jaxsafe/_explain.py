@@ -11,8 +11,10 @@ from ._rewrite import Report
 def format_report(report: Report, indent: str = "") -> str:
     lines: list[str] = []
     for site in report.sites:
-        ops = ", ".join(f"operand {k} -> {v!r} ({site.reasons[k]})"
-                        for k, v in sorted(site.replace.items()))
+        ops = ", ".join([f"operand {k} -> {v!r} ({site.reasons[k]})"
+                         for k, v in sorted(site.replace.items())] +
+                        [f"operand {k}: no derivative in dropped lanes ({site.reasons[k]})"
+                         for k in sorted(site.cut)])
         lines.append(f"{indent}guarded {site.eqn.primitive.name}: {ops}  at "
                      f"{source_summary(site.eqn)}")
     for eqn in report.selections:

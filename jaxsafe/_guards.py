@@ -42,6 +42,7 @@ def _complex_operand(eqn: JaxprEqn) -> bool:
 
 
 GUARDS: dict[Primitive, Guard] = {}
+GENERATION = 0
 
 
 def register_guard(primitive: Primitive, safe: Mapping[int, float] | float,
@@ -69,6 +70,8 @@ def register_guard(primitive: Primitive, safe: Mapping[int, float] | float,
         if not np.isfinite(complex(value)):
             raise ValueError(f"register_guard: safe value {value!r} for operand {index} of "
                              f"{primitive} must be finite.")
+    global GENERATION
+    GENERATION += 1  # part of nan_safe's cache key: functions re-rewrite after a registration
     GUARDS[primitive] = Guard(dict(safe), applies or (lambda eqn: True))
     if not _liveness.has_rule(primitive):
         _liveness.register(primitive)(_liveness.elementwise)

@@ -69,10 +69,12 @@ _JAX_PRIMITIVES = frozenset(v for v in vars(P).values() if isinstance(v, jax.ext
 
 @dataclasses.dataclass
 class Site:
-    """One guarded equation: which operands take which value in its dropped lanes, and why."""
+    """One guarded equation: which operands take which value in its dropped lanes, and why;
+    `cut` operands keep their value but pass no derivative there (a custom rule's call)."""
     eqn: JaxprEqn
     replace: dict[int, float]
     reasons: dict[int, str]
+    cut: frozenset = frozenset()
 
 
 @dataclasses.dataclass
@@ -263,24 +265,32 @@ def make_plan(closed: ClosedJaxpr) -> Plan:
             report.unknown.append(eqn)
         replace: dict[int, float] = {}
         reasons: dict[int, str] = {}
+        cut: set[int] = set()
         if has_dropped and not eqn.effects:
             op_kinds = L.operand_kinds(eqn, out_kinds, sweep.ctx)
             guard = guard_for(eqn)
             if guard is not None:
                 for k, value in guard.safe.items():
-                    if k < len(eqn.invars) and L.is_float(eqn.invars[k]) \
-                            and op_kinds[k] != L.Kind.LIVE:
+                    if k < len(eqn.invars) and diff[k] and op_kinds[k] != L.Kind.LIVE:
                         replace[k], reasons[k] = value, "table"
             if eqn.primitive not in LINEAR:
                 for k, v in enumerate(eqn.invars):
                     if diff[k] and v in tainted and k not in replace \
                             and op_kinds[k] != L.Kind.LIVE:
                         replace[k], reasons[k] = 0.0, "may be non-finite"
-        if replace:
-            sites[i] = Site(eqn, replace, reasons)
+            if eqn.primitive in L.CUSTOM_RULE_CALLS and \
+                    any(_contains_hazard(sub) for sub in _sub_jaxprs(eqn)):
+                # The user's derivative rule may be singular in dropped lanes, and no safe value
+                # is known for it: cut those lanes from differentiation instead.
+                for k, v in enumerate(eqn.invars):
+                    if diff[k] and k not in replace and op_kinds[k] != L.Kind.LIVE:
+                        cut.add(k)
+                        reasons[k] = "custom derivative rule"
+        if replace or cut:
+            sites[i] = Site(eqn, replace, reasons, frozenset(cut))
         operand_changed = any(d and isinstance(v, Var) and v in changed
                               for d, v in zip(diff, eqn.invars))
-        if (replace or operand_changed) and not eqn.effects:
+        if (replace or cut or operand_changed) and not eqn.effects:
             reemit.append(i)
             changed.update(o for o in eqn.outvars if L.is_float(o))
             if operand_changed and eqn.primitive in (P.max_p, P.min_p, P.clamp_p):
@@ -341,6 +351,10 @@ def _emit(plan: Plan, *args):
                     continue
                 x = invals[k]
                 invals[k] = lax.select_n(live, lax.full_like(x, value), x)
+            for k in site.cut:
+                live = in_masks[k]
+                if live is not None:
+                    invals[k] = lax.select_n(live, lax.stop_gradient(invals[k]), invals[k])
         if i in plan.selections:
             out = bind_eqn(eqn, invals)[0]
             shape = out.shape

@@ -139,7 +139,10 @@ def test_register_guard_makes_a_user_primitive_safe():
     f = lambda x: jnp.where(x > 0, prim.bind(x), 0.)
     assert np.isnan(jax.grad(nan_safe(f))(0.))
     jaxsafe.register_guard(prim, 1.0)
-    assert jax.grad(nan_safe(f))(0.) == 0.
+    try:
+        assert jax.grad(nan_safe(f))(0.) == 0.
+    finally:
+        del jaxsafe._guards.GUARDS[prim]  # keep the table as shipped for the other tests
 
 
 def test_explain_names_the_source_line():

@@ -110,3 +110,15 @@ def test_custom_jvp_rule_is_kept():
     straight_through.defjvp(lambda p, t: (straight_through(p[0]), t[0]))
     g = lambda x: straight_through(jnp.sqrt(x))
     assert jax.grad(nan_safe(g))(4.) == 0.25  # the user's rule, not round's zero derivative
+
+
+def test_custom_jvp_rule_singular_in_dropped_lanes_is_cut():
+    import jax.scipy.special as jss
+    x = jnp.array([-1., 0., 0.25, 4.])
+    f = lambda x: jnp.sum(jnp.where(x > 0, jss.xlogy(x, x), 0.))
+    hand = lambda x: jnp.sum(jnp.where(x > 0, jss.xlogy(jnp.where(x > 0, x, 1.),
+                                                         jnp.where(x > 0, x, 1.)), 0.))
+    assert np.isnan(jax.grad(f)(x)).any()
+    assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+    assert_close(jax.grad(nan_safe(f))(x), jax.grad(hand)(x))
+    assert_close(jax.hessian(nan_safe(f))(x), jax.hessian(hand)(x))

@@ -1,0 +1,70 @@
+"""Run every ```python block of the docs and compare its output with the ```text block after it.
+
+    .venv/bin/python docs/check_examples.py            # check (exit status 1 on a mismatch)
+    .venv/bin/python docs/check_examples.py --update   # rewrite the ```text blocks in place
+
+Each ```python block runs on its own, in a fresh interpreter, as a file named `example.py` (so
+that `jaxsafe.explain` prints `example.py:LINE:COL`). A block followed by a ```text block must
+print exactly that text; a block without one must print nothing. Blocks in other languages are
+not run.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FILES = ["README.md", "docs/index.md", "docs/how-it-works.md", "docs/api.md"]
+BLOCK = re.compile(r"```python\n(.*?)```\n(\n*```text\n(.*?)```\n)?", re.S)
+RUNNER = ("import sys; src = sys.stdin.read(); "
+          "exec(compile(src, 'example.py', 'exec'), {'__name__': '__main__'})")
+
+
+def run(code: str) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", RUNNER], input=code, text=True,
+                          capture_output=True, cwd=ROOT, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"example failed:\n{code}\n{proc.stderr}")
+    return proc.stdout
+
+
+def main(update: bool) -> int:
+    failures = 0
+    for name in FILES:
+        path = ROOT / name
+        if not path.exists():
+            print(f"{name}: missing")
+            failures += 1
+            continue
+        text = path.read_text()
+        pieces, last = [], 0
+        for m in BLOCK.finditer(text):
+            code, expected = m.group(1), m.group(3)
+            actual = run(code)
+            if expected is None:
+                if actual:
+                    print(f"{name}: a block without a ```text block printed:\n{actual}")
+                    failures += 1
+                continue
+            if actual != expected:
+                if update:
+                    start, end = m.span(3)
+                    pieces.append(text[last:start] + actual)
+                    last = end
+                else:
+                    print(f"{name}: output differs for\n{code}\n--- expected\n{expected}"
+                          f"--- actual\n{actual}")
+                    failures += 1
+        if update and pieces:
+            path.write_text("".join(pieces) + text[last:])
+            print(f"updated {name}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main("--update" in sys.argv[1:]))

@@ -1,0 +1,47 @@
+"""The guard-table cases of test_guard_table.py in float64.
+
+Run in its own session: `JAX_ENABLE_X64=1 pytest tests/test_x64.py` (the Makefile does). Without
+x64, `test_session_runs_with_x64` fails, and so does every case (asking for float64 then warns,
+and warnings are errors).
+"""
+
+import jax.numpy as jnp
+import pytest
+
+from test_guard_table import (CASES, CASE_IDS, SECOND_ORDER, check_case_uses_its_primitive,
+                              check_forward_is_bitwise, check_gradient_matches_twin,
+                              check_plain_gradient_is_broken, check_second_order_matches_twin)
+
+F64 = jnp.float64
+cases = pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+
+
+def test_session_runs_with_x64():
+    assert jnp.zeros(1, jnp.float64).dtype == jnp.float64
+    assert jnp.asarray(1.0).dtype == jnp.float64
+
+
+@cases
+def test_float64_case_uses_its_primitive_with_the_table_safe_values(case):
+    assert case.inputs(F64).dtype == jnp.float64
+    check_case_uses_its_primitive(case, F64)
+
+
+@cases
+def test_float64_untaken_bad_lanes_make_the_plain_jax_gradient_non_finite(case):
+    check_plain_gradient_is_broken(case, F64)
+
+
+@cases
+def test_float64_nan_safe_gradient_is_finite_and_equals_the_double_where_twin(case):
+    check_gradient_matches_twin(case, F64)
+
+
+@cases
+def test_float64_nan_safe_forward_is_bitwise_equal_to_jit(case):
+    check_forward_is_bitwise(case, F64)
+
+
+@pytest.mark.parametrize("case", SECOND_ORDER, ids=[c.id for c in SECOND_ORDER])
+def test_float64_nan_safe_second_derivative_is_finite_and_equals_the_double_where_twin(case):
+    check_second_order_matches_twin(case, F64)
