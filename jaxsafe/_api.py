@@ -148,6 +148,25 @@ class NanSafeFunction:
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self._static_argnames}
         return static_pos, static_kw, dyn_args, dyn_kwargs
 
+    def _describe(self, path, static_pos) -> str:
+        """'`name` (positional argument 1), at [2]' for a leaf's pytree path."""
+        group, key, *rest = path
+        sub = jax.tree_util.keystr(tuple(rest))
+        sub = f", at {sub}" if sub else ""
+        if group.idx == 1:  # keyword arguments
+            return f"`{key.key}`{sub}"
+        index = key.idx
+        for i, _ in static_pos:  # positions counted with the static arguments put back
+            if i <= index:
+                index += 1
+        try:
+            names = [p.name for p in inspect.signature(self._fun).parameters.values()
+                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        except (TypeError, ValueError):
+            names = []
+        name = f"`{names[index]}` " if index < len(names) else ""
+        return f"{name}(positional argument {index}){sub}"
+
     def _flat_fun(self, static_pos, static_kw, in_tree):
         def flat(*leaves):
             dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
@@ -162,10 +181,8 @@ class NanSafeFunction:
         static_pos, static_kw, dyn_args, dyn_kwargs = self._split(args, kwargs)
         leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         if not all(isinstance(x, _ARRAY_TYPES) for x in leaves):
-            paths = [jax.tree_util.keystr(p) for p, _ in
-                     jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]]
-            for leaf, path in zip(leaves, paths):
-                _check_leaf(leaf, path, "nan_safe")
+            for path, leaf in jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]:
+                _check_leaf(leaf, self._describe(path, static_pos), "nan_safe")
         avals = tuple(jax.typeof(x) for x in leaves)
         key = (in_tree, avals, static_pos, static_kw, _guards.GENERATION)
         with self._lock:

@@ -103,8 +103,12 @@ def test_non_callable_is_a_type_error_naming_it():
 
 def test_non_array_argument_is_a_clear_type_error():
     f = nan_safe(lambda x, s: x)
-    with pytest.raises(TypeError, match=r"argument .*\[1\].* str .*static_argnums"):
+    with pytest.raises(TypeError, match=r"argument `s` \(positional argument 1\) of type str"
+                                        r".*static_argnums"):
         f(1., "text")
+    g = nan_safe(lambda n, x, opts: x, static_argnums=0)
+    with pytest.raises(TypeError, match=r"`opts`, at \['mode'\] of type str"):
+        g(2, 1., opts={"mode": "fast"})
 
 
 def test_unhashable_static_argument_is_a_type_error():
