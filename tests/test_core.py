@@ -193,3 +193,16 @@ def test_liveness_through_reshape_transpose_and_dot():
     a, b = jnp.array([0., 1., 0., 2.]), jnp.linspace(1., 2., 6).reshape(2, 3)
     assert any(np.isnan(g).any() for g in jax.grad(f, (0, 1))(a, b))
     assert_close(jax.grad(nan_safe(f), (0, 1))(a, b), jax.grad(dropped_removed, (0, 1))(a, b))
+
+
+def test_masked_attention_second_order_matches_the_valid_rows():
+    mask = np.array([[True, False, True], [False] * 3, [True] * 3])
+    s = jnp.linspace(-1., 2., 9).reshape(3, 3)
+    v = jnp.linspace(0., 1., 6).reshape(3, 2)
+    valid = np.array([0, 2])
+    loss = lambda s, v: jnp.sum(jnp.sin(masked_attention(s, v, mask)))
+    ref = lambda s, v: jnp.sum(jnp.sin(masked_attention(s[valid], v, mask[valid])))
+    h = jax.hessian(nan_safe(loss), (0, 1))(s, v)
+    h_ref = jax.hessian(ref, (0, 1))(s, v)
+    assert_finite(h)
+    assert_close(h, h_ref, rtol=1e-4, atol=1e-6)
