@@ -301,8 +301,7 @@ def _reduction(eqn, outs, invals, ctx):
     return [m] + [fit(out, _shape(v)) for v in eqn.invars[1:]]
 
 
-register(P.reduce_sum_p, P.reduce_max_p, P.reduce_min_p, P.reduce_prod_p, P.argmax_p,
-         P.argmin_p)(_reduction)
+register(P.reduce_sum_p, P.reduce_max_p, P.reduce_min_p, P.reduce_prod_p)(_reduction)
 
 
 def _cumulative(eqn, outs, invals, ctx):

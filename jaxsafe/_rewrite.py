@@ -40,7 +40,7 @@ from jax import lax
 from . import _liveness as L
 from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, bind_eqn, dce, trace_to_jaxpr
 from ._compat import primitives as P
-from ._guards import guard_for
+from ._guards import GUARDS, guard_for
 
 # Primitives through which a zero cotangent never meets a value: a NaN in a dropped lane of an
 # operand cannot leak into another operand's derivative.
@@ -63,6 +63,10 @@ NESTED_PARAMS: dict = {
 }
 
 COMPARISONS: frozenset = frozenset({P.eq_p, P.ne_p, P.lt_p, P.le_p, P.gt_p, P.ge_p})
+
+# Bodies that are rewritten again, with the output masks of the surrounding program, when that
+# program drops some of their output lanes (liveness flows into them from outside).
+MASKED_BODIES: frozenset = frozenset({P.remat_p, P.cond_p, P.scan_p})
 
 _JAX_PRIMITIVES = frozenset(v for v in vars(P).values() if isinstance(v, jax.extend.core.Primitive))
 
@@ -157,7 +161,7 @@ def _tested_for_nonfinite(eqn: JaxprEqn) -> list[Var]:
 def _contains_hazard(closed: ClosedJaxpr) -> bool:
     """Whether a sub-jaxpr can make NaN/inf from finite inputs (recursively)."""
     for eqn in closed.jaxpr.eqns:
-        if eqn.primitive in L_GUARDED_PRIMS() or eqn.primitive not in _JAX_PRIMITIVES:
+        if eqn.primitive in GUARDS or eqn.primitive not in _JAX_PRIMITIVES:
             return True
         if any(_is_nonfinite_literal(v) for v in eqn.invars):
             return True
@@ -165,11 +169,6 @@ def _contains_hazard(closed: ClosedJaxpr) -> bool:
             if _contains_hazard(sub):
                 return True
     return False
-
-
-def L_GUARDED_PRIMS():
-    from ._guards import GUARDS
-    return GUARDS
 
 
 def _sub_jaxprs(eqn: JaxprEqn) -> list[ClosedJaxpr]:
@@ -192,14 +191,19 @@ class Plan:
     selections: set[int]
     needed: set
     nested: dict[int, dict]
+    masked: dict[int, list]
     report: Report
 
 
-def make_plan(closed: ClosedJaxpr) -> Plan:
+def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) -> Plan:
+    """Decide what to guard. `out_kinds`: static liveness of the outputs (all LIVE at the top;
+    MAYBE for a body whose outputs are dropped in places by the program around it)."""
     jaxpr = closed.jaxpr
     eqns = jaxpr.eqns
     report = Report()
-    sweep = L.sweep_for(jaxpr, [L.Kind.LIVE] * len(jaxpr.outvars), False)
+    if out_kinds is None:
+        out_kinds = [L.Kind.LIVE] * len(jaxpr.outvars)
+    sweep = L.sweep_for(jaxpr, list(out_kinds), False)
 
     # Nested bodies: rewritten on their own.
     nested: dict[int, dict] = {}
@@ -252,6 +256,7 @@ def make_plan(closed: ClosedJaxpr) -> Plan:
                 stack.extend(u for u in e.invars if isinstance(u, Var))
 
     sites: dict[int, Site] = {}
+    masked: dict[int, list] = {}
     selections: set[int] = set()
     changed: set = set()
     reemit: list[int] = []
@@ -266,6 +271,7 @@ def make_plan(closed: ClosedJaxpr) -> Plan:
         replace: dict[int, float] = {}
         reasons: dict[int, str] = {}
         cut: set[int] = set()
+        out_kinds = [sweep.kind(o) for o in eqn.outvars]
         if has_dropped and not eqn.effects:
             op_kinds = L.operand_kinds(eqn, out_kinds, sweep.ctx)
             guard = guard_for(eqn)
@@ -288,9 +294,14 @@ def make_plan(closed: ClosedJaxpr) -> Plan:
                         reasons[k] = "custom derivative rule"
         if replace or cut:
             sites[i] = Site(eqn, replace, reasons, frozenset(cut))
+        if has_dropped and not eqn.effects and eqn.primitive in MASKED_BODIES:
+            inner = _masked_body_plans(eqn, out_kinds)
+            if inner is not None:
+                masked[i] = inner
+                report.nested.extend((eqn, p.report) for p in inner if p is not None)
         operand_changed = any(d and isinstance(v, Var) and v in changed
                               for d, v in zip(diff, eqn.invars))
-        if (replace or cut or operand_changed) and not eqn.effects:
+        if (replace or cut or operand_changed or i in masked) and not eqn.effects:
             reemit.append(i)
             changed.update(o for o in eqn.outvars if L.is_float(o))
             if operand_changed and eqn.primitive in (P.max_p, P.min_p, P.clamp_p):
@@ -307,7 +318,7 @@ def make_plan(closed: ClosedJaxpr) -> Plan:
 
     # Masks needed: the guarded outputs, and everything they flow into.
     needed: set = set()
-    for i in sites:
+    for i in (*sites, *masked):
         needed.update(o for o in eqns[i].outvars if sweep.kind(o) == L.Kind.MAYBE)
     for i, eqn in enumerate(eqns):
         if any(d and isinstance(v, Var) and v in needed for d, v in zip(sweep.diff[i], eqn.invars)):
@@ -315,12 +326,16 @@ def make_plan(closed: ClosedJaxpr) -> Plan:
 
     report.sites = list(sites.values())
     report.selections = [eqns[i] for i in sorted(selections)]
-    return Plan(closed, sweep, sites, reemit, selections, needed, nested, report)
+    return Plan(closed, sweep, sites, reemit, selections, needed, nested, masked, report)
 
 
 # --------------------------------------------------------------------------- emission
 
 def _emit(plan: Plan, *args):
+    return _emit_masked(plan, [None] * len(plan.closed.jaxpr.outvars), args)
+
+
+def _emit_masked(plan: Plan, out_masks: Sequence[L.Mask], args: Sequence[Any]) -> list:
     jaxpr = plan.closed.jaxpr
     sweep = plan.sweep
     env: dict = dict(zip(jaxpr.constvars, plan.closed.consts))
@@ -332,7 +347,7 @@ def _emit(plan: Plan, *args):
         env.update(zip(eqn.outvars, outs))
 
     # 2. the masks
-    mask_of = sweep.masks(env, [None] * len(jaxpr.outvars), plan.needed)
+    mask_of = sweep.masks(env, list(out_masks), plan.needed)
 
     # 3. the guarded shadow
     safe: dict = {}
@@ -355,7 +370,10 @@ def _emit(plan: Plan, *args):
                 live = in_masks[k]
                 if live is not None:
                     invals[k] = lax.select_n(live, lax.stop_gradient(invals[k]), invals[k])
-        if i in plan.selections:
+        if i in plan.masked:
+            outs = _emit_masked_body(eqn, plan.masked[i], invals,
+                                     [mask_of(o) for o in eqn.outvars], plan.nested.get(i))
+        elif i in plan.selections:
             out = bind_eqn(eqn, invals)[0]
             shape = out.shape
             cases = [out] + [jnp.broadcast_to(jnp.asarray(x, out.dtype), shape) for x in invals]
@@ -367,6 +385,70 @@ def _emit(plan: Plan, *args):
                 safe[o] = val
     return [safe.get(v, L.read(env, v)) if isinstance(v, Var) else L.read(env, v)
             for v in jaxpr.outvars]
+
+
+# --------------------------------------------------------------------------- masked bodies
+# A body whose outputs the surrounding program drops in places: rewritten with those output
+# masks as extra inputs and staged again through the public API (jax.checkpoint, lax.switch,
+# lax.scan), so the structure stays and no params are edited by hand.
+
+def _body_out_kinds(kinds: Sequence[L.Kind]) -> list[L.Kind]:
+    return [L.Kind.LIVE if k == L.Kind.LIVE else L.Kind.MAYBE for k in kinds]
+
+
+def _plan_if_changed(closed: ClosedJaxpr, out_kinds) -> Plan | None:
+    plan = make_plan(flatten(closed), out_kinds)
+    return plan if plan.report.changed else None
+
+
+def _masked_body_plans(eqn: JaxprEqn, out_kinds: Sequence[L.Kind]) -> list | None:
+    prim, params = eqn.primitive, eqn.params
+    kinds = _body_out_kinds(out_kinds)
+    if prim is P.remat_p:
+        plans = [_plan_if_changed(ClosedJaxpr(params["jaxpr"], ()), kinds)]
+    elif prim is P.cond_p:
+        plans = [_plan_if_changed(br, kinds) for br in params["branches"]]
+    else:  # scan: the stacked outputs' masks are sliced per step; carries stay live
+        n_carry = params["num_carry"]
+        kinds = [L.Kind.LIVE] * n_carry + kinds[n_carry:]
+        if all(k == L.Kind.LIVE for k in kinds):
+            return None
+        plans = [_plan_if_changed(params["jaxpr"], kinds)]
+    return plans if any(p is not None for p in plans) else None
+
+
+def _body_fn(plan: Plan | None, closed: ClosedJaxpr):
+    if plan is None:
+        return lambda args, masks: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+    return lambda args, masks: _emit_masked(plan, masks, args)
+
+
+def _emit_masked_body(eqn: JaxprEqn, plans: list, invals: list, out_masks: list,
+                      nested_params: dict | None) -> list:
+    prim = eqn.primitive
+    params = nested_params or eqn.params
+    if prim is P.remat_p:
+        fn = _body_fn(plans[0], ClosedJaxpr(params["jaxpr"], ()))
+        return list(jax.checkpoint(fn, prevent_cse=params["prevent_cse"],
+                                   policy=params["policy"])(invals, out_masks))
+    if prim is P.cond_p:
+        fns = [_body_fn(p, br) for p, br in zip(plans, params["branches"])]
+        return list(lax.switch(invals[0], fns, invals[1:], out_masks))
+    # scan
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    consts, init, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
+                        invals[n_consts + n_carry:])
+    fn = _body_fn(plans[0], params["jaxpr"])
+
+    def body(carry, x_and_masks):
+        x, masks = x_and_masks
+        outs = fn([*consts, *carry, *x], [None] * n_carry + list(masks))
+        return outs[:n_carry], outs[n_carry:]
+
+    carry, ys = lax.scan(body, list(init), (list(xs), list(out_masks[n_carry:])),
+                         length=params["length"], reverse=params["reverse"],
+                         unroll=params["unroll"])
+    return [*carry, *ys]
 
 
 def rewrite_with_report(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, Report]:

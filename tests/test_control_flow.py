@@ -122,3 +122,38 @@ def test_custom_jvp_rule_singular_in_dropped_lanes_is_cut():
     assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
     assert_close(jax.grad(nan_safe(f))(x), jax.grad(hand)(x))
     assert_close(jax.hessian(nan_safe(f))(x), jax.hessian(hand)(x))
+
+
+def test_liveness_flows_into_a_checkpoint_from_outside():
+    f = lambda x: jnp.where(x > 0, jax.checkpoint(jnp.sqrt)(x), 0.)
+    loss = lambda g: (lambda x: jnp.sum(g(x)))
+    assert np.isnan(jax.grad(loss(f))(XS)).any()
+    assert_bitwise(nan_safe(f)(XS), jax.jit(f)(XS))
+    assert_close(jax.grad(loss(nan_safe(f)))(XS), jnp.array([0., 0., 1., 0.25]))
+    new = jaxsafe.make_jaxpr(f)(XS)
+    assert _prims(new).count(P.remat_p) == 1  # still a checkpoint
+
+
+def test_liveness_flows_into_cond_branches_from_outside():
+    f = lambda x: jnp.where(x > 0, lax.cond(jnp.sum(x) > 0, jnp.sqrt, jnp.log, x), 0.)
+    loss = lambda g: (lambda x: jnp.sum(g(x)))
+    for x, want in [(XS, [0., 0., 1., 0.25]), (-XS, [1., 0., 0., 0.])]:
+        assert np.isnan(jax.grad(loss(f))(x)).any()
+        assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+        assert_close(jax.grad(loss(nan_safe(f)))(x), jnp.array(want))
+
+
+def test_liveness_flows_into_scan_outputs_from_outside():
+    """Per-step outputs of a scan, masked afterwards (padded time steps of a sequence)."""
+    def f(x):
+        _, ys = lax.scan(lambda c, xi: (c + 1., jnp.log(xi) * c), 1., x)
+        return jnp.sum(jnp.where(x > 0, ys, 0.))
+
+    def hand(x):
+        _, ys = lax.scan(lambda c, xi: (c + 1., jnp.log(xi) * c), 1., jnp.where(x > 0, x, 1.))
+        return jnp.sum(jnp.where(x > 0, ys, 0.))
+    assert np.isnan(jax.grad(f)(XS)).any()
+    assert_bitwise(nan_safe(f)(XS), jax.jit(f)(XS))
+    assert_close(jax.grad(nan_safe(f))(XS), jax.grad(hand)(XS))
+    assert_close(jax.hessian(nan_safe(f))(XS), jax.hessian(hand)(XS))
+    assert _prims(jaxsafe.make_jaxpr(f)(XS)).count(P.scan_p) == 1
