@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from . import _guards
-from ._compat import ClosedJaxpr
+from ._compat import ClosedJaxpr, Var
 from ._rewrite import Report, rewrite_with_report
 
 DEFAULT_CACHE_SIZE = 256
@@ -75,6 +75,20 @@ def _hashable(value: Any, where: str, who: str) -> Hashable:
     return value
 
 
+def _without_unused_effects(closed: ClosedJaxpr):
+    """The jaxpr minus effectful equations whose results nothing reads (`jax.debug.print`):
+    the primal program already performed them once; the tangent program must not repeat them."""
+    jaxpr = closed.jaxpr
+    used = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, Var)}
+    used.update(v for v in jaxpr.outvars if isinstance(v, Var))
+    eqns = [e for e in jaxpr.eqns
+            if not (e.effects and not any(o in used for o in e.outvars))]
+    if len(eqns) == len(jaxpr.eqns):
+        return jaxpr
+    effects = frozenset().union(*(e.effects for e in eqns))
+    return jaxpr.replace(eqns=eqns, effects=effects)
+
+
 def _values_of(original: ClosedJaxpr, rewritten: ClosedJaxpr) -> Callable:
     """Original program for the values, rewritten program for the derivatives.
 
@@ -83,6 +97,8 @@ def _values_of(original: ClosedJaxpr, rewritten: ClosedJaxpr) -> Callable:
     differentiated costs exactly what `f` costs. Under jvp/grad the rule runs the rewritten
     program; its own derivatives (second order and up) are the rewritten program's too.
     """
+    tangent_program = _without_unused_effects(rewritten)
+
     @jax.custom_jvp
     def run(orig_consts, new_consts, *args):
         return jax.core.eval_jaxpr(original.jaxpr, orig_consts, *args)
@@ -92,7 +108,7 @@ def _values_of(original: ClosedJaxpr, rewritten: ClosedJaxpr) -> Callable:
         orig_consts, new_consts, *args = primals
         _, t_new_consts, *t_args = tangents
         out = run(orig_consts, new_consts, *args)
-        _, t_out = jax.jvp(lambda c, *a: jax.core.eval_jaxpr(rewritten.jaxpr, c, *a),
+        _, t_out = jax.jvp(lambda c, *a: jax.core.eval_jaxpr(tangent_program, c, *a),
                            (new_consts, *args), (t_new_consts, *t_args))
         return out, t_out
 
@@ -168,6 +184,7 @@ class NanSafeFunction:
         return f"{name}(positional argument {index}){sub}"
 
     def _flat_fun(self, static_pos, static_kw, in_tree):
+        @functools.wraps(self._fun)  # JAX's error messages then name the user's function
         def flat(*leaves):
             dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
             args = list(dyn_args)
@@ -256,6 +273,10 @@ def nan_safe(fun: Callable | None = None, *, static_argnums: int | Sequence[int]
                                  static_argnames=static_argnames, jit=jit, cache_size=cache_size)
     if not callable(fun):
         raise TypeError(f"nan_safe: `fun` must be callable, got {type(fun).__name__}: {fun!r}.")
+    if inspect.isgeneratorfunction(fun) or inspect.isasyncgenfunction(fun) \
+            or inspect.iscoroutinefunction(fun):
+        raise TypeError(f"nan_safe: `fun` ({getattr(fun, '__qualname__', fun)!r}) is a generator "
+                        f"or coroutine function; it must return arrays (a pytree of arrays).")
     return NanSafeFunction(fun, static_argnums, static_argnames, jit, cache_size)
 
 

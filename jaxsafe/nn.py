@@ -1,0 +1,381 @@
+"""`jax.nn` functions whose fully masked rows are 0 (or `-inf`) with zero gradient, not NaN.
+
+A softmax row with no valid entry (every entry masked by `where`, or `-inf`) has max `-inf`, and
+`exp(x - max)` is `exp(-inf - -inf) = exp(nan)`. Even when that row is sliced away afterwards,
+its NaN reaches the gradient (`0 * nan`). `jax.nn.dot_product_attention` avoids the NaN with a
+large negative fill instead of `-inf`, and so attends uniformly over a fully masked row.
+
+The fix here is the double where, written once, at row level: where a row has no valid entry its
+max is replaced by 0 (so `exp(-inf - 0) = 0`), its denominator by 1 (so `0 / 1 = 0`), and its
+`log` argument by 1. Rows with a valid entry go through exactly the operations of `jax.nn`, in
+the same order, so they give the same bits; the extra selects act on row-sized arrays (one value
+per row), which is why the fix costs no measurable time. NaN in a valid entry still gives NaN.
+
+Each function keeps the signature and layout of its `jax.nn` namesake. Derivatives are plain
+autodiff of this code (no custom rules, except `softmax` under `jax_softmax_custom_jvp`, mirroring
+`jax.nn`), so `grad`, `jacfwd`, `vmap`, `jit` and higher orders all compose.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.typing import ArrayLike
+
+Array = jax.Array
+Axis = int | Sequence[int] | None
+
+__all__ = ["softmax", "log_softmax", "logsumexp", "dot_product_attention"]
+
+
+def _shift(x_max: Array) -> Array:
+    """The max to subtract: `x_max`, or the lowest finite number on a row with no valid entry.
+
+    `maximum`, not a select: XLA:CPU fuses max, exp, sum and divide into one kernel only when
+    the row-sized values between them are computed with arithmetic it knows (a compare or a
+    select splits the kernel and writes `exp(x - max)` to memory). A valid row's max is finite,
+    `+inf` or NaN, and `maximum` returns it unchanged (NaN propagates).
+    """
+    if jnp.issubdtype(x_max.dtype, jnp.floating):
+        x_max = jnp.maximum(x_max, jnp.finfo(x_max.dtype).min)
+    return lax.stop_gradient(x_max)
+
+
+@jax.custom_jvp
+def _denominator(total: Array) -> Array:
+    """`total`, or 1/2 where it is 0 (a row with no valid entry: then `0 / (1/2) = 0`).
+
+    A valid row sums to at least 1 (its max contributes `exp(0) = 1`) or to NaN, so the value is
+    `total` there. The derivative is 1 everywhere (an empty row's `total` has tangent 0 anyway):
+    `maximum`'s own rule would add compares and selects that split XLA:CPU's fused backward.
+    """
+    return jnp.maximum(total, 0.5)
+
+
+@_denominator.defjvp
+def _denominator_jvp(primals, tangents):
+    return _denominator(*primals), tangents[0]
+
+
+@jax.custom_jvp
+def _scale_tangent(x: Array, scale: Array) -> Array:
+    """The identity, with derivative `scale` (treated as a constant): no forward operation."""
+    return x
+
+
+@_scale_tangent.defjvp
+def _scale_tangent_jvp(primals, tangents):
+    x, scale = primals
+    return x, tangents[0] * lax.stop_gradient(scale)
+
+
+# -- softmax, log_softmax, logsumexp ---------------------------------------------------------
+
+def softmax(x: ArrayLike, axis: Axis = -1, where: ArrayLike | None = None) -> Array:
+    """Softmax, as `jax.nn.softmax`, with 0 (not NaN) on a row that has no valid entry.
+
+    A row has no valid entry when `where` masks all of it or all of it is `-inf`. Such a row
+    gives 0 and a zero gradient; every other row is `jax.nn.softmax`'s, bit for bit. A row with
+    a NaN (or `+inf`) valid entry is NaN, as in `jax.nn`.
+
+    **Arguments:**
+    - `x`: input array.
+    - `axis`: axis or axes (or `None`, all) along which the softmax sums to 1.
+    - `where`: elements to include; masked-out elements give 0.
+
+    **Returns:** an array shaped like `x`.
+    """
+    if jax.config.jax_softmax_custom_jvp:  # the same switch as jax.nn.softmax
+        return _softmax_custom_jvp(x, axis, where)
+    return _softmax(x, axis, where)
+
+
+def _softmax(x, axis, where):
+    x_max = jnp.max(x, axis, where=where, initial=-jnp.inf, keepdims=True)
+    x_safe = x if where is None else jnp.where(where, x, -jnp.inf)
+    unnormalized = jnp.exp(x_safe - _shift(x_max))  # 0 on a row with no valid entry
+    result = unnormalized / _denominator(jnp.sum(unnormalized, axis, where=where, keepdims=True))
+    if where is not None:
+        result = jnp.where(where, result, 0)
+    return result
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _softmax_custom_jvp(x, axis, where):
+    return _softmax(x, axis, where)
+
+
+@_softmax_custom_jvp.defjvp
+def _softmax_custom_jvp_rule(axis, primals, tangents):
+    (x, where), (x_dot, _) = primals, tangents
+    y = _softmax_custom_jvp(x, axis, where)  # 0 on empty rows, so the tangent is 0 there
+    return y, y * (x_dot - (y * x_dot).sum(axis, where=where, keepdims=True))
+
+
+@functools.partial(jax.jit, static_argnames=("axis",))
+def log_softmax(x: ArrayLike, axis: Axis = -1, where: ArrayLike | None = None) -> Array:
+    """Log-softmax, as `jax.nn.log_softmax`, with `-inf` (not NaN) on a row with no valid entry.
+
+    Such a row (all masked by `where`, or all `-inf`) gives `-inf` and a zero gradient; every
+    other row is `jax.nn.log_softmax`'s, bit for bit.
+
+    **Arguments:**
+    - `x`: input array.
+    - `axis`: axis or axes (or `None`, all) to normalise over.
+    - `where`: elements to include; masked-out elements give `-inf`.
+
+    **Returns:** an array shaped like `x`.
+    """
+    x = jnp.asarray(x)
+    x_max = jnp.max(x, axis, where=where, initial=-jnp.inf, keepdims=True)
+    x_safe = x if where is None else jnp.where(where, x, -jnp.inf)
+    shift = _shift(x_max)
+    if jnp.issubdtype(x_safe.dtype, jnp.floating):
+        # A row with no valid entry is -inf already; cut the derivative of its `x_i` term. The
+        # factor is 1 on a valid row and 0 where `x_max` is -inf; computed with arithmetic, and
+        # applied to the input (not the output) so the backward pass gives jax.nn's bits.
+        keep = jnp.minimum(jnp.maximum(x_max - shift + 1, 0), 1)
+        x_safe = _scale_tangent(x_safe, keep)
+    shifted = x_safe - shift
+    total = jnp.sum(jnp.exp(shifted), axis, where=where, keepdims=True)
+    result = shifted - jnp.log(_denominator(total))
+    if where is not None:
+        return jnp.where(where, result, -jnp.inf)
+    return result
+
+
+def _promote_inexact(*args: ArrayLike) -> list[Array]:
+    # jax's `promote_args_inexact`, from public API (the weak-type flag is not kept).
+    dtype = jax.dtypes.result_type(*args)
+    if not jnp.issubdtype(dtype, jnp.inexact):  # jax's to_inexact_dtype table
+        dtype = np.dtype(np.float64 if np.dtype(dtype).itemsize == 8 else np.float32)
+    return [jnp.asarray(a, dtype) for a in args]
+
+
+def logsumexp(a: ArrayLike, axis: Axis = None, b: ArrayLike | None = None,
+              keepdims: bool = False, return_sign: bool = False,
+              where: ArrayLike | None = None) -> Array | tuple[Array, Array]:
+    """Log-sum-exp, as `jax.nn.logsumexp`, with a zero gradient on an empty reduction.
+
+    A reduction with no valid entry (all masked by `where`, all `b == 0`, or all `-inf`) gives
+    `-inf`, as in JAX, but its gradient is 0 instead of NaN. Other results are JAX's, bit for bit.
+
+    **Arguments:**
+    - `a`: input array.
+    - `axis`: axis or axes to reduce (`None`: all).
+    - `b`: scaling factors for `exp(a)`, broadcastable to `a`.
+    - `keepdims`: keep the reduced axes with size 1.
+    - `return_sign`: also return the sign of the sum (and take the log of its absolute value).
+    - `where`: elements to include in the reduction.
+
+    **Returns:** the result, or `(result, sign)` with `return_sign=True`.
+    """
+    if where is not None:
+        a = jnp.where(where, a, 0)
+    if b is not None:
+        a_arr, b_arr = _promote_inexact(a, b)
+        a_arr = jnp.where(b_arr != 0, a_arr, -jnp.inf)
+    else:
+        a_arr, = _promote_inexact(a)
+    dims = tuple(range(a_arr.ndim)) if axis is None else (
+        tuple(axis) if isinstance(axis, (tuple, list)) else (axis,))
+    amax = jnp.max(a_arr.real, axis=dims, keepdims=keepdims, where=where, initial=-jnp.inf)
+    empty = amax == -jnp.inf
+    amax = lax.stop_gradient(lax.select(jnp.isfinite(amax), amax, lax.full_like(amax, 0)))
+    pos_dims = tuple(d % a_arr.ndim for d in dims)  # valid: jnp.max has checked them
+    amax_with_dims = amax if keepdims else lax.expand_dims(amax, pos_dims)
+
+    exp_a = lax.exp(lax.sub(a_arr, amax_with_dims.astype(a_arr.dtype)))
+    if b is not None:
+        exp_a = jnp.multiply(exp_a, b_arr)
+    sumexp = exp_a.sum(axis=dims, keepdims=keepdims, where=where)
+    sign = lax.sign(sumexp)
+    if return_sign or not jnp.issubdtype(a_arr.dtype, jnp.complexfloating):
+        sumexp = abs(sumexp)
+    out = lax.add(lax.log(jnp.where(empty, 1, sumexp)), amax.astype(sumexp.dtype))
+    out = jnp.where(empty, -jnp.inf, out)
+
+    if return_sign:
+        return out, sign
+    if b is not None and not jnp.issubdtype(out.dtype, jnp.complexfloating):
+        with jax.debug_nans(False):
+            out = jnp.where(sign < 0, jnp.array(np.nan, dtype=out.dtype), out)
+    return out
+
+
+# -- dot-product attention -------------------------------------------------------------------
+# The layout, masks and grouping follow jax.nn's `_dot_product_attention_xla`, so that rows with
+# an attendable key give the same bits; the masks fill with -inf instead of a large negative.
+
+def _causal_mask(T: int, S: int) -> Array:
+    return jnp.tril(jnp.ones((T, S), dtype=bool))[None, None, :, :]
+
+
+def _window_mask(T: int, S: int, local_window_size: tuple[int, int]) -> Array:
+    query_pos, key_pos = jnp.arange(T), jnp.arange(S)
+    left_window, right_window = local_window_size
+    left_mask = query_pos[..., None] <= key_pos[..., None, :] + left_window
+    right_mask = query_pos[..., None] >= key_pos[..., None, :] - right_window
+    return jnp.logical_and(right_mask, left_mask)[None, None, :, :]
+
+
+def _padding_mask(T: int, S: int, q_seqlen, kv_seqlen) -> Array:
+    q_mask = kv_mask = True
+    if q_seqlen is not None:
+        q_mask = jnp.arange(0, T)[None, :, None] < q_seqlen[:, None, None]
+    if kv_seqlen is not None:
+        kv_mask = jnp.arange(0, S)[None, None, :] < kv_seqlen[:, None, None]
+    return jnp.logical_and(q_mask, kv_mask)[:, None, :, :]
+
+
+def _apply_masks(logits, mask, is_causal, q_seqlen, kv_seqlen, local_window_size):
+    T, S = logits.shape[2], logits.shape[3]
+    masks = []
+    if mask is not None:
+        masks.append(mask)
+    if is_causal:
+        masks.append(_causal_mask(T, S))
+    if local_window_size is not None:
+        masks.append(_window_mask(T, S, local_window_size))
+    if q_seqlen is not None or kv_seqlen is not None:
+        masks.append(_padding_mask(T, S, q_seqlen, kv_seqlen))
+    if not masks:
+        return logits
+    combined = jnp.ones_like(logits, dtype=bool)
+    for m in masks:
+        combined = jnp.logical_and(combined, m)
+    return jnp.where(combined, logits, -jnp.inf)
+
+
+def _attention_core(query, key, value, bias, mask, is_causal, scale, q_seqlen, kv_seqlen,
+                    local_window_size):
+    logits_dtype = jnp.promote_types(query.dtype, np.float32)
+    precision = {np.dtype(jnp.bfloat16): lax.DotAlgorithmPreset.BF16_BF16_F32,
+                 np.dtype(np.float16): lax.DotAlgorithmPreset.F16_F16_F32}.get(query.dtype)
+    try:  # as jax.nn: explicit precision fails on platforms without it, so fall back
+        logits = jnp.einsum("BTNH,BSNH->BNTS", query, key, precision=precision,
+                            preferred_element_type=logits_dtype)
+    except Exception:
+        logits = jnp.einsum("BTNH,BSNH->BNTS", query, key, precision=None,
+                            preferred_element_type=logits_dtype)
+    logits *= jnp.array(scale, dtype=logits.dtype)
+    if bias is not None:
+        logits = (logits + bias).astype(logits.dtype)
+    logits = _apply_masks(logits, mask, is_causal, q_seqlen, kv_seqlen, local_window_size)
+    # Always float32, as jax.nn; a row with no attendable key gives probabilities 0, hence
+    # output 0 (query rows past `q_seqlen` are such rows, so no output mask is needed).
+    probs = _softmax(logits.astype(np.float32), -1, None).astype(key.dtype)
+    return jnp.einsum("BNTS,BSNH->BTNH", probs, value)
+
+
+def _attention_grouped(query, key, value, bias, mask, is_causal, scale, q_seqlen, kv_seqlen,
+                       local_window_size):
+    B, T, N, H = query.shape
+    _, S, K, _ = key.shape
+    G = N // K
+    query = jnp.reshape(query, (B, T, K, G, H))
+
+    def to_grouped(t):
+        if t is None:
+            return t
+        tB, tN, tT, tS = t.shape
+        if tN == 1:
+            return jnp.broadcast_to(t[:, :, None, :, :], (tB, tN, G, tT, tS))
+        assert tN == N
+        return jnp.reshape(t, (tB, K, G, tT, tS))
+
+    core = jax.vmap(_attention_core, in_axes=(3, None, None, 2, 2) + (None,) * 5, out_axes=3)
+    out = core(query, key, value, to_grouped(bias), to_grouped(mask), is_causal, scale,
+               q_seqlen, kv_seqlen, local_window_size)
+    return jnp.reshape(out, (B, T, N, H))
+
+
+def _ensure_4d(t) -> Array:
+    t = jnp.asarray(t)
+    if t.ndim < 4:
+        return jnp.expand_dims(t, axis=tuple(range(4 - t.ndim)))
+    return t
+
+
+def _check(t, shape: Sequence[int], dtype, name: str) -> None:
+    if t is None:
+        return
+    if t.ndim != len(shape):
+        raise ValueError(f"{name} ndim should be {len(shape)}, but got {t.ndim}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} dtype should be {dtype}, but got {t.dtype}")
+    if any(s != -1 and ts != s for s, ts in zip(shape, t.shape)):
+        raise ValueError(f"{name} shape should be {shape}: but got {t.shape}")
+
+
+def dot_product_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+) -> Array:
+    """Scaled dot-product attention, as `jax.nn.dot_product_attention(implementation='xla')`.
+
+    A query row with no attendable key (all masked by `mask`, `is_causal`, the sequence lengths
+    or the window, or all `-inf` in `bias`) gives output 0 and a zero gradient to `query`, `key`,
+    `value` and `bias`, as PyTorch's `scaled_dot_product_attention` does since PR 131060.
+    `jax.nn` instead attends uniformly over such a row. Every other row is `jax.nn`'s, bit for
+    bit. The softmax runs in float32, as in `jax.nn`.
+
+    **Arguments:** as `jax.nn.dot_product_attention`:
+    - `query`: `[batch, q_len, heads, head_dim]` (or without the batch axis).
+    - `key`, `value`: `[batch, kv_len, kv_heads, head_dim]`; `heads` must be a multiple of
+      `kv_heads` (grouped-query attention).
+    - `bias`: additive, 4D, broadcastable to `[batch, heads, q_len, kv_len]`; `-inf` masks.
+    - `mask`: boolean, 4D, broadcastable like `bias`; `True` means attend.
+    - `scale`: logits scale, default `1 / sqrt(head_dim)`.
+    - `is_causal`: query `i` attends to keys `j <= i`.
+    - `query_seq_lengths`, `key_value_seq_lengths`: `int32[batch]` valid lengths; 0 is allowed.
+    - `local_window_size`: `(left, right)` or a symmetric int.
+
+    **Returns:** an array shaped like `query`.
+
+    !!! Example
+        ```python
+        mask = jnp.zeros((1, 1, 4, 6), bool).at[..., :2, :].set(True)  # rows 2, 3: no key
+        out = jaxsafe.nn.dot_product_attention(q, k, v, mask=mask)      # out[:, 2:] == 0
+        ```
+    """
+    output_shape = jnp.asarray(query).shape
+    query_arr, key_arr, value_arr = _ensure_4d(query), _ensure_4d(key), _ensure_4d(value)
+    bias = _ensure_4d(bias) if bias is not None else None
+    mask = _ensure_4d(mask) if mask is not None else None
+    if query_seq_lengths is not None:
+        query_seq_lengths = jnp.asarray(query_seq_lengths)
+    if key_value_seq_lengths is not None:
+        key_value_seq_lengths = jnp.asarray(key_value_seq_lengths)
+    if isinstance(local_window_size, int):
+        local_window_size = (local_window_size, local_window_size)
+
+    B, S, K, H = key_arr.shape
+    _check(value_arr, [B, S, K, H], key_arr.dtype, "value")
+    _check(query_arr, [B, -1, -1, H], key_arr.dtype, "query")
+    _check(mask, [-1] * 4, np.dtype(bool), "mask")
+    _check(bias, [-1] * 4, None, "bias")
+    _check(query_seq_lengths, [B], np.dtype("int32"), "query_seq_lengths")
+    _check(key_value_seq_lengths, [B], np.dtype("int32"), "key_value_seq_lengths")
+    if query_arr.shape[-2] % K != 0:
+        raise ValueError(f"The number of query heads must be a multiple of key/value heads, "
+                         f"but got {query_arr.shape[-2]} vs {K}")
+
+    scale_val = (1.0 / np.sqrt(H)) if scale is None else scale
+    out = _attention_grouped(query_arr, key_arr, value_arr, bias, mask, is_causal, scale_val,
+                             query_seq_lengths, key_value_seq_lengths, local_window_size)
+    return jnp.reshape(out, output_shape)
