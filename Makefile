@@ -35,12 +35,14 @@ test: $(STAMP)
 fuzz: $(STAMP)
 	$(PY) -m pytest -m slow
 
-bench: $(STAMP)
-	@if [ -f benchmarks/run.py ]; then \
-		$(PY) benchmarks/run.py $(BENCH_ARGS); \
-	else \
-		echo "no benchmarks yet"; \
-	fi
+BENCH_STAMP = $(VENV)/.installed-bench
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'
+	touch $@
+
+bench: $(BENCH_STAMP)
+	$(PY) benchmarks/run.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache

@@ -27,6 +27,7 @@ ClosedJaxpr = jex.ClosedJaxpr
 JaxprEqn = jex.JaxprEqn
 Literal = jex.Literal
 Var = jex.Var
+DropVar = jex.DropVar
 Primitive = jex.Primitive
 primitives = jex.primitives
 

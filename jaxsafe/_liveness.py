@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -116,12 +117,38 @@ def register(*prims: Primitive, **rule_fields) -> Callable[[MaskRule], MaskRule]
 
 # --------------------------------------------------------------------------- mask helpers
 
+# Masks are built with raw lax calls: jnp functions are jitted wrappers, and their dispatch
+# dominated the rewrite time of long programs.
+
 def ones(shape) -> jax.Array:
-    return jnp.ones(shape, bool)
+    return lax.full(tuple(shape), True, jnp.bool_)
 
 
 def zeros(shape) -> jax.Array:
-    return jnp.zeros(shape, bool)
+    return lax.full(tuple(shape), False, jnp.bool_)
+
+
+def reduce_any(mask: jax.Array, axes: Sequence[int], keepdims: bool = False) -> jax.Array:
+    axes = tuple(axes)
+    if not axes:
+        return mask
+    out = lax.reduce_or(mask, axes)
+    return lax.expand_dims(out, axes) if keepdims else out
+
+
+def broadcast(x: jax.Array, shape) -> jax.Array:
+    """numpy-style broadcast of x (rank 0, or same rank with size-1 axes) to `shape`."""
+    shape = tuple(shape)
+    if tuple(np.shape(x)) == shape:
+        return x
+    x = jnp.asarray(x) if not isinstance(x, jax.Array) and not hasattr(x, "aval") else x
+    lead = len(shape) - np.ndim(x)
+    dims = tuple(range(lead, len(shape)))
+    squeeze = tuple(d for d, (n, m) in enumerate(zip(np.shape(x), shape[lead:])) if n != m)
+    if squeeze:
+        x = lax.squeeze(x, squeeze)
+        dims = tuple(d for k, d in enumerate(dims) if k not in squeeze)
+    return lax.broadcast_in_dim(x, shape, dims)
 
 
 def materialize(mask: Mask, shape) -> jax.Array:
@@ -137,12 +164,9 @@ def fit(mask: Mask, shape) -> Mask:
     lead = mask.ndim - len(shape)
     if lead < 0:
         return None  # pragma: no cover - shapes that do not line up: conservative
-    if lead:
-        mask = jnp.any(mask, axis=tuple(range(lead)))
+    mask = reduce_any(mask, range(lead))
     size_one = tuple(d for d, n in enumerate(shape) if n == 1 and mask.shape[d] != 1)
-    if size_one:
-        mask = jnp.any(mask, axis=size_one, keepdims=True)
-    return mask
+    return reduce_any(mask, size_one, keepdims=True)
 
 
 def any_of(masks: Sequence[Mask]) -> Mask:
@@ -150,7 +174,7 @@ def any_of(masks: Sequence[Mask]) -> Mask:
         return None
     out = masks[0]
     for m in masks[1:]:
-        out = out | m
+        out = lax.bitwise_or(out, m)
     return out
 
 
@@ -181,7 +205,7 @@ register(*ELEMENTWISE)(elementwise)
 # --------------------------------------------------------------------------- selections by value
 
 def _bcast(x, shape):
-    return jnp.broadcast_to(x, shape)
+    return broadcast(x, shape)
 
 
 def winner(eqn: JaxprEqn, invals: Sequence[Any]) -> jax.Array:
@@ -194,19 +218,28 @@ def winner(eqn: JaxprEqn, invals: Sequence[Any]) -> jax.Array:
     prim = eqn.primitive
     if prim is P.select_n_p:
         pred = _bcast(invals[0], shape)
-        return pred.astype(jnp.int32) + 1
+        return lax.add(lax.convert_element_type(pred, jnp.int32), np.int32(1))
     if prim in (P.max_p, P.min_p):
         a, b = (_bcast(x, shape) for x in invals)
-        a_wins, b_wins = (a > b, b > a) if prim is P.max_p else (a < b, b < a)
-        return a_wins.astype(jnp.int32) + 2 * b_wins.astype(jnp.int32)
+        a_wins, b_wins = (lax.gt(a, b), lax.gt(b, a)) if prim is P.max_p else \
+            (lax.lt(a, b), lax.lt(b, a))
+        return _index(a_wins, b_wins)
     if prim is P.clamp_p:
         lo, x, hi = (_bcast(v, shape) for v in invals)
-        lo_wins = (lo > x) & (lo < hi)
-        x_wins = (x > lo) & (x < hi)
-        hi_wins = hi < x
-        return (lo_wins.astype(jnp.int32) + 2 * x_wins.astype(jnp.int32)
-                + 3 * hi_wins.astype(jnp.int32))
+        lo_wins = lax.bitwise_and(lax.gt(lo, x), lax.lt(lo, hi))
+        x_wins = lax.bitwise_and(lax.gt(x, lo), lax.lt(x, hi))
+        hi_wins = lax.lt(hi, x)
+        return _index(lo_wins, x_wins, hi_wins)
     raise NotImplementedError(prim)  # pragma: no cover
+
+
+def _index(*wins: jax.Array) -> jax.Array:
+    """k where the k-th (1-based) of the disjoint conditions holds, 0 where none does."""
+    out = None
+    for k, w in enumerate(wins, start=1):
+        term = lax.mul(lax.convert_element_type(w, jnp.int32), np.int32(k))
+        out = term if out is None else lax.add(out, term)
+    return out
 
 
 def _decided_by_value(eqn, outs, invals, ctx):
@@ -216,18 +249,18 @@ def _decided_by_value(eqn, outs, invals, ctx):
     win = None if eqn.primitive is P.select_n_p else winner(eqn, invals)
     first = 1 if eqn.primitive is P.select_n_p else 0  # select_n's predicate carries no lanes
     masks: list[Mask] = [None] * first
-    pred = invals[0]
+    pred = invals[0] if eqn.primitive is P.select_n_p else None
     for k, v in enumerate(eqn.invars[first:], start=first):
         operand = k - first + 1
         if eqn.primitive is P.select_n_p:
             if pred.dtype == jnp.bool_:
-                live = _bcast(pred if operand == 2 else ~pred, shape)
+                live = _bcast(pred if operand == 2 else lax.bitwise_not(pred), shape)
             else:
-                live = _bcast(pred == operand - 1, shape)
+                live = _bcast(lax.eq(pred, np.asarray(operand - 1, pred.dtype)), shape)
         else:
-            live = (win == operand) | (win == 0)
+            live = lax.bitwise_or(lax.eq(win, np.int32(operand)), lax.eq(win, np.int32(0)))
         if outs[0] is not None:
-            live = live & outs[0]
+            live = lax.bitwise_and(live, outs[0])
         masks.append(fit(live, _shape(v)))
     return masks
 
@@ -245,21 +278,20 @@ def _by_transpose(eqn, outs, invals, ctx):
     dynamic_update_slice, ...: JAX already knows where every operand lane goes.
     """
     out_shape = _shape(eqn.outvars[0])
-    ct = materialize(outs[0], out_shape).astype(jnp.float32)
+    ct = lax.convert_element_type(materialize(outs[0], out_shape), jnp.float32)
     float_ix = [i for i, v in enumerate(eqn.invars) if is_float(v)]
 
     def op(*floats):
-        vals = list(invals)
-        for i, x in zip(float_ix, floats):
-            vals[i] = x
+        by_index = dict(zip(float_ix, floats))  # the other operands (indices) are read as is
+        vals = [by_index[i] if i in by_index else invals[i] for i in range(len(eqn.invars))]
         return bind_eqn(eqn, vals)[0]
 
-    primals = [jnp.zeros(_shape(eqn.invars[i]), jnp.float32) for i in float_ix]
+    primals = [lax.full(_shape(eqn.invars[i]), 0., jnp.float32) for i in float_ix]
     _, vjp = jax.vjp(op, *primals)
     cts = vjp(ct)
     masks: list[Mask] = [None] * len(eqn.invars)
     for i, c in zip(float_ix, cts):
-        masks[i] = c > 0
+        masks[i] = lax.gt(c, np.float32(0))
     return masks
 
 
@@ -278,11 +310,10 @@ def _broadcast_in_dim(eqn, outs, invals, ctx):
     in_shape = _shape(eqn.invars[0])
     bdims = tuple(eqn.params["broadcast_dimensions"])
     others = tuple(d for d in range(out.ndim) if d not in bdims)
-    m = jnp.any(out, axis=others) if others else out
-    for k, size in enumerate(in_shape):
-        if size == 1 and m.shape[k] != 1:
-            m = jnp.any(m, axis=k, keepdims=True)
-    masks[0] = m.reshape(in_shape)
+    m = reduce_any(out, others)
+    size_one = tuple(k for k, size in enumerate(in_shape) if size == 1 and m.shape[k] != 1)
+    m = reduce_any(m, size_one, keepdims=True)
+    masks[0] = lax.reshape(m, in_shape)
     return masks
 
 
@@ -310,7 +341,9 @@ def _cumulative(eqn, outs, invals, ctx):
     if out is None:
         return [None]
     axis, reverse = eqn.params["axis"], eqn.params["reverse"]
-    return [lax.cummax(out.astype(jnp.int32), axis=axis, reverse=not reverse) > 0]
+    counts = lax.cummax(lax.convert_element_type(out, jnp.int32), axis=axis,
+                        reverse=not reverse)
+    return [lax.gt(counts, np.int32(0))]
 
 
 register(P.cumsum_p, P.cumprod_p, P.cummax_p, P.cummin_p, P.cumlogsumexp_p)(_cumulative)
@@ -329,8 +362,8 @@ def _dot_general(eqn, outs, invals, ctx):
     nb = len(lb)
     a_out_axes = tuple(range(nb + len(a_free), out.ndim))  # b's free axes in the output
     b_out_axes = tuple(range(nb, nb + len(a_free)))
-    m_a = jnp.any(out, axis=a_out_axes) if a_out_axes else out
-    m_b = jnp.any(out, axis=b_out_axes) if b_out_axes else out
+    m_a = reduce_any(out, a_out_axes)
+    m_b = reduce_any(out, b_out_axes)
     m_a = lax.broadcast_in_dim(m_a, a_shape, tuple(lb) + tuple(a_free))
     m_b = lax.broadcast_in_dim(m_b, b_shape, tuple(rb) + tuple(b_free))
     return [m_a, m_b]
@@ -375,7 +408,8 @@ def _cond_masks(eqn, outs, invals, ctx):
             masks.append(None)
             continue
         cases = [materialize(m, _shape(v)) for m in branch_masks]
-        which = jnp.clip(index, 0, len(cases) - 1)
+        which = lax.clamp(np.int32(0), lax.convert_element_type(index, jnp.int32),
+                          np.int32(len(cases) - 1))
         masks.append(lax.select_n(which, *cases) if len(cases) > 1 else cases[0])
     return masks
 
@@ -417,14 +451,97 @@ def operand_masks(eqn: JaxprEqn, out_masks: Sequence[Mask], invals: Sequence[Any
     if rule is None:
         if all(m is None for m in out_masks):
             return [None] * len(eqn.invars)
-        live = any_of([jnp.any(m) for m in out_masks])
-        return [None if live is None else jnp.broadcast_to(live, _shape(v))
-                for v in eqn.invars]
-    return rule.masks(eqn, list(out_masks), list(invals), ctx)
+        live = any_of([reduce_any(m, range(m.ndim)) for m in out_masks])
+        return [None if live is None else broadcast(live, _shape(v)) for v in eqn.invars]
+    return rule.masks(eqn, list(out_masks), invals, ctx)
 
 
 def has_rule(prim: Primitive) -> bool:
     return prim in RULES
+
+
+# --------------------------------------------------------------------------- static masks
+# The static pass tracks each mask as a small boolean formula over the select predicates, in
+# disjunctive normal form: a set of terms, each a set of (predicate, polarity) literals. Then
+# `jnp.where(x > 0, sqrt(x), x * 0.5)` gives x the masks `p & out` and `~p & out`, whose union
+# simplifies to `out`: x is as live as the where's result (LIVE when that is), and nothing
+# downstream of the guard counts as changed. Anything else is an opaque atom.
+
+Sym = frozenset
+TRUE: Sym = frozenset({frozenset()})
+FALSE: Sym = frozenset()
+_MAX_TERMS = 16
+
+
+def opaque() -> Sym:
+    return frozenset({frozenset({(object(), True)})})
+
+
+def sym_of_kind(kind: Kind) -> Sym:
+    return TRUE if kind == Kind.LIVE else FALSE if kind == Kind.DEAD else opaque()
+
+
+def kind_of_sym(sym: Sym) -> Kind:
+    if frozenset() in sym:
+        return Kind.LIVE
+    return Kind.MAYBE if sym else Kind.DEAD
+
+
+def _simplify(terms: set) -> Sym:
+    changed = True
+    while changed:
+        changed = False
+        for t in list(terms):  # absorption: a & b | a == a
+            if any(u < t for u in terms):
+                terms.discard(t)
+                changed = True
+        for t in list(terms):  # a & p | a & ~p == a
+            for lit in t:
+                other = (t - {lit}) | {(lit[0], not lit[1])}
+                if other in terms:
+                    terms.discard(t)
+                    terms.discard(other)
+                    terms.add(t - {lit})
+                    changed = True
+                    break
+            if changed:
+                break
+        if len(terms) > _MAX_TERMS:
+            return opaque()
+    return frozenset(terms)
+
+
+def sym_or(a: Sym, b: Sym) -> Sym:
+    if not a or b == TRUE:
+        return b
+    if not b or a == TRUE:
+        return a
+    return _simplify(set(a) | set(b))
+
+
+def sym_and_literal(a: Sym, literal: tuple) -> Sym:
+    negated = (literal[0], not literal[1])
+    return _simplify({t | {literal} for t in a if negated not in t})
+
+
+def operand_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
+    """The static pass's rule: symbolic liveness of each operand."""
+    n = len(eqn.invars)
+    if all(not m for m in out_syms):
+        return [FALSE] * n
+    rule = RULES.get(eqn.primitive)
+    out_shape = _shape(eqn.outvars[0])
+    if rule is not None and rule.masks is elementwise and len(out_syms) == 1:
+        return [out_syms[0] if _shape(v) == out_shape else
+                (TRUE if out_syms[0] == TRUE else opaque()) for v in eqn.invars]
+    pred = eqn.invars[0]
+    if (eqn.primitive is P.select_n_p and not ctx.structural and n == 3
+            and isinstance(pred, Var) and pred.aval.dtype == jnp.bool_
+            and _shape(pred) in (out_shape, ())):
+        out = out_syms[0]
+        return [FALSE, sym_and_literal(out, (pred, False)), sym_and_literal(out, (pred, True))]
+    kinds = operand_kinds(eqn, [kind_of_sym(m) for m in out_syms], ctx)
+    return [sym_of_kind(k) for k in kinds]
 
 
 # --------------------------------------------------------------------------- the backward pass
@@ -442,6 +559,22 @@ def evaluate(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> dict:
     return env
 
 
+class LazyOperands(Sequence):
+    """An equation's operands from `env`, each read only if a rule asks for it (reading an
+    original value may compute it)."""
+
+    def __init__(self, env, atoms: Sequence[Any]):
+        self.env, self.atoms = env, atoms
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [read(self.env, a) for a in self.atoms[k]]
+        return read(self.env, self.atoms[k])
+
+    def __len__(self) -> int:
+        return len(self.atoms)
+
+
 class Sweep:
     """Static liveness of one jaxpr, and the run-time masks on demand.
 
@@ -453,54 +586,75 @@ class Sweep:
         self.jaxpr = jaxpr
         self.ctx = Context(structural, inner_masks, inner_kinds)
         self.diff = [differentiable_operands(e, structural) for e in jaxpr.eqns]
-        kinds: dict[Var, Kind] = {}
+        syms: dict[Var, Sym] = {}
         for v, k in zip(jaxpr.outvars, out_kinds):
             if not isinstance(v, Literal):
-                kinds[v] = join(kinds.get(v, Kind.DEAD), k)
+                syms[v] = sym_or(syms.get(v, FALSE), sym_of_kind(k))
         for eqn, diff in zip(reversed(jaxpr.eqns), reversed(self.diff)):
-            out_kinds_ = [kinds.get(o, Kind.DEAD) for o in eqn.outvars]
-            for v, k, d in zip(eqn.invars, operand_kinds(eqn, out_kinds_, self.ctx), diff):
+            out_syms = [syms.get(o, FALSE) for o in eqn.outvars]
+            for v, m, d in zip(eqn.invars, operand_syms(eqn, out_syms, self.ctx), diff):
                 if d:
-                    kinds[v] = join(kinds.get(v, Kind.DEAD), k)
-        self.kinds = kinds
+                    syms[v] = sym_or(syms.get(v, FALSE), m)
+        self.kinds = {v: kind_of_sym(m) for v, m in syms.items()}
+        self.producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
+        self.consumers: dict[Var, list[tuple[int, int]]] = {}
+        for i, (eqn, diff) in enumerate(zip(jaxpr.eqns, self.diff)):
+            for k, (v, d) in enumerate(zip(eqn.invars, diff)):
+                if d:
+                    self.consumers.setdefault(v, []).append((i, k))
 
     def kind(self, atom) -> Kind:
         if isinstance(atom, Literal):
             return Kind.DEAD
         return self.kinds.get(atom, Kind.DEAD)
 
-    def masks(self, env: dict, out_masks: Sequence[Mask], needed) -> Callable[[Any], Mask]:
-        """Emit the masks of the MAYBE variables in `needed`; returns `mask_of(var)`.
+    def masks(self, env, out_masks: Sequence[Mask], needed=None) -> Callable[[Any], Mask]:
+        """Returns `mask_of(var)`, which emits a variable's run-time mask on first demand.
 
-        `needed` must be closed under consumers: if a variable is needed, so are the outputs of
-        every equation that reads it through a differentiable edge.
+        A demand walks only the region that the mask depends on: forward from the variable
+        through its consumers, up to values that are statically LIVE or DEAD. `env` maps a
+        variable to its original value (it may compute values on demand).
         """
-        contribs: dict[Var, list[Mask]] = {}
+        eqns, consumers, producer = self.jaxpr.eqns, self.consumers, self.producer
+        given: dict[Var, list[Mask]] = {}
         for v, m in zip(self.jaxpr.outvars, out_masks):
             if not isinstance(v, Literal):
-                contribs.setdefault(v, []).append(m)
-        cache: dict[Var, Mask] = {}
+                given.setdefault(v, []).append(m)
+        memo: dict[Var, Mask] = {}
+        eqn_masks: dict[int, list[Mask]] = {}
 
-        def mask_of(v) -> Mask:
+        def settled(v) -> Mask:
             kind = self.kind(v)
             if kind == Kind.LIVE:
                 return None
             if kind == Kind.DEAD:
                 return zeros(_shape(v))
-            if v not in cache:
-                cs = contribs.get(v, [])
-                cache[v] = any_of(cs) if cs else zeros(_shape(v))
-            return cache[v]
+            return memo[v]
 
-        for eqn, diff in zip(reversed(self.jaxpr.eqns), reversed(self.diff)):
-            targets = [k for k, (v, d) in enumerate(zip(eqn.invars, diff))
-                       if d and v in needed and self.kind(v) == Kind.MAYBE]
-            if not targets:
-                continue
-            ins = operand_masks(eqn, [mask_of(o) for o in eqn.outvars],
-                                [read(env, v) for v in eqn.invars], self.ctx)
-            for k in targets:
-                contribs.setdefault(eqn.invars[k], []).append(ins[k])
+        def mask_of(v) -> Mask:
+            if self.kind(v) != Kind.MAYBE or v in memo:
+                return settled(v)
+            region, seen, stack = [], set(), [v]
+            while stack:
+                u = stack.pop()
+                if u in seen or u in memo or self.kind(u) != Kind.MAYBE:
+                    continue
+                seen.add(u)
+                region.append(u)
+                for i, _ in consumers.get(u, ()):
+                    stack.extend(o for o in eqns[i].outvars if not isinstance(o, Literal))
+            region.sort(key=lambda u: producer.get(u, -1), reverse=True)
+            for u in region:  # consumers' outputs first
+                contribs = list(given.get(u, ()))
+                for i, k in consumers.get(u, ()):
+                    if i not in eqn_masks:
+                        eqn = eqns[i]
+                        eqn_masks[i] = operand_masks(
+                            eqn, [settled(o) for o in eqn.outvars],
+                            LazyOperands(env, eqn.invars), self.ctx)
+                    contribs.append(eqn_masks[i][k])
+                memo[u] = any_of(contribs) if contribs else zeros(_shape(u))
+            return memo[v]
         return mask_of
 
 
@@ -533,6 +687,5 @@ def inner_masks(closed: ClosedJaxpr, invals: Sequence[Any], out_masks: Sequence[
     if all(sweep.kind(v) == Kind.LIVE for v in invars):
         return [None] * len(invars)
     env = evaluate(closed.jaxpr, closed.consts, invals)
-    needed = {v for v, k in sweep.kinds.items() if k == Kind.MAYBE}
-    mask_of = sweep.masks(env, out_masks, needed)
+    mask_of = sweep.masks(env, out_masks)
     return [mask_of(v) for v in invars]

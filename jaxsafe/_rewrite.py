@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,8 @@ import numpy as np
 from jax import lax
 
 from . import _liveness as L
-from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, bind_eqn, dce, trace_to_jaxpr
+from ._compat import (ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var, bind_eqn, dce,
+                      trace_to_jaxpr)
 from ._compat import primitives as P
 from ._guards import GUARDS, guard_for
 
@@ -102,26 +104,54 @@ def _has_inlinable(jaxpr: Jaxpr) -> bool:
     return any(e.primitive in INLINED for e in jaxpr.eqns)
 
 
-def _inline(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-    env: dict = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        invals = [L.read(env, v) for v in eqn.invars]
-        if eqn.primitive in INLINED:
-            inner = L._call_jaxpr(eqn)
-            outs = _inline(inner.jaxpr, inner.consts, invals)
-        else:
-            outs = bind_eqn(eqn, invals)
-        env.update(zip(eqn.outvars, outs))
-    return [L.read(env, v) for v in jaxpr.outvars]
-
-
 def flatten(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """The same program with every jit/closed_call inlined (recursively)."""
+    """The same program with every jit/closed_call inlined (recursively).
+
+    Built by copying equations with renamed variables, not by tracing again: nothing is
+    re-evaluated, and every equation keeps its source info.
+    """
     if not _has_inlinable(closed.jaxpr):
         return closed
-    avals = [v.aval for v in closed.jaxpr.invars]
-    return trace_to_jaxpr(lambda *args: _inline(closed.jaxpr, closed.consts, args), avals)
+    constvars, consts = list(closed.jaxpr.constvars), list(closed.consts)
+    eqns: list[JaxprEqn] = []
+
+    def sub_atom(sub: dict, a):
+        return sub.get(a, a) if isinstance(a, Var) else a
+
+    top_sub: dict = {}
+    # frames: (jaxpr, substitution, rename outputs?, equation iterator, the call being inlined)
+    stack = [(closed.jaxpr, top_sub, False, iter(closed.jaxpr.eqns), None)]
+    while stack:  # iterative: jit chains can be deep
+        jaxpr, sub, fresh, it, call = stack[-1]
+        eqn = next(it, None)
+        if eqn is None:
+            stack.pop()
+            if call is not None:  # the call's outputs are the body's results
+                outer_sub, outer_eqn = call
+                for o, a in zip(outer_eqn.outvars, jaxpr.outvars):
+                    outer_sub[o] = sub_atom(sub, a)
+            continue
+        invars = [sub_atom(sub, v) for v in eqn.invars]
+        if eqn.primitive in INLINED:
+            inner = L._call_jaxpr(eqn)
+            inner_sub: dict = {}
+            for cv, c in zip(inner.jaxpr.constvars, inner.consts):
+                inner_sub[cv] = new_var = Var(cv.aval)
+                constvars.append(new_var)
+                consts.append(c)
+            inner_sub.update(zip(inner.jaxpr.invars, invars))
+            stack.append((inner.jaxpr, inner_sub, True, iter(inner.jaxpr.eqns), (sub, eqn)))
+            continue
+        outvars = list(eqn.outvars)
+        if fresh:  # a body inlined more than once must not reuse its variables
+            outvars = [DropVar(o.aval) if isinstance(o, DropVar) else Var(o.aval)
+                       for o in eqn.outvars]
+            sub.update(zip(eqn.outvars, outvars))
+        eqns.append(eqn.replace(invars=invars, outvars=outvars))
+    outvars = [sub_atom(top_sub, v) for v in closed.jaxpr.outvars]
+    jaxpr = Jaxpr(constvars, closed.jaxpr.invars, outvars, eqns, closed.jaxpr.effects,
+                  closed.jaxpr.debug_info)
+    return ClosedJaxpr(jaxpr, consts)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -187,12 +217,13 @@ class Plan:
     closed: ClosedJaxpr
     sweep: L.Sweep
     sites: dict[int, Site]
-    reemit: list[int]
+    reemit: set[int]
     selections: set[int]
     needed: set
     nested: dict[int, dict]
     masked: dict[int, list]
     report: Report
+    producer: dict
 
 
 def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) -> Plan:
@@ -259,7 +290,7 @@ def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) ->
     masked: dict[int, list] = {}
     selections: set[int] = set()
     changed: set = set()
-    reemit: list[int] = []
+    reemit: set[int] = set()
     for i, eqn in enumerate(eqns):
         diff = sweep.diff[i]
         out_kinds = [sweep.kind(o) for o in eqn.outvars]
@@ -302,8 +333,10 @@ def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) ->
         operand_changed = any(d and isinstance(v, Var) and v in changed
                               for d, v in zip(diff, eqn.invars))
         if (replace or cut or operand_changed or i in masked) and not eqn.effects:
-            reemit.append(i)
-            changed.update(o for o in eqn.outvars if L.is_float(o))
+            reemit.add(i)
+            # a LIVE output has no dropped lane, so it is bitwise the original: not "changed"
+            changed.update(o for o in eqn.outvars
+                           if L.is_float(o) and sweep.kind(o) != L.Kind.LIVE)
             if operand_changed and eqn.primitive in (P.max_p, P.min_p, P.clamp_p):
                 selections.add(i)
         # taint of the outputs, after the guards
@@ -326,7 +359,9 @@ def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) ->
 
     report.sites = list(sites.values())
     report.selections = [eqns[i] for i in sorted(selections)]
-    return Plan(closed, sweep, sites, reemit, selections, needed, nested, masked, report)
+    producer = {o: i for i, e in enumerate(eqns) for o in e.outvars}
+    return Plan(closed, sweep, sites, reemit, selections, needed, nested, masked, report,
+                producer)
 
 
 # --------------------------------------------------------------------------- emission
@@ -335,37 +370,76 @@ def _emit(plan: Plan, *args):
     return _emit_masked(plan, [None] * len(plan.closed.jaxpr.outvars), args)
 
 
+class _Originals:
+    """The original program's values, computed on demand: an env for the liveness rules.
+
+    The forward pass computes each value once and shares it with the guarded program. Only a
+    value that a guard may change (in its dropped lanes) and that a predicate or another
+    non-differentiable use reads gets a second, original copy, computed here when first asked.
+    """
+
+    def __init__(self, plan: Plan, args: Sequence[Any]):
+        jaxpr = plan.closed.jaxpr
+        self.plan = plan
+        self.values: dict = dict(zip(jaxpr.constvars, plan.closed.consts))
+        self.values.update(zip(jaxpr.invars, args))
+
+    def __getitem__(self, v) -> Any:
+        if isinstance(v, Literal):
+            return v.val
+        if v in self.values:
+            return self.values[v]
+        eqns, producer = self.plan.closed.jaxpr.eqns, self.plan.producer
+        todo: set[int] = set()
+        stack = [v]
+        while stack:  # iterative: chains can be long
+            u = stack.pop()
+            if isinstance(u, Literal) or u in self.values or producer[u] in todo:
+                continue
+            todo.add(producer[u])
+            stack.extend(eqns[producer[u]].invars)
+        for i in sorted(todo):
+            eqn = eqns[i]
+            outs = bind_eqn(eqn, [self[u] for u in eqn.invars], self.plan.nested.get(i))
+            self.values.update(zip(eqn.outvars, outs))
+        return self.values[v]
+
+
 def _emit_masked(plan: Plan, out_masks: Sequence[L.Mask], args: Sequence[Any]) -> list:
     jaxpr = plan.closed.jaxpr
     sweep = plan.sweep
-    env: dict = dict(zip(jaxpr.constvars, plan.closed.consts))
-    env.update(zip(jaxpr.invars, args))
+    orig = _Originals(plan, args)
+    safe: dict = {}  # the guarded program's values, where its derivative path differs
+    masks: list = []
 
-    # 1. the original program
+    def mask_of(v) -> L.Mask:
+        if not masks:  # one backward sweep, the first time a guard needs a mask
+            masks.append(sweep.masks(orig, list(out_masks)))
+        return masks[0](v)
+
     for i, eqn in enumerate(jaxpr.eqns):
-        outs = bind_eqn(eqn, [L.read(env, v) for v in eqn.invars], plan.nested.get(i))
-        env.update(zip(eqn.outvars, outs))
-
-    # 2. the masks
-    mask_of = sweep.masks(env, list(out_masks), plan.needed)
-
-    # 3. the guarded shadow
-    safe: dict = {}
-    for i in plan.reemit:
-        eqn = jaxpr.eqns[i]
         diff = sweep.diff[i]
-        orig = [L.read(env, v) for v in eqn.invars]
-        invals = [safe.get(v, x) if d and isinstance(v, Var) else x
-                  for d, v, x in zip(diff, eqn.invars, orig)]
+        # A guarded value with no dropped lane is the original value itself (same tracer):
+        # equations that read only such values are computed once, for both programs.
+        shared = all(not (d and isinstance(v, Var) and v in safe) or
+                     safe[v] is orig.values.get(v) for d, v in zip(diff, eqn.invars))
+        if i not in plan.reemit and shared:
+            if all(o in orig.values for o in eqn.outvars):
+                continue  # already computed for a decision
+            outs = bind_eqn(eqn, [orig[v] for v in eqn.invars], plan.nested.get(i))
+            orig.values.update(zip(eqn.outvars, outs))
+            continue
+        originals = L.LazyOperands(orig, eqn.invars)  # read only by the decision rules
+        invals = [safe[v] if d and isinstance(v, Var) and v in safe else orig[v]
+                  for d, v in zip(diff, eqn.invars)]
         site = plan.sites.get(i)
         if site is not None:
-            in_masks = L.operand_masks(eqn, [mask_of(o) for o in eqn.outvars], orig, sweep.ctx)
+            in_masks = L.operand_masks(eqn, [mask_of(o) for o in eqn.outvars], originals,
+                                       sweep.ctx)
             for k, value in site.replace.items():
                 live = in_masks[k]
-                if live is None:
-                    continue
-                x = invals[k]
-                invals[k] = lax.select_n(live, lax.full_like(x, value), x)
+                if live is not None:
+                    invals[k] = lax.select_n(live, lax.full_like(invals[k], value), invals[k])
             for k in site.cut:
                 live = in_masks[k]
                 if live is not None:
@@ -375,16 +449,19 @@ def _emit_masked(plan: Plan, out_masks: Sequence[L.Mask], args: Sequence[Any]) -
                                      [mask_of(o) for o in eqn.outvars], plan.nested.get(i))
         elif i in plan.selections:
             out = bind_eqn(eqn, invals)[0]
-            shape = out.shape
-            cases = [out] + [jnp.broadcast_to(jnp.asarray(x, out.dtype), shape) for x in invals]
-            outs = [lax.select_n(L.winner(eqn, orig), *cases)]
+            cases = [out] + [L.broadcast(lax.convert_element_type(x, out.dtype), out.shape)
+                             for x in invals]
+            outs = [lax.select_n(L.winner(eqn, originals), *cases)]
         else:
             outs = bind_eqn(eqn, invals, plan.nested.get(i))
         for o, val in zip(eqn.outvars, outs):
             if L.is_float(o):
                 safe[o] = val
-    return [safe.get(v, L.read(env, v)) if isinstance(v, Var) else L.read(env, v)
-            for v in jaxpr.outvars]
+                if sweep.kind(o) == L.Kind.LIVE:  # no dropped lane: bitwise the original
+                    orig.values.setdefault(o, val)
+            else:
+                orig.values.setdefault(o, val)
+    return [safe[v] if isinstance(v, Var) and v in safe else orig[v] for v in jaxpr.outvars]
 
 
 # --------------------------------------------------------------------------- masked bodies

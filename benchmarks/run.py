@@ -1,0 +1,538 @@
+"""jaxsafe benchmarks: nan_safe(f) against the hand-written double where and the unguarded f.
+
+    make bench                       # the full run: prints the table, writes docs/benchmarks.md,
+                                     # docs/img/*.png and benchmarks/out/results.json
+    make bench BENCH_ARGS=--quick    # small sizes and few rounds: a smoke run (< 1 minute)
+    .venv/bin/python benchmarks/run.py [--quick] [--out DIR] [--only NAME] [--note TEXT]
+
+Every row is timed under `jax.jit`: each variant is lowered and compiled first (compile time is
+measured there), run once to check it against the others, warmed up, then run for R rounds, each
+variant once per round in a shuffled order, blocked on. Reported: the median time of each variant,
+and the ratio nan_safe / hand computed per round (median, and min-max over the rounds).
+
+`--out DIR` puts results.json, benchmarks.md and img/*.png in DIR (default benchmarks/out, or
+benchmarks/out/quick with --quick; git ignores both), so that a run on another machine can be
+collected. A full run also writes
+docs/benchmarks.md and docs/img/ (not with --quick or --no-docs, so smoke runs leave the published
+figures alone; --docs forces it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import shlex
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = ROOT / "benchmarks"
+for _p in (str(ROOT), str(HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import cost
+import jax
+import jaxlib
+import timing
+import workloads as W
+
+TARGETS = {"runtime": 1.05, "rewrite": 2.0, "slope": 1.15, "compile": 1.2, "dispatch": 1.2}
+
+
+class Config:
+    def __init__(self, quick: bool):
+        self.quick = quick
+        # seconds of timed rounds per row; rounds within [min, max]
+        self.budget_s = 0.5 if quick else 6.0
+        self.min_rounds = 3 if quick else 5
+        self.max_rounds = 7 if quick else 40
+        self.compile_rounds = 1 if quick else 3
+        # generated program sizes (equations) and the repeats at each size
+        self.scaling = [(200, 2), (1000, 2), (2000, 1)] if quick else \
+            [(1000, 5), (10000, 3), (50000, 2)]
+        self.dispatch_rounds = 5 if quick else 15
+        self.dispatch_calls = 100 if quick else 400
+
+
+def log(*args) -> None:
+    print(*args, flush=True)
+
+
+def environment(cmd: str) -> dict:
+    dev = jax.devices()[0]
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+        "device_kind": dev.device_kind, "platform": dev.platform,
+        "device_count": jax.device_count(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "python": platform.python_version(), "machine": platform.machine(),
+        "load_avg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "command": cmd,
+    }
+
+
+# --------------------------------------------------------------------------- runtime rows
+
+def run_workload_row(w: W.Workload, mode: str, cfg: Config, seed: int) -> dict:
+    rng = random.Random(seed)
+    lower_s = {v: [] for v in W.VARIANTS}
+    compile_s = {v: [] for v in W.VARIANTS}
+    compiled, args_of = {}, {}
+    for _ in range(cfg.compile_rounds):
+        order = list(W.VARIANTS)
+        rng.shuffle(order)
+        for v in order:
+            fn, args = W.make(w, v, mode)   # fresh functions: no cache hits
+            t0 = time.perf_counter()
+            lowered = fn.lower(*args)
+            t1 = time.perf_counter()
+            compiled[v] = lowered.compile()
+            t2 = time.perf_counter()
+            lower_s[v].append(t1 - t0)
+            compile_s[v].append(t2 - t1)
+            args_of[v] = args
+    outputs = {v: jax.block_until_ready(compiled[v](*args_of[v])) for v in W.VARIANTS}
+    check = W.check(outputs)
+    del outputs
+    m = timing.measure({v: (compiled[v], args_of[v]) for v in W.VARIANTS},
+                       budget_s=cfg.budget_s, min_rounds=cfg.min_rounds,
+                       max_rounds=cfg.max_rounds, seed=seed)
+    t = m["times"]
+    med = timing.median
+    return {
+        "workload": w.name, "mode": mode, "shapes": w.shapes, "rounds": m["rounds"],
+        "median_s": {v: med(t[v]) for v in W.VARIANTS},
+        "times_s": t,
+        "ratio": timing.ratio_stats(t["nan_safe"], t["hand"]),
+        "ratio_unguarded": timing.ratio_stats(t["nan_safe"], t["unguarded"]),
+        "hand_over_unguarded": timing.ratio_stats(t["hand"], t["unguarded"]),
+        "compile_s": {v: med(compile_s[v]) for v in W.VARIANTS},
+        "compile_all_s": compile_s,
+        "lower_s": {v: med(lower_s[v]) for v in W.VARIANTS},
+        "compile_ratio": timing.ratio_stats(compile_s["nan_safe"], compile_s["unguarded"]),
+        "compile_ratio_hand": timing.ratio_stats(compile_s["nan_safe"], compile_s["hand"]),
+        "check": check,
+    }
+
+
+def fmt_ms(s: float) -> str:
+    ms = 1e3 * s
+    return f"{ms:.3f}" if ms < 1 else f"{ms:.2f}" if ms < 100 else f"{ms:.1f}"
+
+
+def fmt_ratio(r: dict) -> tuple[str, str]:
+    return f"{r['median']:.3f}", f"{r['min']:.2f}-{r['max']:.2f}"
+
+
+RUNTIME_HEAD = ["workload", "mode", "shapes", "nan_safe ms", "hand ms", "unguarded ms",
+                "nan_safe/hand", "min-max", "nan_safe/unguarded", "rounds", "check"]
+
+
+def runtime_cells(r: dict) -> list[str]:
+    c = r["check"]
+    if not c["agree"]:
+        check = f"MISMATCH (rel err {c['max_rel_err']:.1e})"
+    elif r["mode"] == W.BACKWARD:
+        check = "ok, unguarded grad NaN" if c["unguarded_has_nan"] else "ok"
+    else:
+        check = "ok"
+    return [r["workload"], r["mode"], r["shapes"], *(fmt_ms(r["median_s"][v]) for v in W.VARIANTS),
+            *fmt_ratio(r["ratio"]), f"{r['ratio_unguarded']['median']:.3f}", str(r["rounds"]),
+            check]
+
+
+def print_table(head: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(head)]
+    log("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    log("  ".join("-" * w for w in widths))
+    for r in rows:
+        log("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+
+
+def md_table(head: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- jaxsafe.nn rows
+
+def run_nn(cfg: Config, seed: int) -> tuple[list[dict], str | None]:
+    try:
+        import bench_nn
+    except Exception as e:  # noqa: BLE001 - missing, or broken by work in progress
+        note = f"benchmarks/bench_nn.py not available ({type(e).__name__}: {e}); skipped"
+        log(f"note: {note}")
+        return [], note
+    rows = []
+    for i, work in enumerate(bench_nn.workloads(cfg.quick)):
+        variants = {"candidate": work["candidate"], "reference": work["reference"]}
+        m = timing.measure(variants, budget_s=cfg.budget_s, min_rounds=cfg.min_rounds,
+                           max_rounds=cfg.max_rounds, seed=seed + i)
+        t = m["times"]
+        row = {"name": work["name"], "mode": work["mode"], "shapes": str(work["shapes"]),
+               "rounds": m["rounds"],
+               "median_s": {k: timing.median(v) for k, v in t.items()}, "times_s": t,
+               "ratio": timing.ratio_stats(t["candidate"], t["reference"])}
+        log("  " + "  ".join(nn_cells(row)))
+        rows.append(row)
+    return rows, None
+
+
+NN_HEAD = ["case", "mode", "shapes", "jaxsafe.nn ms", "jax.nn ms", "ratio", "min-max", "rounds"]
+
+
+def nn_cells(r: dict) -> list[str]:
+    return [r["name"], r["mode"], r["shapes"], fmt_ms(r["median_s"]["candidate"]),
+            fmt_ms(r["median_s"]["reference"]), *fmt_ratio(r["ratio"]), str(r["rounds"])]
+
+
+# --------------------------------------------------------------------------- targets
+
+def targets(res: dict) -> list[dict]:
+    out = []
+    rt = res["runtime"]
+    if rt:
+        worst = max(rt, key=lambda r: r["ratio"]["median"])
+        missed = [f"{r['workload']} ({r['mode']}) {r['ratio']['median']:.3f}x"
+                  for r in rt if r["ratio"]["median"] > TARGETS["runtime"]]
+        out.append({"target": f"runtime <= {TARGETS['runtime']}x the hand fix, every workload, "
+                              "forward and forward+backward",
+                    "met": not missed,
+                    "figure": f"worst {worst['ratio']['median']:.3f}x ({worst['workload']}, "
+                              f"{worst['mode']})" + (f"; over: {', '.join(missed)}"
+                                                     if missed else "")})
+        worst_c = max(rt, key=lambda r: r["compile_ratio"]["median"])
+        over = [r for r in rt if r["compile_ratio"]["median"] > TARGETS["compile"]]
+        out.append({"target": f"compile time <= {TARGETS['compile']}x the original program's",
+                    "met": not over,
+                    "figure": f"worst {worst_c['compile_ratio']['median']:.2f}x "
+                              f"({worst_c['workload']}, {worst_c['mode']}); "
+                              f"{len(over)} of {len(rt)} rows over"})
+    sc = res["scaling"]
+    if sc:
+        worst = max(sc, key=lambda r: r["ratio"]["median"])
+        out.append({"target": f"rewrite time <= {TARGETS['rewrite']}x make_jaxpr",
+                    "met": worst["ratio"]["median"] <= TARGETS["rewrite"],
+                    "figure": ", ".join(f"{r['ratio']['median']:.2f}x at {r['eqns']} eqns"
+                                        for r in sc)})
+        slope = res["scaling_slope"]
+        out.append({"target": f"rewrite time linear in program size (log-log slope <= "
+                              f"{TARGETS['slope']})",
+                    "met": slope["rewrite"] <= TARGETS["slope"],
+                    "figure": f"slope {slope['rewrite']:.2f} (make_jaxpr: "
+                              f"{slope['trace']:.2f})"})
+    dp = res["dispatch"]
+    if dp:
+        r = dp[0]
+        out.append({"target": f"cached-call overhead <= {TARGETS['dispatch']}x jax.jit's",
+                    "met": r["ratio"]["median"] <= TARGETS["dispatch"],
+                    "figure": f"{r['ratio']['median']:.2f}x ({r['nan_safe_us']:.1f} us vs "
+                              f"{r['jit_us']:.1f} us per call)"})
+    return out
+
+
+# --------------------------------------------------------------------------- plots
+
+def plots(res: dict, img: Path) -> list[tuple[str, str]]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img.mkdir(parents=True, exist_ok=True)
+    made = []
+
+    def ratio_plot(rows, label_of, ratio_key, title, target, fname, alt):
+        if not rows:
+            return
+        med = [r[ratio_key]["median"] for r in rows]
+        lo_all = [r[ratio_key]["min"] for r in rows]
+        hi_all = [r[ratio_key]["max"] for r in rows]
+        # the axis follows the medians; whiskers that go past it are cut and marked
+        right = max(1.5, (target or 1.0) * 1.15, 1.15 * max(med))
+        left = min(0.75, 0.9 * min(med))
+        fig, ax = plt.subplots(figsize=(8, 0.38 * len(rows) + 1.3))
+        ys = list(range(len(rows)))[::-1]
+        for y, m, lo, hi in zip(ys, med, lo_all, hi_all):
+            color = "tab:blue" if target is None else "tab:green" if m <= target else "tab:red"
+            ax.plot([max(lo, left), min(hi, right)], [y, y], color=color, lw=1.5, alpha=0.6)
+            ax.plot([m], [y], "o", color=color)
+            if hi > right:
+                ax.annotate(f"max {hi:.1f}", (right, y), xytext=(-2, 3),
+                            textcoords="offset points", ha="right", fontsize=7, color="gray")
+            if lo < left:
+                ax.annotate(f"min {lo:.2f}", (left, y), xytext=(2, 3),
+                            textcoords="offset points", ha="left", fontsize=7, color="gray")
+        ax.axvline(1.0, color="black", lw=0.8)
+        if target is not None:
+            ax.axvline(target, color="tab:red", ls="--", lw=1, label=f"target {target}x")
+            ax.legend(loc="lower right", fontsize=8)
+        ax.set_yticks(ys, [label_of(r) for r in rows], fontsize=8)
+        ax.set_xlim(left, right)
+        ax.set_ylim(-0.7, len(rows) - 0.3)
+        ax.set_xlabel("ratio (dot: median of the per-round ratios; line: min-max)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, axis="x", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(img / fname, dpi=110)
+        plt.close(fig)
+        made.append((alt, f"img/{fname}"))
+
+    short = {W.FORWARD: "fwd", W.BACKWARD: "fwd+bwd"}
+    ratio_plot(res["runtime"], lambda r: f"{r['workload']} ({short[r['mode']]})", "ratio",
+               "Run time: nan_safe(f) / hand-written double where", TARGETS["runtime"],
+               "runtime_ratio.png", "Run time of nan_safe relative to the hand fix")
+    ratio_plot(res["runtime"], lambda r: f"{r['workload']} ({short[r['mode']]})",
+               "compile_ratio", "Compile time (XLA): nan_safe(f) / original f",
+               TARGETS["compile"], "compile_ratio.png",
+               "Compile time of the rewritten program relative to the original")
+    ratio_plot(res["nn"], lambda r: f"{r['name']} ({short.get(r['mode'], r['mode'])})", "ratio",
+               "Run time: jaxsafe.nn / jax.nn", None, "nn_ratio.png",
+               "jaxsafe.nn relative to jax.nn")
+
+    sc = res["scaling"]
+    if sc:
+        import numpy as np
+        n = np.array([r["eqns"] for r in sc], float)
+        fig, ax = plt.subplots(figsize=(6, 4.2))
+        for key, label, color in (("trace_s", "jax.make_jaxpr", "tab:blue"),
+                                  ("rewrite_s", "jaxsafe rewrite", "tab:orange")):
+            t = np.array([r[key] for r in sc])
+            slope = cost.loglog_slope(n, t)
+            ax.loglog(n, t, "o-", color=color, label=f"{label} (slope {slope:.2f})")
+        ref = np.array([r["trace_s"] for r in sc])
+        ax.loglog(n, TARGETS["rewrite"] * ref, ":", color="gray",
+                  label=f"{TARGETS['rewrite']}x make_jaxpr")
+        ax.set_xlabel("equations in the program")
+        ax.set_ylabel("seconds")
+        ax.set_title("Rewrite time against trace time", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(img / "rewrite_scaling.png", dpi=110)
+        plt.close(fig)
+        made.append(("Rewrite time against make_jaxpr, log-log", "img/rewrite_scaling.png"))
+    return made
+
+
+# --------------------------------------------------------------------------- markdown
+
+def markdown(res: dict, images: list[tuple[str, str]]) -> str:
+    env = res["env"]
+    lines = ["# Benchmarks", "",
+             "<!-- generated by benchmarks/run.py; do not edit by hand -->", "",
+             ("`nan_safe(f)` against the double where written by hand (the reference) and the "
+              "unguarded `f` (the floor, whose gradient is NaN), all under `jax.jit`. Regenerate "
+              "with `make bench`."), "",
+             f"- date: {env['date']}",
+             f"- jax {env['jax']}, jaxlib {env['jaxlib']}, Python {env['python']}",
+             f"- device: {env['device_kind']} (platform `{env['platform']}`, "
+             f"{env['device_count']} device(s)), {env['cpu_count']} CPUs"
+             + (f" ({env['cpu_affinity']} usable)" if env.get("cpu_affinity") else ""),
+             f"- command: `{env['command']}`" + (" (quick: small sizes, smoke run only)"
+                                                  if res["quick"] else ""),
+             (f"- load average at start / end: {fmt_load(env.get('load_avg_start'))} / "
+              f"{fmt_load(env.get('load_avg_end'))}"),
+             f"- total wall time: {res['wall_s']:.0f} s"]
+    if res.get("note"):
+        lines += ["", f"**Note:** {res['note']}"]
+    lines += ["", "## Method", "",
+              ("Each row: every variant is lowered and compiled first (fresh functions, so no "
+               "cache hits; the compile time is measured there), run once to check nan_safe "
+               "against the hand fix, warmed up, then timed for R rounds. In each round every "
+               "variant runs once, in a shuffled order, and is blocked on "
+               "(`jax.block_until_ready`, `time.perf_counter`). The table gives the median time "
+               "of each variant, and the ratio nan_safe / hand computed per round: its median "
+               "and its min-max over the rounds. *forward* times the value of `f`; "
+               "*forward+backward* times `jax.value_and_grad` of the sum of its outputs. The "
+               "check column compares nan_safe's result with the hand fix's (relative error "
+               "< 1e-3, both NaN-free) and says whether the unguarded gradient has NaN."), "",
+              ("A *forward* call of `nan_safe(f)` runs the original program (see "
+               "[What runs](how-it-works.md#what-runs)), so on forward rows nan_safe/unguarded "
+               "is 1 up to noise, and nan_safe/hand compares the unguarded program with the "
+               "hand-fixed one."), ""]
+    lines += ["## Run time", "",
+              md_table(RUNTIME_HEAD, [runtime_cells(r) for r in res["runtime"]]), ""]
+    for alt, path in images:
+        if "runtime" in path:
+            lines += [f"![{alt}]({path})", ""]
+    lines += ["## jaxsafe.nn vs jax.nn", ""]
+    if res["nn"]:
+        lines += [("From `benchmarks/bench_nn.py`: ratio = jaxsafe.nn / jax.nn (per round, "
+                  "median and min-max)."), "", md_table(NN_HEAD, [nn_cells(r) for r in res["nn"]]),
+                  ""]
+        lines += [f"![{alt}]({path})" for alt, path in images if "nn_ratio" in path] + [""]
+    else:
+        lines += [res.get("nn_note") or "Not run.", ""]
+    lines += ["## Cost of the transformation", ""]
+    if res["runtime"]:
+        head = ["workload", "mode", "trace+rewrite ms", "trace ms (f)", "compile nan_safe s",
+                "compile hand s", "compile f s", "nan_safe/f", "min-max"]
+        rows = [[r["workload"], r["mode"], fmt_ms(r["lower_s"]["nan_safe"]),
+                 fmt_ms(r["lower_s"]["unguarded"]),
+                 f"{r['compile_s']['nan_safe']:.3f}", f"{r['compile_s']['hand']:.3f}",
+                 f"{r['compile_s']['unguarded']:.3f}", *fmt_ratio(r["compile_ratio"])]
+                for r in res["runtime"]]
+        lines += ["### Compile time", "",
+                  ("`jax.jit(g).lower(*args)` (trace, and for nan_safe the rewrite) and "
+                   "`.compile()` (XLA), medians over the compile rounds; the ratio is nan_safe's "
+                   "compile time over the original program's, per round."), "",
+                  md_table(head, rows), ""]
+        lines += [f"![{alt}]({path})" for alt, path in images if "compile" in path] + [""]
+    if res["scaling"]:
+        sl = res["scaling_slope"]
+        head = ["equations", "after rewrite", "guards", "make_jaxpr s", "rewrite s",
+                "rewrite/make_jaxpr", "min-max"]
+        rows = [[str(r["eqns"]), str(r["eqns_rewritten"]), str(r["guards"]),
+                 f"{r['trace_s']:.3f}", f"{r['rewrite_s']:.3f}", *fmt_ratio(r["ratio"])]
+                for r in res["scaling"]]
+        lines += ["### Rewrite time against trace time", "",
+                  ("Generated chains of elementwise blocks (a third of them a hazard under a "
+                   "`where`); equations counted with the inner jaxprs of `jnp.where`. The rewrite "
+                   "(`jaxsafe._rewrite.rewrite_with_report`: inlining, liveness, emission, DCE) "
+                   "is timed against `jax.make_jaxpr(f)` on the same program, interleaved."), "",
+                  md_table(head, rows), "",
+                  (f"Log-log slope: rewrite {sl['rewrite']:.2f}, make_jaxpr {sl['trace']:.2f} "
+                   "(1 is linear, 2 quadratic)."), ""]
+        lines += [f"![{alt}]({path})" for alt, path in images if "scaling" in path] + [""]
+    if res["dispatch"]:
+        head = ["case", "nan_safe us/call", "jax.jit us/call", "ratio", "min-max"]
+        rows = [[r["case"], f"{r['nan_safe_us']:.1f}", f"{r['jit_us']:.1f}",
+                 *fmt_ratio(r["ratio"])] for r in res["dispatch"]]
+        lines += ["### Cached-call overhead", "",
+                  ("Microseconds per call on `f32[8]`, cached, each call blocked on "
+                   f"({res['dispatch'][0]['calls']} calls per round, "
+                   f"{res['dispatch'][0]['rounds']} rounds)."), "", md_table(head, rows), ""]
+    lines += ["## Targets", ""]
+    if res["quick"]:
+        lines += [("*Quick run: sizes are scaled down, so these verdicts are not the published "
+                   "ones.*"), ""]
+    lines += [md_table(["target", "met", "measured"],
+                       [[t["target"], "met" if t["met"] else "**not met**", t["figure"]]
+                        for t in res["targets"]]), ""]
+    return "\n".join(lines)
+
+
+def fmt_load(load) -> str:
+    return "n/a" if not load else ", ".join(f"{x:.1f}" for x in load)
+
+
+# --------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes and few rounds (smoke run, < 1 minute)")
+    parser.add_argument("--out", default=None,
+                        help="directory for results.json, benchmarks.md and img/ "
+                             "(default: benchmarks/out, benchmarks/out/quick with --quick)")
+    docs = parser.add_mutually_exclusive_group()
+    docs.add_argument("--docs", dest="docs", action="store_true", default=None,
+                      help="write docs/benchmarks.md and docs/img/ (default: on a full run)")
+    docs.add_argument("--no-docs", dest="docs", action="store_false")
+    parser.add_argument("--only", default=None,
+                        help="run only the workloads whose name contains this (skips the "
+                             "other sections)")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: "
+                        "runtime, nn, scaling, dispatch")
+    parser.add_argument("--note", default=None, help="a note printed in the report header")
+    parser.add_argument("--seed", type=int, default=0)
+    opts = parser.parse_args(argv)
+    cfg = Config(opts.quick)
+    skip = set(filter(None, opts.skip.split(",")))
+    if opts.only:
+        skip |= {"nn", "scaling", "dispatch"}
+    write_docs = (not opts.quick) if opts.docs is None else opts.docs
+    if opts.only and opts.docs is None:
+        write_docs = False
+
+    cmd = " ".join(["benchmarks/run.py", *map(shlex.quote, sys.argv[1:] if argv is None
+                                              else argv)])
+    start = time.perf_counter()
+    env = environment(cmd)
+    res = {"quick": opts.quick, "note": opts.note, "env": env, "targets_def": TARGETS,
+           "runtime": [], "nn": [], "nn_note": None, "scaling": [], "scaling_slope": None,
+           "dispatch": []}
+    log(f"jax {env['jax']} / jaxlib {env['jaxlib']}, {env['device_kind']} ({env['platform']}), "
+        f"{env['cpu_count']} CPUs, load {fmt_load(env['load_avg_start'])}"
+        + (", QUICK" if opts.quick else ""))
+
+    failures = 0
+    if "runtime" not in skip:
+        log("\n== run time: nan_safe(f) vs hand-written double where vs unguarded f ==")
+        for i, w in enumerate(W.workloads(opts.quick)):
+            if opts.only and opts.only.lower() not in w.name.lower():
+                continue
+            for mode in w.modes:
+                try:
+                    row = run_workload_row(w, mode, cfg, opts.seed + 10 * i)
+                except Exception:  # noqa: BLE001 - report the row, go on
+                    failures += 1
+                    log(f"  FAILED: {w.name} {mode}\n{traceback.format_exc()}")
+                    continue
+                res["runtime"].append(row)
+                log("  " + "  ".join(runtime_cells(row))
+                    + f"  (compile {row['compile_ratio']['median']:.2f}x)")
+                if not row["check"]["agree"]:
+                    failures += 1
+    if "nn" not in skip:
+        log("\n== jaxsafe.nn vs jax.nn ==")
+        res["nn"], res["nn_note"] = run_nn(cfg, opts.seed + 1000)
+    if "scaling" not in skip:
+        log("\n== rewrite time vs make_jaxpr ==")
+        res["scaling"] = cost.rewrite_scaling(cfg.scaling, log=log)
+        n = [r["eqns"] for r in res["scaling"]]
+        res["scaling_slope"] = {
+            "rewrite": cost.loglog_slope(n, [r["rewrite_s"] for r in res["scaling"]]),
+            "trace": cost.loglog_slope(n, [r["trace_s"] for r in res["scaling"]])}
+        log(f"  log-log slope: rewrite {res['scaling_slope']['rewrite']:.2f}, "
+            f"make_jaxpr {res['scaling_slope']['trace']:.2f}")
+    if "dispatch" not in skip:
+        log("\n== cached-call overhead ==")
+        res["dispatch"] = cost.dispatch(cfg.dispatch_rounds, cfg.dispatch_calls, log=log)
+
+    res["targets"] = targets(res)
+    env["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+    out = Path(opts.out) if opts.out else HERE / "out" / ("quick" if opts.quick else "")
+    out.mkdir(parents=True, exist_ok=True)
+    images = plots(res, out / "img")
+    res["wall_s"] = time.perf_counter() - start
+    md = markdown(res, images)
+    (out / "benchmarks.md").write_text(md)
+    (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+    if write_docs:
+        docs_dir = ROOT / "docs"
+        (docs_dir / "img").mkdir(parents=True, exist_ok=True)
+        for _, path in images:
+            shutil.copyfile(out / path, docs_dir / path)
+        (docs_dir / "benchmarks.md").write_text(md)
+
+    log("\n== summary ==")
+    if res["runtime"]:
+        print_table(RUNTIME_HEAD, [runtime_cells(r) for r in res["runtime"]])
+    if res["nn"]:
+        log("")
+        print_table(NN_HEAD, [nn_cells(r) for r in res["nn"]])
+    log("")
+    for t in res["targets"]:
+        log(f"  [{'met' if t['met'] else 'NOT MET'}] {t['target']}: {t['figure']}")
+    log(f"\nwrote {out / 'results.json'}, {out / 'benchmarks.md'}"
+        + (", docs/benchmarks.md, docs/img/" if write_docs else "")
+        + f"; total {res['wall_s']:.0f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
