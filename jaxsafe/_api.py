@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from . import _guards
-from ._compat import ClosedJaxpr, Var
+from ._compat import ClosedJaxpr
 from ._rewrite import Report, rewrite_with_report
 
 DEFAULT_CACHE_SIZE = 256
@@ -75,48 +75,30 @@ def _hashable(value: Any, where: str, who: str) -> Hashable:
     return value
 
 
-def _without_unused_effects(closed: ClosedJaxpr):
-    """The jaxpr minus effectful equations whose results nothing reads (`jax.debug.print`):
-    the primal program already performed them once; the tangent program must not repeat them."""
-    jaxpr = closed.jaxpr
-    used = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, Var)}
-    used.update(v for v in jaxpr.outvars if isinstance(v, Var))
-    eqns = [e for e in jaxpr.eqns
-            if not (e.effects and not any(o in used for o in e.outvars))]
-    if len(eqns) == len(jaxpr.eqns):
-        return jaxpr
-    effects = frozenset().union(*(e.effects for e in eqns))
-    return jaxpr.replace(eqns=eqns, effects=effects)
-
-
 def _values_of(original: ClosedJaxpr, rewritten: ClosedJaxpr) -> Callable:
-    """Original program for the values, rewritten program for the derivatives.
+    """Original program for the values of a plain call, rewritten program under jvp/grad.
 
-    Forward values are then bit for bit those of `jax.jit(f)` (XLA fuses a guarded program
-    differently, which can move the last bit of e.g. igamma), and a call that is not
-    differentiated costs exactly what `f` costs. Under jvp/grad the rule runs the rewritten
-    program; its own derivatives (second order and up) are the rewritten program's too.
+    A call that is not differentiated runs exactly `f`'s program: its values are bit for bit
+    those of `jax.jit(f)` (a guarded program can fuse differently in XLA, which moves the last
+    bit of e.g. igamma) and it costs exactly what `f` costs. Under differentiation the rule runs
+    the rewritten program once, for the values and the tangents together.
     """
-    tangent_program = _without_unused_effects(rewritten)
-
     @jax.custom_jvp
     def run(orig_consts, new_consts, *args):
         return jax.core.eval_jaxpr(original.jaxpr, orig_consts, *args)
 
     @run.defjvp
     def run_jvp(primals, tangents):
-        orig_consts, new_consts, *args = primals
+        _, new_consts, *args = primals
         _, t_new_consts, *t_args = tangents
-        out = run(orig_consts, new_consts, *args)
-        _, t_out = jax.jvp(lambda c, *a: jax.core.eval_jaxpr(tangent_program, c, *a),
-                           (new_consts, *args), (t_new_consts, *t_args))
-        return out, t_out
+        return jax.jvp(lambda c, *a: jax.core.eval_jaxpr(rewritten.jaxpr, c, *a),
+                       (new_consts, *args), (t_new_consts, *t_args))
 
     return functools.partial(run, list(original.consts), list(rewritten.consts))
 
 
 class _Traced:
-    """One signature's rewritten program and how to run it."""
+    """One signature's rewritten program and how to evaluate it on the current trace."""
 
     def __init__(self, original: ClosedJaxpr, closed: ClosedJaxpr, report: Report, out_tree,
                  use_jit: bool):
@@ -126,14 +108,13 @@ class _Traced:
         self.closes_over_tracers = any(isinstance(c, jax.core.Tracer)
                                        for c in (*original.consts, *closed.consts))
         if closed is original or not use_jit or self.closes_over_tracers:
-            # Closing over outer tracers: the call is staged into the outer trace anyway, and a
-            # custom_jvp that captures those tracers would keep them alive in JAX's caches.
-            # jit=False runs the rewritten program equation by equation: each primitive alone
-            # gives the same bits in live lanes, and dropped lanes stay finite for debug_nans.
-            evaluate = functools.partial(jax.core.eval_jaxpr, closed.jaxpr, closed.consts)
+            # Closing over outer tracers: a custom_jvp that captures them would keep them alive
+            # in JAX's caches. jit=False runs the rewritten program equation by equation: each
+            # primitive alone gives the same bits in live lanes, and dropped lanes stay finite
+            # for jax_debug_nans.
+            self.evaluate = functools.partial(jax.core.eval_jaxpr, closed.jaxpr, closed.consts)
         else:
-            evaluate = _values_of(original, closed)
-        self.run = jax.jit(evaluate) if use_jit else evaluate
+            self.evaluate = _values_of(original, closed)
 
 
 class NanSafeFunction:
@@ -150,6 +131,8 @@ class NanSafeFunction:
         self._cache_size = cache_size
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._jitted: Callable | None = None
+        self._generation = -1
         functools.update_wrapper(self, fun)
 
     # -- signature ------------------------------------------------------------------------
@@ -219,10 +202,33 @@ class NanSafeFunction:
                     self._cache.popitem(last=False)
         return traced, leaves
 
-    def __call__(self, *args, **kwargs):
+    def _staged(self, *args, **kwargs):
         traced, leaves = self._trace(args, kwargs)
-        outs = traced.run(*leaves)
-        return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+        return jax.tree_util.tree_unflatten(traced.out_tree, traced.evaluate(*leaves))
+
+    def _front(self) -> Callable:
+        """`jax.jit` of the staged call: a cached call takes jit's C++ dispatch path, and a
+        new signature traces (and rewrites) once. Re-made when a guard is registered."""
+        if self._jitted is None or self._generation != _guards.GENERATION:
+            self._jitted = jax.jit(self._staged, static_argnums=self._static_argnums,
+                                   static_argnames=self._static_argnames)
+            self._generation = _guards.GENERATION
+        return self._jitted
+
+    def _validate(self, args: tuple, kwargs: dict) -> None:
+        """Raise nan_safe's own error for bad arguments (names them, says what to do)."""
+        static_pos, _, dyn_args, dyn_kwargs = self._split(args, kwargs)
+        for path, leaf in jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]:
+            _check_leaf(leaf, self._describe(path, static_pos), "nan_safe")
+
+    def __call__(self, *args, **kwargs):
+        if not self._use_jit:
+            return self._staged(*args, **kwargs)
+        try:
+            return self._front()(*args, **kwargs)
+        except (TypeError, ValueError):
+            self._validate(args, kwargs)
+            raise
 
     # -- inspection -----------------------------------------------------------------------
     def trace(self, *args, **kwargs) -> tuple[ClosedJaxpr, Report]:

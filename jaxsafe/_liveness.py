@@ -277,18 +277,18 @@ def _by_transpose(eqn, outs, invals, ctx):
     The transpose of slice is pad, of gather is scatter-add, of dynamic_slice is
     dynamic_update_slice, ...: JAX already knows where every operand lane goes.
     """
-    out_shape = _shape(eqn.outvars[0])
-    ct = lax.convert_element_type(materialize(outs[0], out_shape), jnp.float32)
+    cts_out = [lax.convert_element_type(materialize(m, _shape(o)), jnp.float32)
+               for m, o in zip(outs, eqn.outvars)]
     float_ix = [i for i, v in enumerate(eqn.invars) if is_float(v)]
 
     def op(*floats):
         by_index = dict(zip(float_ix, floats))  # the other operands (indices) are read as is
         vals = [by_index[i] if i in by_index else invals[i] for i in range(len(eqn.invars))]
-        return bind_eqn(eqn, vals)[0]
+        return bind_eqn(eqn, vals)
 
     primals = [lax.full(_shape(eqn.invars[i]), 0., jnp.float32) for i in float_ix]
     _, vjp = jax.vjp(op, *primals)
-    cts = vjp(ct)
+    cts = vjp(cts_out)
     masks: list[Mask] = [None] * len(eqn.invars)
     for i, c in zip(float_ix, cts):
         masks[i] = lax.gt(c, np.float32(0))
@@ -300,6 +300,7 @@ register(P.slice_p, P.dynamic_slice_p, P.gather_p, P.dynamic_update_slice_p,
 register(P.pad_p, drops=lambda eqn: any(lo < 0 or hi < 0 for lo, hi, _ in
                                         eqn.params["padding_config"]))(_by_transpose)
 register(P.concatenate_p, P.reshape_p, P.squeeze_p, P.transpose_p, P.rev_p)(_by_transpose)
+register(*[p for p in [getattr(lax, "split_p", None)] if p is not None])(_by_transpose)
 
 
 def _broadcast_in_dim(eqn, outs, invals, ctx):

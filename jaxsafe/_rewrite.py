@@ -29,6 +29,7 @@ opposite sides of it.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from functools import partial
 from collections.abc import Sequence
 from typing import Any
@@ -70,7 +71,9 @@ COMPARISONS: frozenset = frozenset({P.eq_p, P.ne_p, P.lt_p, P.le_p, P.gt_p, P.ge
 # program drops some of their output lanes (liveness flows into them from outside).
 MASKED_BODIES: frozenset = frozenset({P.remat_p, P.cond_p, P.scan_p})
 
-_JAX_PRIMITIVES = frozenset(v for v in vars(P).values() if isinstance(v, jax.extend.core.Primitive))
+_JAX_PRIMITIVES = frozenset(  # JAX's own: no rule means "conservative", not "unknown"
+    v for module in (P, lax) for v in vars(module).values()
+    if isinstance(v, jax.extend.core.Primitive))
 
 
 @dataclasses.dataclass
@@ -162,6 +165,19 @@ def _is_nonfinite_literal(atom) -> bool:
     return not bool(np.all(np.isfinite(np.asarray(atom.val))))
 
 
+def _literal_taints(eqn: JaxprEqn, atom) -> bool:
+    """A NaN/inf literal operand can make `eqn`'s result non-finite, except as the identity
+    of max/min (`max(-inf, x)`, the start of every softmax and logsumexp)."""
+    if not _is_nonfinite_literal(atom):
+        return False
+    value = complex(np.asarray(atom.val))
+    if eqn.primitive is P.max_p and value == -np.inf:
+        return False
+    if eqn.primitive is P.min_p and value == np.inf:
+        return False
+    return True
+
+
 def _may_be_nonfinite_const(value) -> bool:
     if isinstance(value, jax.core.Tracer):
         return False  # unknown; treated like an input: tainted only if the program tests it
@@ -188,12 +204,31 @@ def _tested_for_nonfinite(eqn: JaxprEqn) -> list[Var]:
     return []
 
 
+def _decides_a_live_selection(test: JaxprEqn, eqns: Sequence[JaxprEqn], sweep: L.Sweep) -> bool:
+    """Whether a test's result (through boolean logic) picks lanes of a selection whose result
+    is differentiated. `logsumexp` tests its max with isfinite only to feed stop_gradient: that
+    says nothing about which values may be non-finite where it matters."""
+    if not _tested_for_nonfinite(test):
+        return False
+    flags = {o for o in test.outvars}
+    for eqn in eqns:
+        if not any(isinstance(v, Var) and v in flags for v in eqn.invars):
+            continue
+        if eqn.primitive is P.select_n_p:
+            if eqn.invars[0] in flags and any(sweep.kind(o) != L.Kind.DEAD
+                                              for o in eqn.outvars):
+                return True
+        elif not any(L.is_float(o) for o in eqn.outvars):
+            flags.update(eqn.outvars)  # not, and, or, convert to int, ...
+    return False
+
+
 def _contains_hazard(closed: ClosedJaxpr) -> bool:
     """Whether a sub-jaxpr can make NaN/inf from finite inputs (recursively)."""
     for eqn in closed.jaxpr.eqns:
         if eqn.primitive in GUARDS or eqn.primitive not in _JAX_PRIMITIVES:
             return True
-        if any(_is_nonfinite_literal(v) for v in eqn.invars):
+        if any(_literal_taints(eqn, v) for v in eqn.invars):
             return True
         for sub in _sub_jaxprs(eqn):
             if _contains_hazard(sub):
@@ -273,7 +308,8 @@ def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) ->
     for v, c in zip(jaxpr.constvars, closed.consts):
         if _may_be_nonfinite_const(c):
             tainted.add(v)
-    tested = [v for eqn in eqns for v in _tested_for_nonfinite(eqn)]
+    tested = [v for eqn in eqns if _decides_a_live_selection(eqn, eqns, sweep)
+              for v in _tested_for_nonfinite(eqn)]
     if tested:
         producer = {o: e for e in eqns for o in e.outvars}
         stack = list(tested)
@@ -332,7 +368,9 @@ def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) ->
                 report.nested.extend((eqn, p.report) for p in inner if p is not None)
         operand_changed = any(d and isinstance(v, Var) and v in changed
                               for d, v in zip(diff, eqn.invars))
-        if (replace or cut or operand_changed or i in masked) and not eqn.effects:
+        read_differentiably = any(sweep.kind(o) != L.Kind.DEAD for o in eqn.outvars)
+        if (replace or cut or operand_changed or i in masked) and not eqn.effects \
+                and read_differentiably:
             reemit.add(i)
             # a LIVE output has no dropped lane, so it is bitwise the original: not "changed"
             changed.update(o for o in eqn.outvars
@@ -342,7 +380,7 @@ def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) ->
         # taint of the outputs, after the guards
         out_tainted = any(isinstance(v, Var) and v in tainted and k not in replace
                           for k, v in enumerate(eqn.invars))
-        out_tainted |= any(_is_nonfinite_literal(v) for v in eqn.invars)
+        out_tainted |= any(_literal_taints(eqn, v) for v in eqn.invars)
         out_tainted |= not known
         if eqn.primitive in L.CUSTOM_RULE_CALLS or eqn.primitive in NESTED_PARAMS:
             out_tainted |= any(_contains_hazard(s) for s in _sub_jaxprs(eqn))
@@ -424,7 +462,7 @@ def _emit_masked(plan: Plan, out_masks: Sequence[L.Mask], args: Sequence[Any]) -
         shared = all(not (d and isinstance(v, Var) and v in safe) or
                      safe[v] is orig.values.get(v) for d, v in zip(diff, eqn.invars))
         if i not in plan.reemit and shared:
-            if all(o in orig.values for o in eqn.outvars):
+            if eqn.outvars and all(o in orig.values for o in eqn.outvars):
                 continue  # already computed for a decision
             outs = bind_eqn(eqn, [orig[v] for v in eqn.invars], plan.nested.get(i))
             orig.values.update(zip(eqn.outvars, outs))
@@ -530,6 +568,12 @@ def _emit_masked_body(eqn: JaxprEqn, plans: list, invals: list, out_masks: list,
 
 def rewrite_with_report(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, Report]:
     """Rewrite `closed`; returns it unchanged (the same object) when nothing needs a guard."""
+    if gc.isenabled():  # the rewrite makes many small objects and frees none: skip the scans
+        gc.disable()
+        try:
+            return rewrite_with_report(closed)
+        finally:
+            gc.enable()
     flat = flatten(closed)
     plan = make_plan(flat)
     if not plan.report.changed:

@@ -206,3 +206,19 @@ def test_masked_attention_second_order_matches_the_valid_rows():
     h_ref = jax.hessian(ref, (0, 1))(s, v)
     assert_finite(h)
     assert_close(h, h_ref, rtol=1e-4, atol=1e-6)
+
+
+def test_logsumexp_isfinite_test_does_not_taint_the_program():
+    """logsumexp tests its max with isfinite only to feed stop_gradient, and starts from
+    max(-inf, .): neither makes the products around it suspect, so no guard lands there."""
+    f = lambda w, x: jnp.sum(jnp.where(x > 0, (w * x) * jax.nn.logsumexp(x), 0.))
+    _, report = jaxsafe.nan_safe(f).trace(1., jnp.ones(3))
+    assert sorted(site.eqn.primitive.name for site in report.sites) == ["exp", "log"]
+    assert all(reason == "table" for site in report.sites for reason in site.reasons.values())
+
+
+def test_split_is_data_movement_not_an_unknown_primitive():
+    f = lambda x: jnp.split(jnp.log(x), 2)[1].sum()
+    x = jnp.array([0., -1., 1., 2.])
+    assert "unknown primitive" not in jaxsafe.explain(f)(x)
+    assert_close(jax.grad(nan_safe(f))(x), jnp.array([0., 0., 1., 0.5]))
