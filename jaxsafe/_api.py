@@ -200,6 +200,9 @@ class NanSafeFunction:
                 self._cache[key] = traced
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
+                    # jax.jit keeps its own trace per signature: start a fresh front so that
+                    # an evicted signature's program is really released
+                    self._jitted = None
         return traced, leaves
 
     def _staged(self, *args, **kwargs):
