@@ -71,7 +71,14 @@ ZERO_DERIVATIVE: frozenset[Primitive] = frozenset({
 
 
 def differentiable_operands(eqn: JaxprEqn, structural: bool = False) -> list[bool]:
-    """Which operands of `eqn` pass a tangent to a floating-point output."""
+    """Which operands of `eqn` pass a tangent to a floating-point output.
+
+    In structural mode every read counts, comparisons and indices included: a body that is
+    re-run on guarded operands (a cond branch, a checkpoint, a custom rule's primal) decides on
+    what it reads, so nothing it reads may change under it.
+    """
+    if structural:
+        return [isinstance(v, Var) for v in eqn.invars]
     if not any(is_float(v) for v in eqn.outvars):
         return [False] * len(eqn.invars)
     if eqn.primitive in ZERO_DERIVATIVE and not structural:
@@ -198,6 +205,8 @@ ELEMENTWISE: tuple[Primitive, ...] = (
     P.igamma_grad_a_p, P.zeta_p, P.bessel_i0e_p, P.bessel_i1e_p,
     P.regularized_incomplete_beta_p, P.convert_element_type_p, P.reduce_precision_p,
     P.copy_p, P.real_p, P.imag_p, P.complex_p, P.conj_p, P.stop_gradient_p, P.add_jaxvals_p,
+    # comparisons and logic: they pass no tangent, but in structural mode every read counts
+    P.eq_p, P.ne_p, P.lt_p, P.le_p, P.gt_p, P.ge_p, P.and_p, P.or_p, P.not_p, P.xor_p,
 )
 register(*ELEMENTWISE)(elementwise)
 
@@ -382,26 +391,30 @@ def _call_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr:
 
 
 def _call_masks(eqn, outs, invals, ctx):
-    structural = ctx.structural or eqn.primitive in CUSTOM_RULE_CALLS
+    structural = ctx.structural or eqn.primitive in OPAQUE_BODIES
     return ctx.inner_masks(_call_jaxpr(eqn), invals, outs, structural)
 
 
 def _call_kinds(eqn, out_kinds, ctx):
-    structural = ctx.structural or eqn.primitive in CUSTOM_RULE_CALLS
+    structural = ctx.structural or eqn.primitive in OPAQUE_BODIES
     return ctx.inner_kinds(_call_jaxpr(eqn), out_kinds, structural)
 
 
 CUSTOM_RULE_CALLS: frozenset[Primitive] = frozenset({P.custom_jvp_call_p, P.custom_vjp_call_p})
 """Calls whose derivative is a user rule: liveness through them is structural only."""
 
+OPAQUE_BODIES: frozenset[Primitive] = CUSTOM_RULE_CALLS | {P.remat_p}
+"""Bodies that run again, as one unit, on guarded operands: liveness through them is structural
+(jit bodies are inlined instead, so their decisions read the original values)."""
+
 register(P.jit_p, P.closed_call_p, P.remat_p, P.custom_jvp_call_p, P.custom_vjp_call_p,
          kinds=_call_kinds)(_call_masks)
 
 
 def _cond_masks(eqn, outs, invals, ctx):
+    # structural: the branch is re-run on the guarded operands and decides on what it reads
     index, operands = invals[0], invals[1:]
-    per_branch = [ctx.inner_masks(br, operands, outs, ctx.structural)
-                  for br in eqn.params["branches"]]
+    per_branch = [ctx.inner_masks(br, operands, outs, True) for br in eqn.params["branches"]]
     masks: list[Mask] = [None]
     for k, v in enumerate(eqn.invars[1:]):
         branch_masks = [m[k] for m in per_branch]
@@ -416,8 +429,7 @@ def _cond_masks(eqn, outs, invals, ctx):
 
 
 def _cond_kinds(eqn, out_kinds, ctx):
-    per_branch = [ctx.inner_kinds(br, out_kinds, ctx.structural)
-                  for br in eqn.params["branches"]]
+    per_branch = [ctx.inner_kinds(br, out_kinds, True) for br in eqn.params["branches"]]
     kinds = [Kind.DEAD]
     for k in range(len(eqn.invars) - 1):
         ks = {m[k] for m in per_branch}

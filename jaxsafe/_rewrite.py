@@ -53,6 +53,9 @@ LINEAR: frozenset = frozenset({
     P.select_n_p, P.reduce_sum_p, P.cumsum_p, P.convert_element_type_p, P.copy_p,
     P.real_p, P.imag_p, P.conj_p, P.complex_p, P.gather_p, P.scatter_add_p, P.add_jaxvals_p,
     P.reduce_precision_p, P.stop_gradient_p,
+    # not linear, but their derivative only selects (weights 0, 1/2, 1 from comparisons): a NaN
+    # operand never meets a cotangent in a product, and a guard there would bend the decision
+    P.max_p, P.min_p, P.clamp_p,
 })
 
 INLINED: frozenset = frozenset({P.jit_p, P.closed_call_p})
@@ -375,8 +378,8 @@ def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) ->
             # a LIVE output has no dropped lane, so it is bitwise the original: not "changed"
             changed.update(o for o in eqn.outvars
                            if L.is_float(o) and sweep.kind(o) != L.Kind.LIVE)
-            if operand_changed and eqn.primitive in (P.max_p, P.min_p, P.clamp_p):
-                selections.add(i)
+            if eqn.primitive in (P.max_p, P.min_p, P.clamp_p):
+                selections.add(i)  # any changed operand: decide on the original values
         # taint of the outputs, after the guards
         out_tainted = any(isinstance(v, Var) and v in tainted and k not in replace
                           for k, v in enumerate(eqn.invars))
