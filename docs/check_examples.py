@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FILES = ["README.md", "docs/index.md", "docs/how-it-works.md", "docs/api.md"]
+FILES = ["README.md", "docs/index.md", "docs/how-it-works.md", "docs/api.md", "docs/nn.md"]
 BLOCK = re.compile(r"```python\n(.*?)```\n(\n*```text\n(.*?)```\n)?", re.S)
 RUNNER = ("import sys; src = sys.stdin.read(); "
           "exec(compile(src, 'example.py', 'exec'), {'__name__': '__main__'})")

@@ -6,5 +6,6 @@ from ._api import nan_safe as nan_safe
 from ._explain import explain as explain
 from ._guards import register_guard as register_guard
 from ._rewrite import Report as Report
+from . import nn as nn
 
 __version__ = "0.1.0"

@@ -5,21 +5,24 @@ A softmax row with no valid entry (every entry masked by `where`, or `-inf`) has
 its NaN reaches the gradient (`0 * nan`). `jax.nn.dot_product_attention` avoids the NaN with a
 large negative fill instead of `-inf`, and so attends uniformly over a fully masked row.
 
-The fix here is the double where, written once, at row level: where a row has no valid entry its
-max is replaced by 0 (so `exp(-inf - 0) = 0`), its denominator by 1 (so `0 / 1 = 0`), and its
-`log` argument by 1. Rows with a valid entry go through exactly the operations of `jax.nn`, in
-the same order, so they give the same bits; the extra selects act on row-sized arrays (one value
-per row), which is why the fix costs no measurable time. NaN in a valid entry still gives NaN.
+The fix works on row-sized values (one per row): the row max starts from the lowest finite
+number instead of -inf, so an empty row computes `exp(-inf - finite) = 0`, and the row sum goes
+through `maximum(sum, 1/2)`, so it divides `0` by `1/2`. A valid row's max and sum are unchanged
+(its sum is at least 1), so it runs jax.nn's operations on jax.nn's values and gives jax.nn's
+bits. No select, unlike the usual double `where`: XLA:CPU fuses these into the same kernels as
+jax.nn's (a select or compare splits them at some shapes), so the compiled programs cost the same
+(see `benchmarks/bench_nn.py`). NaN in a valid entry stays NaN.
 
-Each function keeps the signature and layout of its `jax.nn` namesake. Derivatives are plain
-autodiff of this code (no custom rules, except `softmax` under `jax_softmax_custom_jvp`, mirroring
-`jax.nn`), so `grad`, `jacfwd`, `vmap`, `jit` and higher orders all compose.
+Derivatives are autodiff of this code, plus two small custom rules: the sum's `maximum` has
+derivative 1 (`_denominator`) and log_softmax cuts the `x_i` term of an empty row
+(`_scale_tangent`); `softmax` under `jax_softmax_custom_jvp` mirrors `jax.nn`'s rule. `grad`,
+`jacfwd`, `vmap`, `jit` and higher orders all compose.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,20 +33,36 @@ from jax.typing import ArrayLike
 Array = jax.Array
 Axis = int | Sequence[int] | None
 
-__all__ = ["softmax", "log_softmax", "logsumexp", "dot_product_attention"]
+__all__ = ["dot_product_attention", "log_softmax", "logsumexp", "softmax"]
 
 
-def _shift(x_max: Array) -> Array:
-    """The max to subtract: `x_max`, or the lowest finite number on a row with no valid entry.
+def _shift(x_safe: Array, axis: Axis, where: ArrayLike | None) -> Array:
+    """The row max to subtract, at least the lowest finite number; `keepdims`, no gradient.
 
-    `maximum`, not a select: XLA:CPU fuses max, exp, sum and divide into one kernel only when
-    the row-sized values between them are computed with arithmetic it knows (a compare or a
-    select splits the kernel and writes `exp(x - max)` to memory). A valid row's max is finite,
-    `+inf` or NaN, and `maximum` returns it unchanged (NaN propagates).
+    A row with no valid entry (masked entries are -inf in `x_safe`) gets the lowest finite
+    number, so `exp(x - shift)` is `exp(-inf) = 0` there. A valid row's max is at least that
+    number (or NaN), so it is jax.nn's max. The floor is the reduction's initial value, not an
+    operation after it: XLA:CPU then fuses max, exp, sum and divide as it does for `jax.nn`
+    (a select or a `maximum` on the row max splits its kernel at some shapes).
     """
-    if jnp.issubdtype(x_max.dtype, jnp.floating):
-        x_max = jnp.maximum(x_max, jnp.finfo(x_max.dtype).min)
-    return lax.stop_gradient(x_max)
+    if not jnp.issubdtype(x_safe.dtype, jnp.floating):  # no -inf: jax.nn's max as is
+        return lax.stop_gradient(jnp.max(x_safe, axis, where=where, initial=-jnp.inf,
+                                         keepdims=True))
+    dims = _axes(x_safe.ndim, axis)
+    lowest = np.array(jnp.finfo(x_safe.dtype).min, x_safe.dtype)
+    row_max = lax.reduce(lax.stop_gradient(x_safe), lowest, lax.max, dims)
+    return lax.expand_dims(row_max, dims)
+
+
+def _axes(ndim: int, axis: Axis) -> tuple[int, ...]:
+    axes = tuple(range(ndim)) if axis is None else (
+        tuple(axis) if isinstance(axis, (tuple, list)) else (axis,))
+    if any(not -ndim <= a < ndim for a in axes):
+        raise ValueError(f"axis {axis} is out of bounds for an array of dimension {ndim}")
+    axes = tuple(sorted(int(a) % ndim for a in axes))
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"duplicate value in 'axis': {axis}")
+    return axes
 
 
 @jax.custom_jvp
@@ -96,9 +115,8 @@ def softmax(x: ArrayLike, axis: Axis = -1, where: ArrayLike | None = None) -> Ar
 
 
 def _softmax(x, axis, where):
-    x_max = jnp.max(x, axis, where=where, initial=-jnp.inf, keepdims=True)
     x_safe = x if where is None else jnp.where(where, x, -jnp.inf)
-    unnormalized = jnp.exp(x_safe - _shift(x_max))  # 0 on a row with no valid entry
+    unnormalized = jnp.exp(x_safe - _shift(x_safe, axis, where))  # 0 on an empty row
     result = unnormalized / _denominator(jnp.sum(unnormalized, axis, where=where, keepdims=True))
     if where is not None:
         result = jnp.where(where, result, 0)
@@ -132,15 +150,15 @@ def log_softmax(x: ArrayLike, axis: Axis = -1, where: ArrayLike | None = None) -
     **Returns:** an array shaped like `x`.
     """
     x = jnp.asarray(x)
-    x_max = jnp.max(x, axis, where=where, initial=-jnp.inf, keepdims=True)
     x_safe = x if where is None else jnp.where(where, x, -jnp.inf)
-    shift = _shift(x_max)
+    shift = _shift(x_safe, axis, where)
     if jnp.issubdtype(x_safe.dtype, jnp.floating):
         # A row with no valid entry is -inf already; cut the derivative of its `x_i` term. The
-        # factor is 1 on a valid row and 0 where `x_max` is -inf; computed with arithmetic, and
-        # applied to the input (not the output) so the backward pass gives jax.nn's bits.
-        keep = jnp.minimum(jnp.maximum(x_max - shift + 1, 0), 1)
-        x_safe = _scale_tangent(x_safe, keep)
+        # factor min(total, 1) is 1 on a valid row (total >= 1) and 0 on an empty one. It scales
+        # the whole derivative of `x` (after jax.nn's fused multiply-adds, whose bits it keeps);
+        # the sum it needs is the one below, computed twice in the program and merged by XLA.
+        total = jnp.sum(jnp.exp(x_safe - shift), axis, where=where, keepdims=True)
+        x_safe = _scale_tangent(x_safe, jnp.minimum(total, 1))
     shifted = x_safe - shift
     total = jnp.sum(jnp.exp(shifted), axis, where=where, keepdims=True)
     result = shifted - jnp.log(_denominator(total))
@@ -197,6 +215,7 @@ def logsumexp(a: ArrayLike, axis: Axis = None, b: ArrayLike | None = None,
     sign = lax.sign(sumexp)
     if return_sign or not jnp.issubdtype(a_arr.dtype, jnp.complexfloating):
         sumexp = abs(sumexp)
+    # The double where, on the reduced (row-sized) values: jax's logsumexp already selects there.
     out = lax.add(lax.log(jnp.where(empty, 1, sumexp)), amax.astype(sumexp.dtype))
     out = jnp.where(empty, -jnp.inf, out)
 
@@ -260,7 +279,7 @@ def _attention_core(query, key, value, bias, mask, is_causal, scale, q_seqlen, k
     try:  # as jax.nn: explicit precision fails on platforms without it, so fall back
         logits = jnp.einsum("BTNH,BSNH->BNTS", query, key, precision=precision,
                             preferred_element_type=logits_dtype)
-    except Exception:
+    except Exception:  # noqa: BLE001  (jax.nn catches everything here too)
         logits = jnp.einsum("BTNH,BSNH->BNTS", query, key, precision=None,
                             preferred_element_type=logits_dtype)
     logits *= jnp.array(scale, dtype=logits.dtype)
@@ -276,7 +295,7 @@ def _attention_core(query, key, value, bias, mask, is_causal, scale, q_seqlen, k
 def _attention_grouped(query, key, value, bias, mask, is_causal, scale, q_seqlen, kv_seqlen,
                        local_window_size):
     B, T, N, H = query.shape
-    _, S, K, _ = key.shape
+    K = key.shape[2]
     G = N // K
     query = jnp.reshape(query, (B, T, K, G, H))
 
