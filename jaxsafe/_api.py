@@ -133,7 +133,9 @@ class NanSafeFunction:
         self._lock = threading.Lock()
         self._jitted: Callable | None = None
         self._generation = -1
-        functools.update_wrapper(self, fun)
+        # name, doc and __wrapped__ only: merging fun.__dict__ would let a jitted function's own
+        # `_fun` (the undecorated Python function) replace ours and drop its custom rules
+        functools.update_wrapper(self, fun, updated=())
 
     # -- signature ------------------------------------------------------------------------
     def _split(self, args: tuple, kwargs: dict):

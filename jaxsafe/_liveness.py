@@ -179,9 +179,11 @@ def fit(mask: Mask, shape) -> Mask:
 def any_of(masks: Sequence[Mask]) -> Mask:
     if any(m is None for m in masks):
         return None
-    out = masks[0]
+    out, seen = masks[0], {id(masks[0])}
     for m in masks[1:]:
-        out = lax.bitwise_or(out, m)
+        if id(m) not in seen:  # the same mask read twice (x * x): one `or` less
+            seen.add(id(m))
+            out = lax.bitwise_or(out, m)
     return out
 
 
@@ -547,7 +549,7 @@ def operand_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[S
     if rule is not None and rule.masks is elementwise and len(out_syms) == 1:
         return [out_syms[0] if _shape(v) == out_shape else
                 (TRUE if out_syms[0] == TRUE else opaque()) for v in eqn.invars]
-    pred = eqn.invars[0]
+    pred = eqn.invars[0] if n else None  # iota, platform_index, ...: no operand
     if (eqn.primitive is P.select_n_p and not ctx.structural and n == 3
             and isinstance(pred, Var) and pred.aval.dtype == jnp.bool_
             and _shape(pred) in (out_shape, ())):

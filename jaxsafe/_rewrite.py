@@ -226,6 +226,123 @@ def _decides_a_live_selection(test: JaxprEqn, eqns: Sequence[JaxprEqn], sweep: L
     return False
 
 
+_SMALL = 64  # constants up to this size are evaluated at rewrite time
+
+
+class DroppedValues:
+    """What some values hold in all their dropped lanes, known when the rewrite is planned.
+
+    A constant (literals only, or a small concrete constant) holds its value everywhere. `v =
+    op(a, b, ...)`, elementwise, holds `op` of its operands' known values, when each operand is
+    a constant, is replaced there by this equation's guard, or is itself known and read only here
+    with `v`'s shape (then its dropped lanes are exactly `v`'s). A guard whose operand is known
+    to be inside the primitive's domain there (`div(_, sqrt(guarded x))` has 1 already, `log(2.)`
+    always) is a no-op: it is left out, and XLA keeps folding the constant.
+    """
+
+    def __init__(self, closed: ClosedJaxpr, sites: dict, producer: dict, reads: dict):
+        self.eqns, self.sites, self.producer, self.reads = closed.jaxpr.eqns, sites, producer, reads
+        self.memo: dict = {}
+        for v, c in zip(closed.jaxpr.constvars, closed.consts):
+            if not isinstance(c, jax.core.Tracer) and np.size(c) <= _SMALL:
+                self.memo[v] = (np.asarray(c), True)
+
+    def constant(self, atom) -> Any:
+        known = self._get(atom)
+        return known[0] if known is not None and known[1] else None
+
+    def value(self, atom) -> Any:
+        known = self._get(atom)
+        return None if known is None else known[0]
+
+    def _get(self, atom):
+        """(value, is_constant) or None."""
+        if isinstance(atom, Literal):
+            return np.asarray(atom.val), True
+        if atom in self.memo:
+            return self.memo[atom]
+        self.memo[atom] = None  # cycles cannot happen; this guards re-entry on failure
+        self.memo[atom] = result = self._compute(atom)
+        return result
+
+    def _compute(self, v):
+        i = self.producer.get(v)
+        if i is None:
+            return None
+        eqn = self.eqns[i]
+        rule = L.RULES.get(eqn.primitive)
+        if len(eqn.outvars) != 1 or eqn.effects or rule is None or rule.masks is not L.elementwise:
+            return None
+        site = self.sites.get(i)
+        if site is not None and site.cut:
+            return None
+        vals, constant = [], True
+        for k, u in enumerate(eqn.invars):
+            if site is not None and k in site.replace:
+                vals.append(np.asarray(site.replace[k], u.aval.dtype))
+                constant = False
+                continue
+            known = self._get(u)
+            if known is None:
+                return None
+            if not known[1]:  # known in dropped lanes only: those must be v's
+                if self.reads.get(u, 0) != 1 or _shape_of(u) != _shape_of(v):
+                    return None
+                constant = False
+            vals.append(known[0])
+        if constant and np.size(_shape_of(v)) and np.prod(_shape_of(v)) > _SMALL:
+            return None
+        try:
+            with jax.ensure_compile_time_eval():  # a constant, even while an outer jit traces
+                out = np.asarray(bind_eqn(eqn, vals)[0])
+        except Exception:  # noqa: BLE001 - unknown: treated as unknown
+            return None
+        return out, constant
+
+    def guard_is_noop(self, eqn: JaxprEqn, k: int, safe: dict) -> bool:
+        """Whether operand k of `eqn` is known, in the lanes its guard would replace, to be a
+        value at which `eqn` and its first derivatives are finite."""
+        u = eqn.invars[k]
+        known = self._get(u)
+        if known is None or (not known[1] and (self.reads.get(u, 0) != 1 or
+                                               _shape_of(u) != _shape_of(eqn.outvars[0]))):
+            return False
+        point = []
+        for j, a in enumerate(eqn.invars):  # the others: known, else their safe value, else 1
+            other = known if j == k else self._get(a)
+            if other is not None and (j == k or other[1]):
+                point.append(np.asarray(other[0]))
+            else:
+                point.append(np.asarray(safe.get(j, 1.0), a.aval.dtype))
+        return _finite_with_derivatives(eqn, point)
+
+
+def _finite_with_derivatives(eqn: JaxprEqn, point: list) -> bool:
+    point = [np.asarray(p).reshape(()) if np.size(p) == 1 else np.asarray(p) for p in point]
+    floats = [j for j, p in enumerate(point) if np.issubdtype(p.dtype, np.inexact)]
+
+    def op(*xs):
+        vals = list(point)
+        for j, x in zip(floats, xs):
+            vals[j] = x
+        return bind_eqn(eqn, vals)[0]
+    try:
+        with jax.ensure_compile_time_eval():
+            args = [point[j] for j in floats]
+            outs = [np.asarray(op(*args))]
+            for j in range(len(floats)):
+                tangents = [np.ones_like(a) if n == j else np.zeros_like(a)
+                            for n, a in enumerate(args)]
+                outs.append(np.asarray(jax.jvp(op, args, tangents)[1]))
+    except Exception:  # noqa: BLE001 - unknown: keep the guard
+        return False
+    return all(bool(np.all(np.isfinite(o))) for o in outs)
+
+
+def _shape_of(atom) -> tuple:
+    return tuple(atom.aval.shape)
+
+
 def _contains_hazard(closed: ClosedJaxpr) -> bool:
     """Whether a sub-jaxpr can make NaN/inf from finite inputs (recursively)."""
     for eqn in closed.jaxpr.eqns:
@@ -257,7 +374,6 @@ class Plan:
     sites: dict[int, Site]
     reemit: set[int]
     selections: set[int]
-    needed: set
     nested: dict[int, dict]
     masked: dict[int, list]
     report: Report
@@ -326,6 +442,16 @@ def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) ->
                 stack.extend(u for u in e.invars if isinstance(u, Var))
 
     sites: dict[int, Site] = {}
+    producer = {o: i for i, e in enumerate(eqns) for o in e.outvars}
+    reads: dict = {}
+    for e in eqns:
+        for v in e.invars:
+            if isinstance(v, Var):
+                reads[v] = reads.get(v, 0) + 1
+    for v in jaxpr.outvars:
+        if isinstance(v, Var):
+            reads[v] = reads.get(v, 0) + 1
+    dropped = DroppedValues(closed, sites, producer, reads)
     masked: dict[int, list] = {}
     selections: set[int] = set()
     changed: set = set()
@@ -348,6 +474,8 @@ def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) ->
             if guard is not None:
                 for k, value in guard.safe.items():
                     if k < len(eqn.invars) and diff[k] and op_kinds[k] != L.Kind.LIVE:
+                        if dropped.guard_is_noop(eqn, k, guard.safe):
+                            continue  # e.g. div(_, exp(guarded x)): exp(0) = 1 there already
                         replace[k], reasons[k] = value, "table"
             if eqn.primitive not in LINEAR:
                 for k, v in enumerate(eqn.invars):
@@ -390,19 +518,9 @@ def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) ->
         if out_tainted:
             tainted.update(o for o in eqn.outvars if L.is_float(o))
 
-    # Masks needed: the guarded outputs, and everything they flow into.
-    needed: set = set()
-    for i in (*sites, *masked):
-        needed.update(o for o in eqns[i].outvars if sweep.kind(o) == L.Kind.MAYBE)
-    for i, eqn in enumerate(eqns):
-        if any(d and isinstance(v, Var) and v in needed for d, v in zip(sweep.diff[i], eqn.invars)):
-            needed.update(o for o in eqn.outvars if sweep.kind(o) == L.Kind.MAYBE)
-
     report.sites = list(sites.values())
     report.selections = [eqns[i] for i in sorted(selections)]
-    producer = {o: i for i, e in enumerate(eqns) for o in e.outvars}
-    return Plan(closed, sweep, sites, reemit, selections, needed, nested, masked, report,
-                producer)
+    return Plan(closed, sweep, sites, reemit, selections, nested, masked, report, producer)
 
 
 # --------------------------------------------------------------------------- emission
