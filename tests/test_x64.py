@@ -12,6 +12,9 @@ from test_guard_table import (CASES, CASE_IDS, SECOND_ORDER, check_case_uses_its
                               check_forward_is_bitwise, check_gradient_matches_twin,
                               check_plain_gradient_is_broken, check_second_order_matches_twin)
 
+# The float64 half of test_transparency.py (its DTYPES is ("float64",) in this session).
+from test_transparency import *
+
 F64 = jnp.float64
 cases = pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 

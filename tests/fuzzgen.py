@@ -1,0 +1,1053 @@
+"""Random programs for differential fuzzing of `jaxsafe.nan_safe`, and their hand-guarded twins.
+
+A program is data: a tuple of output expressions over four inputs of fixed shape,
+
+    x: f32[4]   y: f32[4]   m: f32[3, 4]   s: f32[]
+
+built from NaN-prone operations (HAZARDS), selections that drop lanes (`jnp.where`, a where whose
+predicate is computed from the selected value itself, `jnp.maximum`/`jnp.minimum`, `jnp.clip`,
+slicing and indexing), shape changes (broadcasts, reductions, dot products) and control flow (a
+`lax.scan` and a `lax.cond` whose bodies contain selections and hazards). Every expression is a
+tree: no intermediate value is shared, except where the grammar says so (the predicate of
+`swhere` reads the value it selects), so the liveness of every lane is unambiguous.
+
+`emit(program, guarded)` writes it as Python source, and `build` executes that source:
+
+- `guarded=False`: the natural program, as a JAX user writes it;
+- `guarded=True`: its *twin*, the same program with every hazard whose output lanes are dropped
+  written with the hand-made double where, `H(jnp.where(live, x, SAFE))`, where `live` is built
+  from the same conditions as the selections that drop the lanes (the predicate of a where, the
+  decision of max/min/clip on the original values, the lanes a slice keeps, ...). Predicates and
+  decisions always read the original values. Max/min/clip whose operand was guarded are written
+  as a select on the original decision (a guarded operand must not turn a loss into a tie).
+
+The liveness rules of the twin are those of docs/how-it-works.md: reductions and dot products keep
+a whole row (every lane that meets a live output), a broadcast source lane is live if any copy
+is, a scan's operands are live if any of its outputs is, its carries are live, and a cond
+operand is live where the taken branch reads it.
+
+The twin of a program is what a careful user writes by hand; the safe values are the ones of the
+guard table (docs/how-it-works.md, "Value guards"), so the twin and the rewrite compute the same
+numbers in dropped lanes too.
+
+Printing a program (`repr`) gives its natural source; `emit(p, True)` the twin's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+# --------------------------------------------------------------------------- vocabulary
+
+SHAPES = {"S": (), "R": (3,), "V": (4,), "M": (3, 4)}
+INPUTS = {"x": "V", "y": "V", "m": "M", "s": "S"}
+ARGS = ("x", "y", "m", "s")
+
+# NaN-prone unary operations: source template and the safe value of the guard table.
+HAZARDS = {
+    "sqrt": ("jnp.sqrt({})", 1.0),
+    "log": ("jnp.log({})", 1.0),
+    "log1p": ("jnp.log1p({})", 0.0),
+    "pow": ("{} ** 0.5", 1.0),
+    "arcsin": ("jnp.arcsin({})", 0.0),
+    "arccos": ("jnp.arccos({})", 0.0),
+    "arctanh": ("jnp.arctanh({})", 0.0),
+    "exp": ("jnp.exp({})", 0.0),
+    "recip": ("jnp.reciprocal({})", 1.0),
+}
+DIV_SAFE = 1.0  # the denominator of a / b
+
+SAFE_UNARY = {
+    "sin": "jnp.sin({})",
+    "tanh": "jnp.tanh({})",
+    "neg": "-{}",
+    "square": "jnp.square({})",
+}
+LINEAR_UNARY = {"neg"}
+BINOPS = {"add": "+", "sub": "-", "mul": "*"}
+CMPS = {"gt": ">", "lt": "<", "ge": ">=", "le": "<="}
+CONSTS = (0.0, 1.0, -1.0, 0.5, 2.0)
+CLIPS = ((-1.0, 1.0), (0.0, 1.0), (0.5, 2.0))
+
+# Values of the inputs: the boundaries of the hazards' domains, exp overflow, huge and tiny.
+SPECIAL = (1.0, 0.0, -1.0, 0.5, 2.0, -0.5, -0.0, 1e30, -1e30, 100.0, -100.0, 1e-30, 0.25, 3.0,
+           -2.0, 1.5)
+
+# --------------------------------------------------------------------------- programs
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    outputs: tuple  # expression trees, see `Gen`
+
+    def __repr__(self) -> str:
+        return emit(self, guarded=False)
+
+
+# Node forms (tuples):
+#   ("in", name)                       an input, or a body's leaf ("xi", "c", "u")
+#   ("const", c, shape_key)            jnp.full(shape, c)
+#   ("haz", kind, a)                   HAZARDS[kind](a)
+#   ("div", a, b)                      a / b
+#   ("un", kind, a)                    SAFE_UNARY[kind](a)
+#   ("bin", op, a, b)                  a op b (b may be a scalar)
+#   ("where", pred, a, b)              jnp.where(pred, a, b) (pred may be a scalar)
+#   ("swhere", cmp, c, h, fill, side)  h = ...; jnp.where(cmp(h, c), h, fill) (side 1) or
+#                                      jnp.where(cmp(h, c), fill, h) (side 0); cmp may be "isnan"
+#   ("max", a, b) / ("min", a, b)      jnp.maximum / jnp.minimum (b may be a scalar)
+#   ("clip", a, lo, hi)                jnp.clip(a, lo, hi)
+#   ("slice", "tail"|"head", a)        a[1:] / a[:3]               V -> R
+#   ("index", i, a)                    a[i]                        V, R -> S
+#   ("row", i, a) / ("col", j, a)      a[i] / a[:, j]              M -> V / M -> R
+#   ("reduce", op, axis, a)            jnp.sum/max/mean(a[, axis])
+#   ("dot", a, b)                      a @ b                       MV -> R, VV -> S, RM -> V
+#   ("bcast", to, a)                   jnp.broadcast_to            S -> any, V -> M, R -> M
+#   ("scan", xs, init, t, y, out)      lax.scan(lambda c, xi: (c + t, y), init, xs)[out]
+#   ("cond", pred, u, tb, fb)          lax.cond(pred, lambda u: tb, lambda u: fb, u)
+# Predicates:
+#   ("cmp", op, a, c)                  a op c  (a read for its value only)
+#   ("isnan", a)                       jnp.isnan(a)
+
+
+def shape_of(node, env: dict) -> str:
+    """Shape key of a node; `env` maps leaf names to shape keys."""
+    k = node[0]
+    if k == "in":
+        return env[node[1]]
+    if k == "const":
+        return node[2]
+    if k in ("haz", "un"):
+        return shape_of(node[2], env)
+    if k in ("div", "max", "min"):
+        return shape_of(node[1], env)
+    if k == "bin":
+        return shape_of(node[2], env)
+    if k == "where":
+        return shape_of(node[2], env)
+    if k == "swhere":
+        return shape_of(node[3], env)
+    if k == "clip":
+        return shape_of(node[1], env)
+    if k == "slice":
+        return "R"
+    if k == "index":
+        return "S"
+    if k == "row":
+        return "V"
+    if k == "col":
+        return "R"
+    if k == "reduce":
+        src, axis = shape_of(node[3], env), node[2]
+        return "S" if axis is None else ("V" if axis == 0 else "R")
+    if k == "dot":
+        return {("M", "V"): "R", ("V", "V"): "S", ("R", "M"): "V"}[
+            (shape_of(node[1], env), shape_of(node[2], env))]
+    if k == "bcast":
+        return node[1]
+    if k == "scan":
+        xs = shape_of(node[1], env)
+        return xs if node[5] == "ys" else {"V": "S", "M": "V"}[xs]
+    if k == "cond":
+        return shape_of(node[2], env)
+    raise ValueError(node)
+
+
+def _diff_children(node):
+    """Children reached through a differentiable edge (not predicates)."""
+    k = node[0]
+    if k in ("in", "const"):
+        return ()
+    if k in ("haz", "un"):
+        return (node[2],)
+    if k in ("div", "max", "min", "dot"):
+        return (node[1], node[2])
+    if k == "bin":
+        return (node[2], node[3])
+    if k == "where":
+        return (node[2], node[3])
+    if k == "swhere":
+        return (node[3], node[4])
+    if k == "clip":
+        return (node[1],)
+    if k in ("slice", "index", "row", "col", "bcast"):
+        return (node[2],)
+    if k == "reduce":
+        return (node[3],)
+    if k == "scan":
+        return (node[1], node[2], node[3], node[4])
+    if k == "cond":
+        return (node[2], node[3], node[4])
+    raise ValueError(node)
+
+
+def walk(node):
+    """Every node of a tree, predicates and bodies included."""
+    yield node
+    k = node[0]
+    if k == "cmp":
+        kids = [node[2]]
+    elif k == "isnan":
+        kids = [node[1]]
+    else:
+        kids = list(_diff_children(node))
+        if k in ("where", "cond"):
+            kids.append(node[1])
+    for c in kids:
+        yield from walk(c)
+
+
+# --------------------------------------------------------------------------- generation
+
+
+class Gen:
+    """Draws one program. `budget` bounds the number of nodes."""
+
+    def __init__(self, draw, budget: int):
+        self.draw = draw
+        self.budget = budget
+        self.control_flow = 1  # at most one scan or cond per program (compile time)
+
+    def pick(self, options):
+        return self.draw(st.sampled_from(options))
+
+    def const(self):
+        return self.pick(CONSTS)
+
+    # -- leaves ------------------------------------------------------------------------
+    def leaf(self, shape: str, env: dict, top: bool):
+        names = [n for n, s in env.items() if s == shape]
+        options = [("in", n) for n in names]
+        if top:
+            if shape == "R":
+                options += [("slice", "tail", ("in", "x")), ("col", 1, ("in", "m")),
+                            ("slice", "head", ("in", "y"))]
+            if shape == "S":
+                options += [("index", 0, ("in", "x")), ("index", 2, ("in", "y"))]
+        if not options or self.draw(st.integers(0, 5)) == 0:
+            options.append(("const", self.const(), shape))
+        return self.pick(options)
+
+    # -- predicates ----------------------------------------------------------------------
+    def pred(self, shape: str, env: dict, top: bool, depth: int):
+        """A predicate of `shape`, or a scalar one (broadcast by jnp.where)."""
+        pshape = shape if shape == "S" or not self.draw(st.booleans()) else "S"
+        kinds = ["cmp", "cmp", "cmp"] + (["isnan"] if top else [])
+        kind = self.pick(kinds)
+        if kind == "isnan":  # a NaN test on a hazard computed separately
+            return ("isnan", ("haz", self.pick(sorted(HAZARDS)),
+                              self.expr(pshape, env, top, depth - 1, False)))
+        a = self.expr(pshape, env, top, min(depth - 1, 1), False)
+        return ("cmp", self.pick(sorted(CMPS)), a, self.const())
+
+    # -- expressions ---------------------------------------------------------------------
+    def expr(self, shape: str, env: dict, top: bool, depth: int, under_drop: bool):
+        """An expression of `shape`. `under_drop`: some selection above may drop its lanes."""
+        if depth <= 0 or self.budget <= 0:
+            return self.leaf(shape, env, top)
+        self.budget -= 1
+        if under_drop:  # below a selection: mostly hazards
+            kinds = ["leaf"] * 2 + ["haz"] * 7 + ["div"] * 2 + ["un", "bin", "bin"] + \
+                ["where", "guarded", "swhere", "max", "min", "clip"]
+        else:  # above: mostly selections
+            kinds = ["leaf", "haz", "haz", "div", "un", "bin", "bin"] + ["where"] * 3 + \
+                ["guarded"] * 3 + ["swhere"] * 3 + ["max", "min", "clip"]
+        if top:
+            kinds += ["shape"] * (2 if under_drop else 4)
+            if self.control_flow and shape in ("S", "V", "M"):
+                kinds += ["scan"] * 2
+            if self.control_flow:
+                kinds += ["cond"] * 2
+        kind = self.pick(kinds)
+        d = depth - 1
+        sub = lambda shp, drop=under_drop: self.expr(shp, env, top, d, drop)  # noqa: E731
+        if kind == "leaf":
+            return self.leaf(shape, env, top)
+        if kind == "haz":
+            return ("haz", self.pick(sorted(HAZARDS)), sub(shape))
+        if kind == "div":
+            return ("div", sub(shape), sub(shape))
+        if kind == "un":
+            return ("un", self.pick(sorted(SAFE_UNARY)), sub(shape))
+        if kind == "bin":
+            bshape = "S" if top and shape != "S" and self.draw(st.booleans()) else shape
+            return ("bin", self.pick(sorted(BINOPS)), sub(shape), sub(bshape))
+        if kind == "where":
+            p = self.pred(shape, env, top, depth)
+            return ("where", p, sub(shape, True), sub(shape, True))
+        if kind == "guarded":
+            # the textbook case: the predicate tests the hazard's own operand (computed again),
+            # jnp.where(a > c, sqrt(a), b)
+            a = sub(shape, True)
+            p = ("cmp", self.pick(sorted(CMPS)), a, self.const())
+            h = ("haz", self.pick(sorted(HAZARDS)), a)
+            if self.draw(st.booleans()):
+                return ("where", p, h, sub(shape, True))
+            return ("where", p, sub(shape, True), h)
+        if kind == "swhere":
+            cmp = self.pick(["isnan", "gt", "lt", "ge"] if top else ["gt", "lt", "ge"])
+            h = ("haz", self.pick(sorted(HAZARDS)), sub(shape, True))
+            return ("swhere", cmp, self.const(), h, sub(shape, True), self.draw(st.integers(0, 1)))
+        if kind in ("max", "min"):
+            bshape = "S" if top and shape != "S" and self.draw(st.booleans()) else shape
+            return (kind, sub(shape, True), sub(bshape, True))
+        if kind == "clip":
+            lo, hi = self.pick(CLIPS)
+            return ("clip", sub(shape, True), lo, hi)
+        if kind == "shape":
+            return self.shape_change(shape, env, d, under_drop)
+        if kind == "scan":
+            return self.scan(shape, env, d, under_drop)
+        if kind == "cond":
+            return self.cond(shape, env, d, under_drop)
+        raise AssertionError(kind)
+
+    def shape_change(self, shape, env, d, under_drop):
+        sub = lambda shp, drop=under_drop: self.expr(shp, env, True, d, drop)  # noqa: E731
+        reduce_op = lambda: self.pick(["sum", "max", "mean"])  # noqa: E731
+        options = {
+            "S": ["index", "reduceV", "reduceR", "dotVV"],
+            "R": ["slice", "col", "reduceM1", "dotMV", "bcastS"],
+            "V": ["row", "reduceM0", "dotRM", "bcastS"],
+            "M": ["bcastV", "bcastR", "bcastS"],
+        }[shape]
+        kind = self.pick(options)
+        if kind == "index":
+            src = self.pick(["V", "R"])
+            return ("index", self.draw(st.integers(0, SHAPES[src][0] - 1)), sub(src, True))
+        if kind == "reduceV":
+            return ("reduce", reduce_op(), None, sub("V"))
+        if kind == "reduceR":
+            return ("reduce", reduce_op(), None, sub("R"))
+        if kind == "dotVV":
+            return ("dot", sub("V"), sub("V"))
+        if kind == "slice":
+            return ("slice", self.pick(["tail", "head"]), sub("V", True))
+        if kind == "col":
+            return ("col", self.draw(st.integers(0, 3)), sub("M", True))
+        if kind == "reduceM1":
+            return ("reduce", reduce_op(), 1, sub("M"))
+        if kind == "reduceM0":
+            return ("reduce", reduce_op(), 0, sub("M"))
+        if kind == "dotMV":
+            return ("dot", sub("M"), sub("V"))
+        if kind == "dotRM":
+            return ("dot", sub("R"), sub("M"))
+        if kind == "row":
+            return ("row", self.draw(st.integers(0, 2)), sub("M", True))
+        if kind == "bcastS":
+            return ("bcast", shape, sub("S"))
+        if kind == "bcastV":
+            return ("bcast", "M", sub("V"))
+        if kind == "bcastR":
+            return ("bcast", "M", sub("R"))
+        raise AssertionError(kind)
+
+    def body_expr(self, shape, env, depth):
+        return self.expr(shape, env, False, depth, False)
+
+    def scan(self, shape, env, d, under_drop):
+        self.control_flow -= 1
+        # Output: the stacked per-step outputs ("ys") or the final carry. A carry is never
+        # placed under a selection: liveness does not flow into scan carries from outside
+        # (docs/how-it-works.md, Limitations, "Liveness does not flow into while loops or scan
+        # carries from outside"), so a hazard dropped only through a carry is not guarded.
+        outs = []
+        if shape in ("V", "M"):
+            outs.append(("ys", shape))
+        if shape in ("S", "V") and not under_drop:
+            outs.append(("carry", {"S": "V", "V": "M"}[shape]))
+        if not outs:
+            self.control_flow += 1
+            return self.leaf(shape, env, True)
+        out, xs_shape = self.pick(outs)
+        elem = {"V": "S", "M": "V"}[xs_shape]
+        benv = {"c": elem, "xi": elem}
+        xs = self.expr(xs_shape, env, True, d, under_drop)
+        init = self.expr(elem, env, True, min(d, 1), under_drop)
+        t = self.body_expr(elem, benv, 2)
+        y = self.body_expr(elem, benv, 2)
+        return ("scan", xs, init, t, y, out)
+
+    def cond(self, shape, env, d, under_drop):
+        self.control_flow -= 1
+        p = ("cmp", self.pick(sorted(CMPS)), self.expr("S", env, True, min(d, 1), False),
+             self.const())
+        u = self.expr(shape, env, True, d, under_drop)
+        benv = {"u": shape}
+        return ("cond", p, u, self.body_expr(shape, benv, 2), self.body_expr(shape, benv, 2))
+
+
+@st.composite
+def programs(draw, max_nodes: int = 8, hazard_free: bool = False):
+    """A `Program` with one or two outputs. `hazard_free`: see `defang`."""
+    g = Gen(draw, draw(st.integers(2, max_nodes)))
+    n_out = draw(st.integers(1, 2))
+    outs = []
+    for _ in range(n_out):
+        shape = draw(st.sampled_from(["V", "S", "R", "M"]))
+        outs.append(g.expr(shape, INPUTS, True, draw(st.integers(2, 4)), False))
+    program = Program(tuple(outs))
+    return defang(program) if hazard_free else program
+
+
+def _element():
+    return st.one_of(st.sampled_from(SPECIAL),
+                     st.floats(-4.0, 4.0, width=32, allow_subnormal=False))
+
+
+@st.composite
+def inputs(draw):
+    """Arguments (x, y, m, s) as float32 numpy arrays."""
+    def arr(shape):
+        n = int(np.prod(shape, dtype=int))
+        vals = draw(st.lists(_element(), min_size=n, max_size=n))
+        return np.asarray(vals, np.float32).reshape(shape)
+    return tuple(arr(SHAPES[INPUTS[a]]) for a in ARGS)
+
+
+# --------------------------------------------------------------------------- hazard-free
+
+
+def defang(program: Program) -> Program:
+    """The same program with nothing for jaxsafe to guard: every hazard that sits under a
+    selection (or anywhere in a scan/cond body, or in a cond operand, which a branch may drop)
+    becomes `jnp.sin`, a division there becomes a product, and NaN tests become comparisons (a
+    NaN test, or a body with a hazard, makes jaxsafe treat values as possibly non-finite).
+    Hazards in live positions and in top-level predicates stay: jaxsafe must leave them
+    alone."""
+    def go(node, dropped: bool, body: bool):
+        k = node[0]
+        g = lambda n, d=dropped: go(n, d or body, body)  # noqa: E731
+        if k in ("in", "const"):
+            return node
+        if k == "haz":
+            return ("un", "sin", g(node[2])) if dropped or body else ("haz", node[1], g(node[2]))
+        if k == "div":
+            a, b = g(node[1]), g(node[2])
+            return ("bin", "mul", a, b) if dropped or body else ("div", a, b)
+        if k == "un":
+            return ("un", node[1], g(node[2]))
+        if k == "bin":
+            return ("bin", node[1], g(node[2]), g(node[3]))
+        if k == "where":
+            return ("where", pred(node[1], body), g(node[2], True), g(node[3], True))
+        if k == "swhere":
+            cmp = "gt" if node[1] == "isnan" else node[1]
+            return ("swhere", cmp, node[2], g(node[3], True), g(node[4], True), node[5])
+        if k in ("max", "min"):
+            return (k, g(node[1], True), g(node[2], True))
+        if k == "clip":
+            return ("clip", g(node[1], True), node[2], node[3])
+        if k in ("slice", "index", "row", "col"):
+            return (k, node[1], g(node[2], True))
+        if k == "reduce":
+            return ("reduce", node[1], node[2], g(node[3]))
+        if k == "dot":
+            return ("dot", g(node[1]), g(node[2]))
+        if k == "bcast":
+            return ("bcast", node[1], g(node[2]))
+        if k == "scan":
+            return ("scan", g(node[1]), g(node[2]), go(node[3], True, True),
+                    go(node[4], True, True), node[5])
+        if k == "cond":
+            return ("cond", pred(node[1], body), g(node[2], True), go(node[3], True, True),
+                    go(node[4], True, True))
+        raise ValueError(node)
+
+    def pred(p, body: bool):
+        if p[0] == "isnan":
+            p = ("cmp", "gt", p[1], 0.0)
+        if body:  # a hazard in a body, even in a predicate, taints the loop's outputs
+            return ("cmp", p[1], go(p[2], True, True), p[3])
+        return ("cmp", p[1], no_nan_test(p[2]), p[3])
+
+    def no_nan_test(node):  # a predicate's operand: hazards stay, NaN tests go
+        k = node[0]
+        if k == "where":
+            return ("where", pred(node[1], False), no_nan_test(node[2]), no_nan_test(node[3]))
+        if k == "swhere" and node[1] == "isnan":
+            node = ("swhere", "gt") + node[2:]
+        if k == "cond":
+            return go(node, False, False)
+        kids = _diff_children(node)
+        if not kids:
+            return node
+        new = {id(c): no_nan_test(c) for c in kids}
+        return tuple(new.get(id(x), x) if isinstance(x, tuple) else x for x in node)
+
+    return Program(tuple(go(o, False, False) for o in program.outputs))
+
+
+# --------------------------------------------------------------------------- emission
+
+
+class _Emitter:
+    """Writes the statements of one function body (or a nested body) as source lines."""
+
+    def __init__(self, counter, indent: int, env: dict):
+        self.counter = counter
+        self.indent = indent
+        self.env = env            # leaf -> shape key
+        self.lines: list[str] = []
+        self.taint_inputs: set = set()  # twin, top level: inputs jaxsafe may treat as non-finite
+        self.events: set = set()        # twin: shapes that meet an open jaxsafe bug (KNOWN_BUGS)
+        self.ocache: dict = {}
+
+    def let(self, expr: str, prefix: str = "v") -> str:
+        name = f"{prefix}{next(self.counter)}"
+        self.lines.append("    " * self.indent + f"{name} = {expr}")
+        return name
+
+    def line(self, text: str):
+        self.lines.append("    " * self.indent + text)
+
+    def shape(self, node) -> tuple:
+        return SHAPES[shape_of(node, self.env)]
+
+    # -- the natural program ---------------------------------------------------------------
+    def ev(self, node, names: dict) -> str:
+        """The natural program; `names` maps leaves to variable names."""
+        k = node[0]
+        ev = lambda n: self.ev(n, names)  # noqa: E731
+        if k == "in":
+            return names[node[1]]
+        if k == "const":
+            return self.let(f"jnp.full({SHAPES[node[2]]}, {node[1]!r})")
+        if k == "haz":
+            return self.let(HAZARDS[node[1]][0].format(ev(node[2])))
+        if k == "div":
+            a = ev(node[1])
+            return self.let(f"{a} / {ev(node[2])}")
+        if k == "un":
+            return self.let(SAFE_UNARY[node[1]].format(ev(node[2])))
+        if k == "bin":
+            a = ev(node[2])
+            return self.let(f"{a} {BINOPS[node[1]]} {ev(node[3])}")
+        if k == "where":
+            p = self.pred(node[1], names)
+            a = ev(node[2])
+            return self.let(f"jnp.where({p}, {a}, {ev(node[3])})")
+        if k == "swhere":
+            _, cmp, c, h, fill, side = node
+            h = ev(h)
+            p = self.let(self.cmp_src(cmp, h, c), "p")
+            f = ev(fill)
+            return self.let(f"jnp.where({p}, {h}, {f})" if side else f"jnp.where({p}, {f}, {h})")
+        if k in ("max", "min"):
+            a = ev(node[1])
+            fn = "maximum" if k == "max" else "minimum"
+            return self.let(f"jnp.{fn}({a}, {ev(node[2])})")
+        if k == "clip":
+            return self.let(f"jnp.clip({ev(node[1])}, {node[2]!r}, {node[3]!r})")
+        if k == "slice":
+            return self.let(f"{ev(node[2])}[1:]" if node[1] == "tail" else f"{ev(node[2])}[:3]")
+        if k in ("index", "row"):
+            return self.let(f"{ev(node[2])}[{node[1]}]")
+        if k == "col":
+            return self.let(f"{ev(node[2])}[:, {node[1]}]")
+        if k == "reduce":
+            axis = "" if node[2] is None else f", axis={node[2]}"
+            return self.let(f"jnp.{node[1]}({ev(node[3])}{axis})")
+        if k == "dot":
+            a = ev(node[1])
+            return self.let(f"{a} @ {ev(node[2])}")
+        if k == "bcast":
+            a, src = ev(node[2]), shape_of(node[2], self.env)
+            if src == "R":
+                a = f"{a}[:, None]"
+            return self.let(f"jnp.broadcast_to({a}, {SHAPES[node[1]]})")
+        if k == "scan":
+            return self.scan(node, names)
+        if k == "cond":
+            return self.cond(node, names)
+        raise ValueError(node)
+
+    @staticmethod
+    def cmp_src(cmp, h, c):
+        return f"jnp.isnan({h})" if cmp == "isnan" else f"{h} {CMPS[cmp]} {c!r}"
+
+    def pred(self, p, names) -> str:
+        if p[0] == "cmp":
+            return self.let(f"{self.ev(p[2], names)} {CMPS[p[1]]} {p[3]!r}", "p")
+        if p[0] == "isnan":
+            return self.let(f"jnp.isnan({self.ev(p[1], names)})", "p")
+        raise ValueError(p)
+
+    def sub(self, env: dict) -> "_Emitter":
+        e = _Emitter(self.counter, self.indent + 1, env)
+        e.events = self.events
+        return e
+
+    def scan(self, node, names) -> str:
+        _, xs, init, t, y, out = node
+        xs_v, init_v = self.ev(xs, names), self.ev(init, names)
+        elem = {"V": "S", "M": "V"}[shape_of(xs, self.env)]
+        fn = f"body{next(self.counter)}"
+        b = self.sub({"c": elem, "xi": elem})
+        bn = {"c": "c", "xi": "xi"}
+        tv = b.ev(t, bn)
+        yv = b.ev(y, bn)
+        b.line(f"return c + {tv}, {yv}")
+        self.line(f"def {fn}(c, xi):")
+        self.lines += b.lines
+        return self.let(f"lax.scan({fn}, {init_v}, {xs_v})[{0 if out == 'carry' else 1}]")
+
+    def cond(self, node, names) -> str:
+        _, p, u, tb, fb = node
+        pv = self.pred(p, names)
+        uv = self.ev(u, names)
+        fns = []
+        for br in (tb, fb):
+            fn = f"branch{next(self.counter)}"
+            b = self.sub({"u": shape_of(u, self.env)})
+            b.line(f"return {b.ev(br, {'u': 'u'})}")
+            self.line(f"def {fn}(u):")
+            self.lines += b.lines
+            fns.append(fn)
+        return self.let(f"lax.cond({pv}, {fns[0]}, {fns[1]}, {uv})")
+
+    # -- masks -------------------------------------------------------------------------------
+    # A mask is a variable name (bool array of the node's shape, True: live) or None (all
+    # live). Decisions read the original values (`orig`).
+
+    def orig(self, node, env2) -> str:
+        if node not in self.ocache:
+            self.ocache[node] = self.ev(node, {n: o for n, (o, g) in env2.items()})
+        return self.ocache[node]
+
+    def orig_pred(self, p, env2) -> str:
+        key = ("pred", p)
+        if key not in self.ocache:
+            self.ocache[key] = self.pred(p, {n: o for n, (o, g) in env2.items()})
+        return self.ocache[key]
+
+    def AND(self, m, c):
+        return c if m is None else self.let(f"{m} & {c}", "k")
+
+    def NOT(self, c):
+        return self.let(f"~{c}", "k")
+
+    def full(self, m, shape):
+        return self.let(f"jnp.ones({shape}, bool)", "k") if m is None else m
+
+    def bto(self, expr, shape):
+        return self.let(f"jnp.broadcast_to({expr}, {shape})", "k")
+
+    def fit(self, m, child_shape, node_shape):
+        """The mask an operand of `child_shape` sees; a scalar operand is live where any lane
+        it is broadcast to is."""
+        if m is None or child_shape == node_shape:
+            return m
+        assert child_shape == ()
+        return self.let(f"jnp.any({m})", "k")
+
+    def pred_shape(self, p) -> str:
+        return shape_of(p[2] if p[0] == "cmp" else p[1], self.env)
+
+    def child_masks(self, node, env2, m) -> list:
+        """The masks of the differentiable children (`_diff_children` order), given the
+        node's mask `m`. Selections compute their decisions from the original values."""
+        k = node[0]
+        shape = self.shape(node)
+        if k in ("haz", "un"):
+            return [m]
+        if k == "div":
+            return [m, m]
+        if k == "bin":
+            return [self.fit(m, self.shape(node[2]), shape),
+                    self.fit(m, self.shape(node[3]), shape)]
+        if k == "where":
+            p = self.orig_pred(node[1], env2)
+            pb = p if SHAPES[self.pred_shape(node[1])] == shape else self.bto(p, shape)
+            return [self.AND(m, pb), self.AND(m, self.NOT(pb))]
+        if k == "swhere":
+            _, cmp, c, h, fill, side = node
+            p = self.let(self.cmp_src(cmp, self.orig(h, env2), c), "p")
+            np_ = self.NOT(p)
+            mh, mf = (p, np_) if side else (np_, p)
+            return [self.AND(m, mh), self.AND(m, mf)]
+        if k in ("max", "min"):
+            # the losing operand is dropped; on a tie or a NaN both stay live
+            ao, bo = self.orig(node[1], env2), self.orig(node[2], env2)
+            gt = ">" if k == "max" else "<"
+            a_live = self.bto(f"~({bo} {gt} {ao})", shape)
+            b_live = self.bto(f"~({ao} {gt} {bo})", shape)
+            return [self.AND(m, a_live),
+                    self.fit(self.AND(m, b_live), self.shape(node[2]), shape)]
+        if k == "clip":  # jnp.clip(a, lo, hi) is jnp.minimum(hi, jnp.maximum(lo, a))
+            _, a, lo, hi = node
+            ao = self.orig(a, env2)
+            mx = self.let(f"jnp.maximum({lo!r}, {ao})")
+            live = self.let(f"~({hi!r} < {mx}) & ~({lo!r} > {ao})", "k")
+            return [self.AND(m, live)]
+        if k == "slice":
+            keep = ("[False, True, True, True]" if node[1] == "tail"
+                    else "[True, True, True, False]")
+            if m is None:
+                return [self.let(f"jnp.array({keep})", "k")]
+            pad = (f"[jnp.zeros(1, bool), {m}]" if node[1] == "tail"
+                   else f"[{m}, jnp.zeros(1, bool)]")
+            return [self.let(f"jnp.concatenate({pad})", "k")]
+        if k == "index":
+            n = self.shape(node[2])[0]
+            return [self.AND(m, self.let(f"jnp.arange({n}) == {node[1]}", "k"))]
+        if k == "row":
+            onehot = self.bto(f"(jnp.arange(3) == {node[1]})[:, None]", (3, 4))
+            return [onehot if m is None else self.let(f"{onehot} & {m}[None, :]", "k")]
+        if k == "col":
+            onehot = self.bto(f"(jnp.arange(4) == {node[1]})[None, :]", (3, 4))
+            return [onehot if m is None else self.let(f"{onehot} & {m}[:, None]", "k")]
+        if k == "reduce":  # every lane of a live row is live
+            src = self.shape(node[3])
+            if m is None:
+                return [None]
+            if node[2] is None:
+                return [self.bto(m, src)]
+            return [self.bto(f"{m}[None, :]" if node[2] == 0 else f"{m}[:, None]", src)]
+        if k == "dot":  # an operand lane is live if any output it is multiplied into is
+            sa, sb = shape_of(node[1], self.env), shape_of(node[2], self.env)
+            if m is None:
+                return [None, None]
+            if (sa, sb) == ("M", "V"):
+                return [self.bto(f"{m}[:, None]", (3, 4)), self.bto(f"jnp.any({m})", (4,))]
+            if (sa, sb) == ("V", "V"):
+                return [self.bto(m, (4,)), self.bto(m, (4,))]
+            return [self.bto(f"jnp.any({m})", (3,)), self.bto(f"{m}[None, :]", (3, 4))]
+        if k == "bcast":  # a source lane is live if any of its copies is
+            if m is None:
+                return [None]
+            src = shape_of(node[2], self.env)
+            if src == "S":
+                return [self.let(f"jnp.any({m})", "k")]
+            return [self.let(f"jnp.any({m}, axis={0 if src == 'V' else 1})", "k")]
+        raise ValueError(node)
+
+    # -- the twin ------------------------------------------------------------------------------
+    # `tw` returns (guarded variable, tainted, changed):
+    # - tainted: jaxsafe treats the value as possibly non-finite (docs/how-it-works.md,
+    #   "Operands that may be non-finite": a value tested with isnan and everything it is
+    #   computed from, scan and cond outputs whose bodies hold a NaN-prone primitive, and
+    #   everything computed from them that no guard cleaned). Where such an operand feeds a
+    #   non-linear operation whose output has dropped lanes, the twin replaces it by 0 in its
+    #   dropped lanes, as jaxsafe documents.
+    # - changed: a guard or a replacement happened below; then a max/min/clip above is written
+    #   as a select on its original decision ("Implicit selections").
+    # `maybe`: the node's output may have dropped lanes (a selection above it);
+    # `tested`: the node is a value tested with isnan, or one it is computed from.
+
+    def zero(self, v, mv):
+        return self.let(f"jnp.where({mv}, {v}, 0.0)", "g")
+
+    def tw(self, node, env2, m, maybe: bool, tested: bool):
+        assert (m is not None) == maybe, (node, m, maybe)
+        k = node[0]
+        if k == "in":
+            return env2[node[1]][1], node[1] in self.taint_inputs, False
+        if k == "const":
+            return self.ev(node, {}), tested, False
+        if k == "scan":
+            return self.tw_scan(node, env2, m, maybe, tested)
+        if k == "cond":
+            return self.tw_cond(node, env2, m, maybe, tested)
+        kids = _diff_children(node)
+        cms = self.child_masks(node, env2, m)
+        kid_maybe = maybe or k in DROPS
+        res = []
+        for i, (c, cm) in enumerate(zip(kids, cms)):
+            t = tested or (k == "swhere" and node[1] == "isnan" and i == 0)
+            res.append(self.tw(c, env2, cm, kid_maybe, t))
+        gs = [r[0] for r in res]
+        taints = [r[1] for r in res]
+        changed = any(r[2] for r in res)
+        # operands replaced in dropped lanes: the table operand of a hazard (its safe value),
+        # possibly non-finite operands of a non-linear operation (0)
+        zeroed = [False] * len(kids)
+        if maybe and _is_nonlinear(node):
+            zeroed = [t and not (k == "haz" or (k == "div" and i == 1))
+                      for i, t in enumerate(taints)]
+        for i, z in enumerate(zeroed):
+            if z:
+                gs[i] = self.zero(gs[i], cms[i])
+        table = maybe and k in ("haz", "div")
+        site = table or any(zeroed)
+        cleaned = [z or (table and (k == "haz" or i == 1)) for i, z in enumerate(zeroed)]
+        tainted = tested or any(t and not c for t, c in zip(taints, cleaned))
+        # a value without dropped lanes is bitwise the original: never "changed"
+        out_changed = maybe and (changed or site)
+
+        if k == "haz":
+            (a,) = gs
+            if maybe:
+                a = self.let(f"jnp.where({m}, {a}, {HAZARDS[node[1]][1]!r})", "g")
+            return self.let(HAZARDS[node[1]][0].format(a)), tainted, out_changed
+        if k == "div":
+            a, b = gs
+            if maybe:
+                b = self.let(f"jnp.where({m}, {b}, {DIV_SAFE!r})", "g")
+            return self.let(f"{a} / {b}"), tainted, out_changed
+        if k == "un":
+            return self.let(SAFE_UNARY[node[1]].format(gs[0])), tainted, out_changed
+        if k == "bin":
+            return self.let(f"{gs[0]} {BINOPS[node[1]]} {gs[1]}"), tainted, out_changed
+        if k == "where":
+            p = self.orig_pred(node[1], env2)
+            return self.let(f"jnp.where({p}, {gs[0]}, {gs[1]})"), tainted, out_changed
+        if k == "swhere":
+            _, cmp, c, h, fill, side = node
+            p = self.let(self.cmp_src(cmp, self.orig(h, env2), c), "p")
+            hg, fg = gs
+            return (self.let(f"jnp.where({p}, {hg}, {fg})" if side else
+                             f"jnp.where({p}, {fg}, {hg})"), tainted, out_changed)
+        if k in ("max", "min"):
+            a, b = gs
+            fn = "maximum" if k == "max" else "minimum"
+            if not changed:
+                return self.let(f"jnp.{fn}({a}, {b})"), tainted, False
+            ao, bo = self.orig(node[1], env2), self.orig(node[2], env2)
+            gt = ">" if k == "max" else "<"
+            return (self.let(f"jnp.where({ao} {gt} {bo}, {a}, jnp.where({bo} {gt} {ao}, {b}, "
+                             f"jnp.{fn}({a}, {b})))"), tainted, maybe)
+        if k == "clip":
+            return self.tw_clip(node, env2, gs[0], changed, tainted, maybe)
+        if k == "slice":
+            return (self.let(f"{gs[0]}[1:]" if node[1] == "tail" else f"{gs[0]}[:3]"),
+                    tainted, out_changed)
+        if k in ("index", "row"):
+            return self.let(f"{gs[0]}[{node[1]}]"), tainted, out_changed
+        if k == "col":
+            return self.let(f"{gs[0]}[:, {node[1]}]"), tainted, out_changed
+        if k == "reduce":
+            op, axis, a = node[1], node[2], gs[0]
+            ax = "" if axis is None else f", axis={axis}"
+            if op != "mean":
+                return self.let(f"jnp.{op}({a}{ax})"), tainted, out_changed
+            # jnp.mean is a sum (linear) and a division (not linear, by a literal): the sum
+            # is what a replacement would zero
+            src = self.shape(node[3])
+            n = src[0] if axis is None else src[axis]
+            if not (maybe and (tested or taints[0])):
+                return self.let(f"jnp.mean({a}{ax})"), tested or taints[0], changed
+            total = self.zero(self.let(f"jnp.sum({a}{ax})"), m)
+            return self.let(f"{total} / {float(n)!r}"), tested, True
+        if k == "dot":
+            return self.let(f"{gs[0]} @ {gs[1]}"), tainted, out_changed
+        if k == "bcast":
+            a = gs[0]
+            if shape_of(node[2], self.env) == "R":
+                a = f"{a}[:, None]"
+            return self.let(f"jnp.broadcast_to({a}, {SHAPES[node[1]]})"), tainted, out_changed
+        raise ValueError(node)
+
+    def tw_clip(self, node, env2, a, a_changed, tainted, maybe):
+        # jnp.clip(a, lo, hi) = min(hi, max(lo, a)): both re-decided on the original values
+        # when `a` changed below them
+        _, an, lo, hi = node
+        if not a_changed:
+            return self.let(f"jnp.clip({a}, {lo!r}, {hi!r})"), tainted, False
+        ao = self.orig(an, env2)
+        mx_o = self.let(f"jnp.maximum({lo!r}, {ao})")
+        mx = self.let(f"jnp.where({ao} > {lo!r}, {a}, jnp.where({lo!r} > {ao}, {lo!r}, "
+                      f"jnp.maximum({lo!r}, {a})))")
+        return (self.let(f"jnp.where({mx_o} < {hi!r}, {mx}, jnp.where({hi!r} < {mx_o}, "
+                         f"{hi!r}, jnp.minimum({hi!r}, {mx})))"), tainted, maybe)
+
+    def tw_scan(self, node, env2, m, maybe, tested):
+        # The operands of a scan are live as soon as any output is (jaxsafe's static rule for
+        # primitives without a liveness rule), its carries are live, and the per-step outputs
+        # take the mask from outside, step by step.
+        _, xs, init, t, y, out = node
+        xs_o, init_o = self.orig(xs, env2), self.orig(init, env2)
+        xs_g, xs_t, xs_c = self.tw(xs, env2, None, False, tested)
+        init_g, init_t, init_c = self.tw(init, env2, None, False, tested)
+        elem = {"V": "S", "M": "V"}[shape_of(xs, self.env)]
+        ym = m if out == "ys" else None
+        fn = f"body{next(self.counter)}"
+        b = self.sub({"c": elem, "xi": elem})
+        benv = {"c": ("c_o", "c_g"), "xi": ("xi_o", "xi_g")}
+        t_o = b.orig(t, benv)
+        t_g = b.tw(t, benv, None, False, False)[0]
+        y_g = b.tw(y, benv, None if ym is None else "my", ym is not None, False)[0]
+        b.line(f"return (c_o + {t_o}, c_g + {t_g}), {y_g}")
+        self.line(f"def {fn}(carry, inp):")
+        self.line("    c_o, c_g = carry")
+        self.line("    xi_o, xi_g, my = inp" if ym is not None else "    xi_o, xi_g = inp")
+        self.lines += b.lines
+        ins = f"({xs_o}, {xs_g}, {ym})" if ym is not None else f"({xs_o}, {xs_g})"
+        r = self.let(f"lax.scan({fn}, ({init_o}, {init_g}), {ins})")
+        tainted = tested or xs_t or init_t or _body_has_hazard(t) or _body_has_hazard(y)
+        # the operands are live, so a guard inside them changes no lane the scan reads
+        changed = maybe and out == "ys" and (_has_hazard(y) or _has_dropped_hazard(t))
+        return self.let(f"{r}[0][1]" if out == "carry" else f"{r}[1]"), tainted, changed
+
+    def tw_cond(self, node, env2, m, maybe, tested):
+        # A branch runs again on the guarded operand and decides on what it reads, so the
+        # operand is live wherever the taken branch reads it at all (predicates included) and
+        # its output is live: liveness through a cond is structural. Inside the branches the
+        # selections take the mask from outside.
+        _, p, u, tb, fb = node
+        pv = self.orig_pred(p, env2)
+        u_o = self.orig(u, env2)
+        ushape = shape_of(u, self.env)
+        reads = [any(n == ("in", "u") for n in walk(br)) for br in (tb, fb)]
+        if all(reads):
+            mu = m
+        else:
+            zeros = self.let(f"jnp.zeros({SHAPES[ushape]}, bool)", "k")
+            mt, mf = (self.full(m, SHAPES[ushape]) if r else zeros for r in reads)
+            mu = self.let(f"jnp.where({pv}, {mt}, {mf})", "k")
+        u_g, u_t, u_c = self.tw(u, env2, mu, mu is not None, tested)
+        zeroed = maybe and mu is not None and u_t  # cond is not linear
+        if zeroed:
+            u_g = self.zero(u_g, mu)
+        fns = []
+        for br in (tb, fb):
+            fn = f"branch{next(self.counter)}"
+            b = self.sub({"u": ushape})
+            benv = {"u": ("u_o", "u_g")}
+            b.line(f"return {b.tw(br, benv, 'mm' if maybe else None, maybe, False)[0]}")
+            self.line(f"def {fn}(ops):")
+            self.line("    u_o, u_g, mm = ops" if maybe else "    u_o, u_g = ops")
+            self.lines += b.lines
+            fns.append(fn)
+        ops = f"({u_o}, {u_g}, {m})" if maybe else f"({u_o}, {u_g})"
+        r = self.let(f"lax.cond({pv}, {fns[0]}, {fns[1]}, {ops})")
+        tainted = tested or (u_t and not zeroed) or _body_has_hazard(tb) or _body_has_hazard(fb)
+        changed = maybe and (u_c or zeroed or _has_hazard(tb) or _has_hazard(fb))
+        return r, tainted, changed
+
+
+DROPS = frozenset({"where", "swhere", "max", "min", "clip", "slice", "index", "row", "col"})
+
+
+def _is_nonlinear(node) -> bool:
+    """Whether jaxsafe counts the operation as not linear: a zero cotangent meets a value
+    (max/min/clip only select, so they count as linear)."""
+    k = node[0]
+    if k in ("haz", "div", "dot", "scan", "cond"):
+        return True
+    if k == "un":
+        return node[1] not in LINEAR_UNARY
+    if k == "bin":
+        return node[1] == "mul"
+    if k == "reduce":
+        return node[1] in ("max", "mean")
+    return False
+
+
+def _has_hazard(node) -> bool:
+    """A hazard in the differentiable part of a body expression."""
+    return node[0] in ("haz", "div") or any(_has_hazard(c) for c in _diff_children(node))
+
+
+def _has_dropped_hazard(node, dropped=False) -> bool:
+    """A hazard below a selection inside a body expression."""
+    if node[0] in ("haz", "div") and dropped:
+        return True
+    d = dropped or node[0] in DROPS
+    return any(_has_dropped_hazard(c, d) for c in _diff_children(node))
+
+
+def _body_has_hazard(node) -> bool:
+    """A NaN-prone primitive anywhere in a body, predicates included (jaxsafe then treats the
+    loop's or branch's outputs as possibly non-finite)."""
+    return any(n[0] in ("haz", "div") for n in walk(node))
+
+
+def _tested_inputs(program: Program) -> set:
+    """Inputs that jaxsafe treats as possibly non-finite: those a NaN test reads through a
+    differentiable path, when the test picks the lanes of a selection that is differentiated
+    (not one inside a predicate)."""
+    def closure(node, out):
+        k = node[0]
+        if k == "in":
+            out.add(node[1])
+            return
+        kids = (node[1], node[2]) if k == "scan" else (node[2],) if k == "cond" else \
+            _diff_children(node)
+        for c in kids:
+            closure(c, out)
+
+    names: set = set()
+
+    def visit(node, dead):
+        k = node[0]
+        if k == "cmp":
+            return visit(node[2], True)
+        if k == "isnan":
+            return visit(node[1], True)
+        if not dead and k == "where" and node[1][0] == "isnan":
+            closure(node[1][1], names)
+        if not dead and k == "swhere" and node[1] == "isnan":
+            closure(node[3], names)
+        if k in ("where", "cond"):
+            visit(node[1], True)
+        if k == "scan":  # bodies: no NaN tests there
+            kids = (node[1], node[2])
+        elif k == "cond":
+            kids = (node[2],)
+        else:
+            kids = _diff_children(node)
+        for c in kids:
+            visit(c, dead)
+
+    for o in program.outputs:
+        visit(o, False)
+    return names
+
+
+# Open jaxsafe bugs found by this fuzzer (tests/test_fuzz_regressions.py), by the shape of
+# program that meets them; `known_bugs(program)` says which a program may meet, so that a fuzz
+# run can go on looking for others while they are open (JAXSAFE_FUZZ_AVOID, tests/test_fuzz.py).
+KNOWN_BUGS: dict = {
+    # none open. Fixed (1260ac0): "maxmin-replaced-operand", a max/min/clip operand replaced as
+    # possibly non-finite was not re-decided; "cond-guarded-operand", a guarded cond operand
+    # flipped the branch's own selections.
+}
+
+
+def known_bugs(program: Program) -> set:
+    e = _Emitter(itertools.count(), 1, dict(INPUTS))
+    e.taint_inputs = _tested_inputs(program)
+    env2 = {a: (a, a) for a in ARGS}
+    for o in program.outputs:
+        e.tw(o, env2, None, False, False)
+    return set(e.events)
+
+
+def emit(program: Program, guarded: bool = False) -> str:
+    """Python source of `f(x, y, m, s)` (natural) or `twin(x, y, m, s)` (hand-guarded)."""
+    counter = itertools.count()
+    e = _Emitter(counter, 1, dict(INPUTS))
+    if guarded:
+        e.taint_inputs = _tested_inputs(program)
+        env2 = {a: (a, a) for a in ARGS}
+        outs = [e.tw(o, env2, None, False, False)[0] for o in program.outputs]
+        name = "twin"
+    else:
+        outs = [e.ev(o, {a: a for a in ARGS}) for o in program.outputs]
+        name = "f"
+    return "\n".join([f"def {name}({', '.join(ARGS)}):", *e.lines,
+                      f"    return ({', '.join(outs)},)"])
+
+
+_BUILT: dict = {}
+
+
+def build(program: Program, guarded: bool = False):
+    """The function `emit` writes, executed."""
+    key = (program, guarded)
+    if key not in _BUILT:
+        src = emit(program, guarded)
+        scope = {"jnp": jnp, "lax": lax, "jax": jax}
+        exec(compile(src, f"<fuzz {'twin' if guarded else 'f'}>", "exec"), scope)
+        if len(_BUILT) > 64:
+            _BUILT.clear()
+        _BUILT[key] = scope["twin" if guarded else "f"]
+    return _BUILT[key]

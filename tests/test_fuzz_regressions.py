@@ -1,0 +1,96 @@
+"""Failing examples found by the differential fuzzer (tests/test_fuzz.py), shrunk and written out.
+
+Each test is an explicit program `f`, its hand-guarded twin (what a careful user writes: the
+double where, decisions on the original values) and the inputs, checked with the fuzzer's own
+assertions (`compare_to_twin`: first and second order equal to the twin's, no NaN where the twin
+has none, equal to plain JAX where plain JAX is finite).
+
+An open bug is marked `xfail(strict=True)` (it fails loudly, XPASS, once fixed) and named in
+`fuzzgen.KNOWN_BUGS`, so that a fuzz run can skip it while it is open (JAXSAFE_FUZZ_AVOID). The
+two bugs below were fixed in 1260ac0.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxsafe import nan_safe
+
+from helpers import assert_bitwise
+from test_fuzz import compare_to_twin
+
+f32 = np.float32
+M0 = np.zeros((3, 4), f32)
+
+
+def _check(f, twin, args):
+    assert_bitwise(nan_safe(f)(*args), jax.jit(f)(*args))
+    compare_to_twin(f, twin, args)
+
+
+# --------------------------------------------------------------------------- maxmin-replaced-operand
+# A value that the program tests with isnan is "possibly non-finite", and so is everything it is
+# computed from. jaxsafe replaced such an operand by 0 in the lanes a max/min/clip drops (the
+# losing side), but re-decided the max/min on the original values only when an operand was
+# *changed below it*, not when its own operand was replaced. The replaced 0 then tied with, or
+# beat, the winner: the winner's derivative was halved or lost. (Fixed: max/min/clamp only
+# select, they are never taint-guarded, and always re-decided when an operand changed.)
+
+
+def test_isnan_filtered_maximum_keeps_the_winner_derivative():
+    # minimal form: d/dc of max(x, c) where c wins is 1; jaxsafe gives 0 (max(0, c) = 0 wins)
+    def f(x, y, m, s):
+        h = jnp.maximum(x, s)
+        return (jnp.where(jnp.isnan(h), 0., h),)
+
+    def twin(x, y, m, s):  # nothing to guard: the twin is f
+        h = jnp.maximum(x, s)
+        return (jnp.where(jnp.isnan(h), 0., h),)
+
+    _check(f, twin, (np.full(4, -2., f32), np.zeros(4, f32), M0, f32(-1.)))
+
+
+def test_isnan_filtered_minimum_does_not_split_on_a_replaced_zero():
+    # as shrunk by the fuzzer: min(2, x) with x = 0; the losing 2 is replaced by 0 and ties with
+    # x, so d/dx is halved (0.55 instead of 1.11 in lane 0)
+    def f(x, y, m, s):
+        h = jnp.arctanh(jnp.minimum(jnp.full((4,), 2.0), x))
+        return (jnp.where(jnp.isnan(h), x, h),)
+
+    def twin(x, y, m, s):
+        two = jnp.full((4,), 2.0)
+        h = jnp.arctanh(jnp.minimum(two, x))
+        live = ~jnp.isnan(h)
+        mn = jnp.where(two < x, two, jnp.where(x < two, x, jnp.minimum(two, x)))
+        return (jnp.where(jnp.isnan(h), x, jnp.arctanh(jnp.where(live, mn, 0.0))),)
+
+    _check(f, twin, (np.zeros(4, f32), np.zeros(4, f32), M0, f32(0.)))
+
+
+# --------------------------------------------------------------------------- cond-guarded-operand
+# A cond operand was guarded in the lanes the taken branch drops (liveness flowed out of the
+# branch). The guarded operand was then passed to the branch, whose own predicates read it: the
+# branch decided on the safe value. Here exp(-200) = 0 is dropped by `u > 0`, was guarded to
+# exp(0) = 1, and the branch then selected sqrt(1) = 1 instead of 0 in a lane that is live
+# outside: d/dy there was 1 instead of 0. (Fixed: liveness through a cond is structural, every
+# read keeps a lane live.)
+
+
+def test_cond_branch_decides_on_the_original_operand():
+    def f(x, y, m, s):
+        u = jnp.exp(x)
+        c = lax.cond(s > 0, lambda u: jnp.where(u > 0, jnp.sqrt(u), 0.), lambda u: u, u)
+        return (c * y,)
+
+    def twin(x, y, m, s):
+        u = jnp.exp(x)
+        live = jnp.where(s > 0, u > 0, jnp.ones((4,), bool))
+
+        def taken(ops):
+            u_o, u_g = ops
+            return jnp.where(u_o > 0, jnp.sqrt(jnp.where(u_o > 0, u_g, 1.)), 0.)
+        u_g = jnp.exp(jnp.where(live, x, 0.))
+        return (lax.cond(s > 0, taken, lambda ops: ops[1], (u, u_g)) * y,)
+
+    _check(f, twin, (np.array([-200., 1., 0., 1.], f32), np.ones(4, f32), M0, f32(1.)))
