@@ -427,6 +427,9 @@ def markdown(res: dict, images: list[tuple[str, str]]) -> str:
     lines += [md_table(["target", "met", "measured"],
                        [[t["target"], "met" if t["met"] else "**not met**", t["figure"]]
                         for t in res["targets"]]), ""]
+    analysis = HERE / "analysis.md"  # written by hand: why a target is missed, what was done
+    if analysis.exists() and not res["quick"]:
+        lines += [analysis.read_text().rstrip(), ""]
     return "\n".join(lines)
 
 

@@ -411,7 +411,9 @@ def test_attention_rows_with_no_key_give_zero_derivatives_of_every_order(name):
     assert_finite(d["finite"])
 
 
-@pytest.mark.parametrize("name", ["bias_minus_inf", "both_lens", "window_int_scale"])
+@pytest.mark.parametrize("name", ["bias_minus_inf",  # the other two in `make fuzz` (time)
+                                  pytest.param("both_lens", marks=pytest.mark.slow),
+                                  pytest.param("window_int_scale", marks=pytest.mark.slow)])
 def test_attention_gradients_against_finite_differences(name):
     config = dict(CONFIGS[name])
     bias = config.pop("bias", None)
@@ -435,7 +437,8 @@ def test_attention_gradients_against_finite_differences(name):
     check_grads(f, args, order=1, modes=("fwd",), atol=1e-2, rtol=1e-2, eps=1e-2)
 
 
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("heads", [pytest.param((4, 4), marks=pytest.mark.slow), (4, 2), (4, 1)],
+                         ids=["mha", "gqa", "mqa"])  # mha is the plain case, tested above
 def test_grouped_query_heads_and_unbatched_inputs(heads):
     n, kh = heads
     q, k, v = normal(B, T, n, H), normal(B, S, kh, H), normal(B, S, kh, H)
