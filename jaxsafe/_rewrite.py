@@ -247,14 +247,6 @@ class DroppedValues:
             if not isinstance(c, jax.core.Tracer) and np.size(c) <= _SMALL:
                 self.memo[v] = (np.asarray(c), True)
 
-    def constant(self, atom) -> Any:
-        known = self._get(atom)
-        return known[0] if known is not None and known[1] else None
-
-    def value(self, atom) -> Any:
-        known = self._get(atom)
-        return None if known is None else known[0]
-
     def _get(self, atom):
         """(value, is_constant) or None."""
         if isinstance(atom, Literal):
@@ -290,8 +282,8 @@ class DroppedValues:
                     return None
                 constant = False
             vals.append(known[0])
-        if constant and np.size(_shape_of(v)) and np.prod(_shape_of(v)) > _SMALL:
-            return None
+        if constant and int(np.prod(_shape_of(v))) > _SMALL:
+            return None  # a large constant array: not worth evaluating at rewrite time
         try:
             with jax.ensure_compile_time_eval():  # a constant, even while an outer jit traces
                 out = np.asarray(bind_eqn(eqn, vals)[0])
