@@ -623,7 +623,7 @@ class Sweep:
             return Kind.DEAD
         return self.kinds.get(atom, Kind.DEAD)
 
-    def masks(self, env, out_masks: Sequence[Mask], needed=None) -> Callable[[Any], Mask]:
+    def masks(self, env, out_masks: Sequence[Mask]) -> Callable[[Any], Mask]:
         """Returns `mask_of(var)`, which emits a variable's run-time mask on first demand.
 
         A demand walks only the region that the mask depends on: forward from the variable
