@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -486,6 +487,7 @@ Sym = frozenset
 TRUE: Sym = frozenset({frozenset()})
 FALSE: Sym = frozenset()
 _MAX_TERMS = 16
+_SMALL_CONSTANT = 64  # predicates computed from literals are folded up to this many lanes
 
 
 def opaque() -> Sym:
@@ -539,8 +541,10 @@ def sym_and_literal(a: Sym, literal: tuple) -> Sym:
     return _simplify({t | {literal} for t in a if negated not in t})
 
 
-def operand_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
-    """The static pass's rule: symbolic liveness of each operand."""
+def operand_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context,
+                 constant: Callable[[Any], Any] = lambda atom: None) -> list[Sym]:
+    """The static pass's rule: symbolic liveness of each operand. `constant(atom)` is the
+    atom's value when the program computes it from literals alone, else None."""
     n = len(eqn.invars)
     if all(not m for m in out_syms):
         return [FALSE] * n
@@ -550,6 +554,13 @@ def operand_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[S
         return [out_syms[0] if _shape(v) == out_shape else
                 (TRUE if out_syms[0] == TRUE else opaque()) for v in eqn.invars]
     pred = eqn.invars[0] if n else None  # iota, platform_index, ...: no operand
+    if eqn.primitive is P.select_n_p and not ctx.structural and n == 3 \
+            and pred.aval.dtype == jnp.bool_:
+        value = constant(pred)  # `jnp.where(True, a, b)`: b's side is dropped everywhere
+        if value is not None and (bool(np.all(value)) or not np.any(value)):
+            out = out_syms[0]
+            untaken = opaque() if out else FALSE  # dropped, yet differentiated (a zero cotangent)
+            return [FALSE, untaken, out] if np.all(value) else [FALSE, out, untaken]
     if (eqn.primitive is P.select_n_p and not ctx.structural and n == 3
             and isinstance(pred, Var) and pred.aval.dtype == jnp.bool_
             and _shape(pred) in (out_shape, ())):
@@ -561,8 +572,17 @@ def operand_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[S
 
 # --------------------------------------------------------------------------- the backward pass
 
+def literal_value(atom: Literal) -> Any:
+    """A literal's value with its dtype: a Python scalar (`jnp.where(True, ...)`) has none,
+    and rules read `.dtype` of their operands."""
+    val = atom.val
+    if isinstance(val, (bool, int, float, complex)):
+        return np.asarray(val, atom.aval.dtype)
+    return val
+
+
 def read(env: dict, atom) -> Any:
-    return atom.val if isinstance(atom, Literal) else env[atom]
+    return literal_value(atom) if isinstance(atom, Literal) else env[atom]
 
 
 def evaluate(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> dict:
@@ -601,22 +621,65 @@ class Sweep:
         self.jaxpr = jaxpr
         self.ctx = Context(structural, inner_masks, inner_kinds)
         self.diff = [differentiable_operands(e, structural) for e in jaxpr.eqns]
+        self.producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
+        self._constants: dict = {}
         syms: dict[Var, Sym] = {}
         for v, k in zip(jaxpr.outvars, out_kinds):
             if not isinstance(v, Literal):
                 syms[v] = sym_or(syms.get(v, FALSE), sym_of_kind(k))
         for eqn, diff in zip(reversed(jaxpr.eqns), reversed(self.diff)):
             out_syms = [syms.get(o, FALSE) for o in eqn.outvars]
-            for v, m, d in zip(eqn.invars, operand_syms(eqn, out_syms, self.ctx), diff):
+            for v, m, d in zip(eqn.invars,
+                               operand_syms(eqn, out_syms, self.ctx, self.constant), diff):
                 if d:
                     syms[v] = sym_or(syms.get(v, FALSE), m)
         self.kinds = {v: kind_of_sym(m) for v, m in syms.items()}
-        self.producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
         self.consumers: dict[Var, list[tuple[int, int]]] = {}
         for i, (eqn, diff) in enumerate(zip(jaxpr.eqns, self.diff)):
             for k, (v, d) in enumerate(zip(eqn.invars, diff)):
                 if d:
                     self.consumers.setdefault(v, []).append((i, k))
+
+    def constant(self, atom) -> Any:
+        """The value of a small atom that the program computes from literals alone, else None
+        (asked for select predicates only, so programs without such pay nothing)."""
+        if isinstance(atom, Literal):
+            return np.asarray(atom.val, atom.aval.dtype)
+        stack = [atom]
+        while stack:  # iterative, post-order: chains can be long
+            v = stack[-1]
+            if v in self._constants:
+                stack.pop()
+                continue
+            i = self.producer.get(v)
+            eqn = None if i is None else self.jaxpr.eqns[i]
+            if (eqn is None or len(eqn.outvars) != 1 or eqn.effects or eqn.primitive not in RULES
+                    or math.prod(_shape(v)) > _SMALL_CONSTANT
+                    or any(isinstance(p, (Jaxpr, ClosedJaxpr)) for p in eqn.params.values())):
+                self._constants[v] = None
+                stack.pop()
+                continue
+            if any(isinstance(u, Var) and u in self._constants and self._constants[u] is None
+                   for u in eqn.invars):
+                self._constants[v] = None
+                stack.pop()
+                continue
+            todo = [u for u in eqn.invars if isinstance(u, Var) and u not in self._constants]
+            if todo:
+                stack.extend(todo)
+                continue
+            stack.pop()
+            args = [self._constants[u] if isinstance(u, Var) else
+                    np.asarray(u.val, u.aval.dtype) for u in eqn.invars]
+            value = None
+            if all(a is not None for a in args):
+                try:
+                    with jax.ensure_compile_time_eval():  # a constant, even under an outer jit
+                        value = np.asarray(bind_eqn(eqn, args)[0])
+                except Exception:  # noqa: BLE001 - not foldable: unknown, as before
+                    value = None
+            self._constants[v] = value
+        return self._constants[atom]
 
     def kind(self, atom) -> Kind:
         if isinstance(atom, Literal):

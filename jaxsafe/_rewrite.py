@@ -250,7 +250,7 @@ class DroppedValues:
     def _get(self, atom):
         """(value, is_constant) or None."""
         if isinstance(atom, Literal):
-            return np.asarray(atom.val), True
+            return np.asarray(atom.val, atom.aval.dtype), True  # its own dtype, also under x64
         if atom in self.memo:
             return self.memo[atom]
         self.memo[atom] = None  # cycles cannot happen; this guards re-entry on failure
@@ -537,7 +537,7 @@ class _Originals:
 
     def __getitem__(self, v) -> Any:
         if isinstance(v, Literal):
-            return v.val
+            return L.literal_value(v)
         if v in self.values:
             return self.values[v]
         eqns, producer = self.plan.closed.jaxpr.eqns, self.plan.producer
@@ -687,7 +687,9 @@ def rewrite_with_report(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, Report]:
             return rewrite_with_report(closed)
         finally:
             gc.enable()
-    flat = flatten(closed)
+    # Planned on the program without its unused results: a guard that only they would need
+    # (a scan's unused stacked output) is not planned, and the original comes back unchanged.
+    flat = dce(flatten(closed))
     plan = make_plan(flat)
     if not plan.report.changed:
         return closed, plan.report

@@ -862,9 +862,15 @@ class _Emitter:
         # The operands of a scan are live as soon as any output is (jaxsafe's static rule for
         # primitives without a liveness rule), its carries are live, and the per-step outputs
         # take the mask from outside, step by step.
+        # One exception: a per-step output that is the step's input itself (`y = xi`), with a
+        # carry that does not read it, is moved out of the scan by JAX (`lax.scan` forwards it),
+        # so the stacked output is the operand and takes the mask from outside.
         _, xs, init, t, y, out = node
         xs_o, init_o = self.orig(xs, env2), self.orig(init, env2)
-        xs_g, xs_t, xs_c = self.tw(xs, env2, None, False, tested)
+        forwarded = (out == "ys" and y == ("in", "xi")
+                     and not any(n == ("in", "xi") for n in walk(t)))
+        xs_m = m if forwarded else None
+        xs_g, xs_t, xs_c = self.tw(xs, env2, xs_m, xs_m is not None, tested)
         init_g, init_t, init_c = self.tw(init, env2, None, False, tested)
         elem = {"V": "S", "M": "V"}[shape_of(xs, self.env)]
         ym = m if out == "ys" else None
@@ -883,7 +889,8 @@ class _Emitter:
         r = self.let(f"lax.scan({fn}, ({init_o}, {init_g}), {ins})")
         tainted = tested or xs_t or init_t or _body_has_hazard(t) or _body_has_hazard(y)
         # the operands are live, so a guard inside them changes no lane the scan reads
-        changed = maybe and out == "ys" and (_has_hazard(y) or _has_dropped_hazard(t))
+        changed = (maybe and out == "ys" and (_has_hazard(y) or _has_dropped_hazard(t))) \
+            or (forwarded and xs_c)
         return self.let(f"{r}[0][1]" if out == "carry" else f"{r}[1]"), tainted, changed
 
     def tw_cond(self, node, env2, m, maybe, tested):

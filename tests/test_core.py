@@ -222,3 +222,50 @@ def test_split_is_data_movement_not_an_unknown_primitive():
     x = jnp.array([0., -1., 1., 2.])
     assert "unknown primitive" not in jaxsafe.explain(f)(x)
     assert_close(jax.grad(nan_safe(f))(x), jnp.array([0., 0., 1., 0.5]))
+
+
+# --------------------------------------------------------------------------- constant predicates
+# `jnp.where(True, ...)` binds a Python bool literal as the predicate (this crashed the mask
+# rules once: a Python bool has no dtype); `full((), 0.) >= 0.` computes one from literals.
+
+@pytest.mark.parametrize("pred", [True, "computed"])
+def test_constant_true_predicate_changes_nothing(pred):
+    def f(x):
+        p = jnp.full((), 0.) >= 0. if pred == "computed" else pred
+        return jnp.where(p, jnp.sqrt(x), 0.)
+    x = jnp.array([-1., 0., 4.])
+    assert str(jaxsafe.make_jaxpr(f)(x)) == str(jax.make_jaxpr(f)(x))
+    assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+
+
+@pytest.mark.parametrize("pred", [False, "computed"])
+def test_constant_false_predicate_drops_the_whole_side(pred):
+    def f(x):
+        p = jnp.full((), 0.) < 0. if pred == "computed" else pred
+        return jnp.sum(jnp.where(p, jnp.sqrt(x), x ** 2))
+    x = jnp.array([-1., 0., 4.])
+    assert np.isnan(jax.grad(f)(x)).any()  # the bug is real: sqrt'(-1) * 0
+    assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+    np.testing.assert_array_equal(jax.grad(nan_safe(f))(x), 2 * x)  # d(x^2)/dx, exactly
+
+
+def test_mixed_constant_predicate_is_a_selection():
+    def f(x):
+        return jnp.sum(jnp.where(jnp.array([True, False, True]), jnp.sqrt(x), x))
+    x = jnp.array([4., -1., 1.])
+    hand = lambda x: jnp.sum(jnp.where(jnp.array([True, False, True]),
+                                       jnp.sqrt(jnp.where(jnp.array([True, False, True]), x, 1.)),
+                                       x))
+    assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+    np.testing.assert_array_equal(jax.grad(nan_safe(f))(x), jax.grad(hand)(x))
+
+
+def test_guard_needed_only_by_an_unused_scan_output_is_not_planned():
+    # JAX prunes the unused stacked output before differentiating, so nothing needs a guard.
+    def f(x, m):
+        def body(c, xi):
+            return c + c, jnp.where(xi > 0., jnp.arccos(c), c)
+        return lax.scan(body, x, m)[0]
+    args = (jnp.full(4, 2.), jnp.ones((3, 4)))
+    assert np.isfinite(jax.grad(lambda x, m: f(x, m).sum())(*args)).all()
+    assert str(jaxsafe.make_jaxpr(f)(*args)) == str(jax.make_jaxpr(f)(*args))

@@ -140,18 +140,31 @@ def test_tiny_denominator_in_a_dropped_scan_output_has_finite_second_order():
                      m, f32(1.)))
 
 
-# --------------------------------------------------------------------------- open
-# Found by the 10,500-example run (2026-11-21), open: contract point 4 ("nothing to guard,
-# nothing changed"). A scan body holding `where(0. >= 0., arccos(c), c)` (a predicate computed
-# from literals, always true) in an output nobody uses: the body is rewritten on its own with all
-# its outputs live, `arccos` is guarded where the predicate could be false, then DCE removes the
-# unused output and the guard with it, but the program comes back flattened (jnp.where's jit
-# inlined) instead of as the original. No cost at run time (XLA inlines the same jit); the fix
-# is to fold constant predicates in the static pass, or to return the original program when the
-# DCE'd rewrite has no guard left.
+def test_generated_twin_guards_a_scan_output_that_jax_forwards_out_of_the_scan():
+    # The same program as above, twin written by the generator: `lax.scan` moves a per-step
+    # output that is the step's input out of the scan, so the operand takes the where's mask.
+    import fuzzgen as G
+    scan = ("scan", ("div", ("in", "m"), ("in", "m")), ("in", "x"),
+            ("in", "c"), ("in", "xi"), "ys")
+    program = G.Program((("where", ("cmp", "lt", ("index", 0, ("in", "x")), 0.), scan,
+                          ("in", "m")),))
+    m = np.ones((3, 4), f32)
+    m[1, 3] = 2.1879179e-17
+    args = (np.array([1., 1., 1., -2.5738523], f32), np.array([1., 1., -.5, 1.], f32), m, f32(1.))
+    assert "jnp.where" in G.emit(program, guarded=True).split("lax.scan")[0]  # guarded before
+    _check(G.build(program), G.build(program, guarded=True), args)
 
 
-@pytest.mark.xfail(strict=True, reason="open: constant predicate in a nested body, see above")
+# --------------------------------------------------------------------------- constant predicate
+# Found by the 10,500-example run (2026-11-21), contract point 4 ("nothing to guard, nothing
+# changed"). A scan body holding `where(0. >= 0., arccos(c), c)` (a predicate computed from
+# literals, always true) in an output nobody uses: the body was rewritten on its own with all its
+# outputs live and `arccos` guarded where the predicate could be false; DCE then removed the
+# guard, but the program came back flattened instead of as the original. Fixed twice over: the
+# static pass folds predicates computed from literals, and plans on the program without its
+# unused results.
+
+
 def test_scan_body_with_a_constant_predicate_and_an_unused_output_is_unchanged():
     def f(x, y, m, s):
         def body(c, xi):
