@@ -38,6 +38,8 @@ from jax import lax
 
 from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Var, bind_eqn
 from ._compat import primitives as P
+from ._symbolic import FALSE, TRUE, Sym, opaque, sym_and_literal, sym_or
+from . import _symbolic as S
 
 Mask = Optional[jax.Array]
 """A boolean array of a value's shape (True: live), or None when every lane is live."""
@@ -477,21 +479,13 @@ def has_rule(prim: Primitive) -> bool:
 
 
 # --------------------------------------------------------------------------- static masks
-# The static pass tracks each mask as a small boolean formula over the select predicates, in
-# disjunctive normal form: a set of terms, each a set of (predicate, polarity) literals. Then
-# `jnp.where(x > 0, sqrt(x), x * 0.5)` gives x the masks `p & out` and `~p & out`, whose union
-# simplifies to `out`: x is as live as the where's result (LIVE when that is), and nothing
-# downstream of the guard counts as changed. Anything else is an opaque atom.
+# The static pass tracks each mask as a boolean formula over the select predicates (see
+# _symbolic.py). Then `jnp.where(x > 0, sqrt(x), x * 0.5)` gives x the masks `p & out` and
+# `~p & out`, whose union simplifies to `out`: x is as live as the where's result (LIVE when that
+# is), and nothing downstream of the guard counts as changed. Masks cross the ops whose operand
+# lanes map to output lanes axis by axis (`alignment`); anything else is an unknown.
 
-Sym = frozenset
-TRUE: Sym = frozenset({frozenset()})
-FALSE: Sym = frozenset()
-_MAX_TERMS = 16
 _SMALL_CONSTANT = 64  # predicates computed from literals are folded up to this many lanes
-
-
-def opaque() -> Sym:
-    return frozenset({frozenset({(object(), True)})})
 
 
 def sym_of_kind(kind: Kind) -> Sym:
@@ -504,68 +498,107 @@ def kind_of_sym(sym: Sym) -> Kind:
     return Kind.MAYBE if sym else Kind.DEAD
 
 
-def _simplify(terms: set) -> Sym:
-    changed = True
-    while changed:
-        changed = False
-        for t in list(terms):  # absorption: a & b | a == a
-            if any(u < t for u in terms):
-                terms.discard(t)
-                changed = True
-        for t in list(terms):  # a & p | a & ~p == a
-            for lit in t:
-                other = (t - {lit}) | {(lit[0], not lit[1])}
-                if other in terms:
-                    terms.discard(t)
-                    terms.discard(other)
-                    terms.add(t - {lit})
-                    changed = True
-                    break
-            if changed:
-                break
-        if len(terms) > _MAX_TERMS:
-            return opaque()
-    return frozenset(terms)
+def _same_rank_alignment(ins: tuple, outs: tuple) -> Optional[list]:
+    if not ins:
+        return []
+    if len(ins) != len(outs):
+        return None
+    return [i if ins[i] == outs[i] else None for i in range(len(ins))]
 
 
-def sym_or(a: Sym, b: Sym) -> Sym:
-    if not a or b == TRUE:
-        return b
-    if not b or a == TRUE:
-        return a
-    return _simplify(set(a) | set(b))
+def _reshape_alignment(ins: tuple, outs: tuple) -> Optional[list]:
+    """Only reshapes that insert or remove size-1 axes keep the other axes' lanes."""
+    big_in = [i for i, n in enumerate(ins) if n != 1]
+    big_out = [o for o, n in enumerate(outs) if n != 1]
+    if [ins[i] for i in big_in] != [outs[o] for o in big_out]:
+        return None
+    align: list = [None] * len(ins)
+    for i, o in zip(big_in, big_out):
+        align[i] = o
+    return align
 
 
-def sym_and_literal(a: Sym, literal: tuple) -> Sym:
-    negated = (literal[0], not literal[1])
-    return _simplify({t | {literal} for t in a if negated not in t})
+def alignment(eqn: JaxprEqn, k: int) -> Optional[list]:
+    """For operand k of a one-output equation: the output axis each of its axes runs along
+    (None for an axis that is reduced, contracted or broadcast), or None when its lanes do not
+    map to output lanes axis by axis (slices, gathers, general reshapes, ...)."""
+    if len(eqn.outvars) != 1:
+        return None
+    prim = eqn.primitive
+    ins, outs = _shape(eqn.invars[k]), _shape(eqn.outvars[0])
+    rule = RULES.get(prim)
+    if rule is not None and rule.masks in (elementwise, _decided_by_value):
+        return _same_rank_alignment(ins, outs)
+    if rule is not None and rule.masks is _reduction:
+        if k != 0:
+            return None
+        kept = [d for d in range(len(ins)) if d not in eqn.params["axes"]]
+        align = [None] * len(ins)
+        for j, d in enumerate(kept):
+            align[d] = j
+        return align
+    if prim is P.broadcast_in_dim_p and k == 0:
+        return [d if ins[j] == outs[d] else None
+                for j, d in enumerate(eqn.params["broadcast_dimensions"])]
+    if prim is P.transpose_p:
+        align = [None] * len(ins)
+        for j, d in enumerate(eqn.params["permutation"]):
+            align[d] = j
+        return align
+    if prim in (P.reshape_p, P.squeeze_p) and k == 0:
+        return _reshape_alignment(ins, outs)
+    if prim is P.dot_general_p:
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        contract, batch = (lc, lb) if k == 0 else (rc, rb)
+        free = [d for d in range(len(ins)) if d not in contract and d not in batch]
+        a_shape = _shape(eqn.invars[0])
+        n_lhs_free = len(a_shape) - len(lc) - len(lb)
+        first = len(lb) + (0 if k == 0 else n_lhs_free)
+        align = [None] * len(ins)
+        for j, d in enumerate(batch):
+            align[d] = j
+        for j, d in enumerate(free):
+            align[d] = first + j
+        return align
+    return None
 
 
 def operand_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context,
-                 constant: Callable[[Any], Any] = lambda atom: None) -> list[Sym]:
+                 constant: Callable[[Any], Any] = lambda atom: None,
+                 producer_of: Callable[[Var], Optional[JaxprEqn]] = lambda v: None) -> list[Sym]:
     """The static pass's rule: symbolic liveness of each operand. `constant(atom)` is the
-    atom's value when the program computes it from literals alone, else None."""
+    atom's value when the program computes it from literals alone, else None; `producer_of`
+    gives a variable's equation (predicates are followed back through broadcasts)."""
     n = len(eqn.invars)
     if all(not m for m in out_syms):
         return [FALSE] * n
     rule = RULES.get(eqn.primitive)
-    out_shape = _shape(eqn.outvars[0])
-    if rule is not None and rule.masks is elementwise and len(out_syms) == 1:
-        return [out_syms[0] if _shape(v) == out_shape else
-                (TRUE if out_syms[0] == TRUE else opaque()) for v in eqn.invars]
+    out = out_syms[0]
     pred = eqn.invars[0] if n else None  # iota, platform_index, ...: no operand
-    if eqn.primitive is P.select_n_p and not ctx.structural and n == 3 \
-            and pred.aval.dtype == jnp.bool_:
+    if (eqn.primitive is P.select_n_p and not ctx.structural and n == 3
+            and pred.aval.dtype == jnp.bool_ and _shape(pred) in (_shape(eqn.outvars[0]), ())):
         value = constant(pred)  # `jnp.where(True, a, b)`: b's side is dropped everywhere
         if value is not None and (bool(np.all(value)) or not np.any(value)):
-            out = out_syms[0]
             untaken = opaque() if out else FALSE  # dropped, yet differentiated (a zero cotangent)
             return [FALSE, untaken, out] if np.all(value) else [FALSE, out, untaken]
-    if (eqn.primitive is P.select_n_p and not ctx.structural and n == 3
-            and isinstance(pred, Var) and pred.aval.dtype == jnp.bool_
-            and _shape(pred) in (out_shape, ())):
-        out = out_syms[0]
-        return [FALSE, sym_and_literal(out, (pred, False)), sym_and_literal(out, (pred, True))]
+        if isinstance(pred, Var):
+            lit = S.predicate_literal(pred, True, producer_of)
+            return [FALSE, sym_and_literal(out, S.negate(lit)), sym_and_literal(out, lit)]
+    if len(eqn.outvars) == 1 and rule is not None and rule.kinds is None:
+        decided = rule.decided_by_value and not ctx.structural
+        identity = list(range(len(_shape(eqn.outvars[0]))))
+        syms: list[Sym] = []
+        for k, v in enumerate(eqn.invars):
+            align = alignment(eqn, k)
+            if align is None:
+                break
+            sym = out if align == identity else S.move(out, S.backward_mapping(align))
+            if decided and sym:  # which operand wins is decided by value, at run time
+                shape = _shape(v)
+                sym = sym_and_literal(sym, S.unknown(i for i, n in enumerate(shape) if n != 1))
+            syms.append(sym)
+        else:
+            return syms
     kinds = operand_kinds(eqn, [kind_of_sym(m) for m in out_syms], ctx)
     return [sym_of_kind(k) for k in kinds]
 
@@ -623,16 +656,18 @@ class Sweep:
         self.diff = [differentiable_operands(e, structural) for e in jaxpr.eqns]
         self.producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
         self._constants: dict = {}
+        self._from_literals: Optional[set] = None
         syms: dict[Var, Sym] = {}
         for v, k in zip(jaxpr.outvars, out_kinds):
             if not isinstance(v, Literal):
                 syms[v] = sym_or(syms.get(v, FALSE), sym_of_kind(k))
         for eqn, diff in zip(reversed(jaxpr.eqns), reversed(self.diff)):
             out_syms = [syms.get(o, FALSE) for o in eqn.outvars]
-            for v, m, d in zip(eqn.invars,
-                               operand_syms(eqn, out_syms, self.ctx, self.constant), diff):
+            for v, m, d in zip(eqn.invars, operand_syms(eqn, out_syms, self.ctx, self.constant,
+                                                        self.producer_of), diff):
                 if d:
                     syms[v] = sym_or(syms.get(v, FALSE), m)
+        self.syms = syms
         self.kinds = {v: kind_of_sym(m) for v, m in syms.items()}
         self.consumers: dict[Var, list[tuple[int, int]]] = {}
         for i, (eqn, diff) in enumerate(zip(jaxpr.eqns, self.diff)):
@@ -640,11 +675,26 @@ class Sweep:
                 if d:
                     self.consumers.setdefault(v, []).append((i, k))
 
+    def producer_of(self, v: Var) -> Optional[JaxprEqn]:
+        i = self.producer.get(v)
+        return None if i is None else self.jaxpr.eqns[i]
+
+    def sym(self, atom) -> Sym:
+        """The static mask of a value (FALSE for literals and values no output reads)."""
+        return FALSE if isinstance(atom, Literal) else self.syms.get(atom, FALSE)
+
     def constant(self, atom) -> Any:
         """The value of a small atom that the program computes from literals alone, else None
         (asked for select predicates only, so programs without such pay nothing)."""
         if isinstance(atom, Literal):
             return np.asarray(atom.val, atom.aval.dtype)
+        if self._from_literals is None:  # one forward pass: what is computed from literals only
+            self._from_literals = found = set()
+            for eqn in self.jaxpr.eqns:
+                if all(isinstance(u, Literal) or u in found for u in eqn.invars):
+                    found.update(eqn.outvars)
+        if atom not in self._from_literals:
+            return None
         stack = [atom]
         while stack:  # iterative, post-order: chains can be long
             v = stack[-1]

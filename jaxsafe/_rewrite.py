@@ -40,6 +40,7 @@ import numpy as np
 from jax import lax
 
 from . import _liveness as L
+from . import _symbolic as S
 from ._compat import (ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var, bind_eqn, dce,
                       trace_to_jaxpr)
 from ._compat import primitives as P
@@ -370,6 +371,52 @@ class Plan:
     masked: dict[int, list]
     report: Report
     producer: dict
+    chain: set = dataclasses.field(default_factory=set)
+    """Decisions computed from guarded values (every operand read as guarded)."""
+    safe_reads: dict = dataclasses.field(default_factory=dict)
+    """eqn index -> operands read for their value only that may be read as guarded."""
+
+
+class ChangedLanes:
+    """Where the guarded program's values may differ from the original's, as symbolic masks.
+
+    A value recomputed from guarded operands differs in its dropped lanes only (the complement
+    of its liveness). A decision reads values without differentiating them (a predicate, the
+    `stop_gradient(max(x))` of a softmax); it must see the original values wherever its result
+    is live. When the lanes that a guarded read would change are provably dropped lanes of the
+    result (a row that a `where` drops as a whole), the decision reads the guarded value, and
+    the original program is not computed a second time for it.
+    """
+
+    def __init__(self, sweep: L.Sweep):
+        self.sweep = sweep
+        self.chain: dict = {}  # values of decisions computed from guarded values -> changed lanes
+        self._dropped: dict = {}
+
+    def of(self, v, changed: set):
+        """Changed lanes of `v`: a Sym, FALSE when unchanged, None when unknown."""
+        if v in self.chain:
+            return self.chain[v]
+        if v not in changed:
+            return S.FALSE
+        if v not in self._dropped:
+            self._dropped[v] = S.sym_not(self.sweep.sym(v))
+        return self._dropped[v]
+
+    def pushed(self, eqn: JaxprEqn, k: int, changed: set):
+        """The lanes of `eqn`'s output that operand k's changed lanes reach, or None."""
+        sym = self.of(eqn.invars[k], changed)
+        if sym is None or sym == S.FALSE:
+            return sym
+        align = L.alignment(eqn, k)
+        if align is None:
+            return None
+        return S.move(sym, S.forward_mapping(align))
+
+    def reads_dropped_only(self, eqn: JaxprEqn, k: int, changed: set) -> bool:
+        """Whether reading operand k as guarded changes dropped lanes of the result only."""
+        reach = self.pushed(eqn, k, changed)
+        return reach is not None and S.disjoint(reach, self.sweep.sym(eqn.outvars[0]))
 
 
 def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) -> Plan:
@@ -448,6 +495,9 @@ def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) ->
     selections: set[int] = set()
     changed: set = set()
     reemit: set[int] = set()
+    lanes = ChangedLanes(sweep)
+    chain: set[int] = set()
+    safe_reads: dict[int, frozenset] = {}
     for i, eqn in enumerate(eqns):
         diff = sweep.diff[i]
         out_kinds = [sweep.kind(o) for o in eqn.outvars]
@@ -492,7 +542,25 @@ def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) ->
         operand_changed = any(d and isinstance(v, Var) and v in changed
                               for d, v in zip(diff, eqn.invars))
         read_differentiably = any(sweep.kind(o) != L.Kind.DEAD for o in eqn.outvars)
-        if (replace or cut or operand_changed or i in masked) and not eqn.effects \
+        # Decisions: values read for their value only, computed from changed values.
+        touched = [k for k, v in enumerate(eqn.invars)
+                   if isinstance(v, Var) and (v in lanes.chain or v in changed)]
+        decided_on = [k for k in touched if not diff[k] or eqn.invars[k] in lanes.chain]
+        safe_read = False
+        if touched and not eqn.effects and eqn.primitive not in NESTED_PARAMS \
+                and eqn.primitive not in L.CUSTOM_RULE_CALLS:
+            if not read_differentiably and not replace and not cut:
+                reach = S.FALSE  # a decision's intermediate value: computed from guarded values
+                for k, v in enumerate(eqn.invars):
+                    pushed = lanes.pushed(eqn, k, changed) if isinstance(v, Var) else S.FALSE
+                    reach = None if reach is None or pushed is None else S.sym_or(reach, pushed)
+                chain.add(i)
+                lanes.chain.update((o, reach) for o in eqn.outvars)
+            elif decided_on and read_differentiably and len(eqn.outvars) == 1 and all(
+                    lanes.reads_dropped_only(eqn, k, changed) for k in decided_on):
+                safe_reads[i] = frozenset(decided_on)
+                safe_read = True
+        if (replace or cut or operand_changed or safe_read or i in masked) and not eqn.effects \
                 and read_differentiably:
             reemit.add(i)
             # a LIVE output has no dropped lane, so it is bitwise the original: not "changed"
@@ -512,7 +580,8 @@ def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) ->
 
     report.sites = list(sites.values())
     report.selections = [eqns[i] for i in sorted(selections)]
-    return Plan(closed, sweep, sites, reemit, selections, nested, masked, report, producer)
+    return Plan(closed, sweep, sites, reemit, selections, nested, masked, report, producer,
+                chain, safe_reads)
 
 
 # --------------------------------------------------------------------------- emission
@@ -572,8 +641,12 @@ def _emit_masked(plan: Plan, out_masks: Sequence[L.Mask], args: Sequence[Any]) -
         diff = sweep.diff[i]
         # A guarded value with no dropped lane is the original value itself (same tracer):
         # equations that read only such values are computed once, for both programs.
-        shared = all(not (d and isinstance(v, Var) and v in safe) or
-                     safe[v] is orig.values.get(v) for d, v in zip(diff, eqn.invars))
+        # Operands read as guarded: differentiable ones, and decisions the plan allows.
+        as_guarded = [isinstance(v, Var) and v in safe and
+                      (d or i in plan.chain or k in plan.safe_reads.get(i, ()))
+                      for k, (d, v) in enumerate(zip(diff, eqn.invars))]
+        shared = all(not g or safe[v] is orig.values.get(v)
+                     for g, v in zip(as_guarded, eqn.invars))
         if i not in plan.reemit and shared:
             if eqn.outvars and all(o in orig.values for o in eqn.outvars):
                 continue  # already computed for a decision
@@ -581,8 +654,7 @@ def _emit_masked(plan: Plan, out_masks: Sequence[L.Mask], args: Sequence[Any]) -
             orig.values.update(zip(eqn.outvars, outs))
             continue
         originals = L.LazyOperands(orig, eqn.invars)  # read only by the decision rules
-        invals = [safe[v] if d and isinstance(v, Var) and v in safe else orig[v]
-                  for d, v in zip(diff, eqn.invars)]
+        invals = [safe[v] if g else orig[v] for g, v in zip(as_guarded, eqn.invars)]
         site = plan.sites.get(i)
         if site is not None:
             in_masks = L.operand_masks(eqn, [mask_of(o) for o in eqn.outvars], originals,
@@ -606,12 +678,14 @@ def _emit_masked(plan: Plan, out_masks: Sequence[L.Mask], args: Sequence[Any]) -
         else:
             outs = bind_eqn(eqn, invals, plan.nested.get(i))
         for o, val in zip(eqn.outvars, outs):
-            if L.is_float(o):
+            if L.is_float(o) or i in plan.chain:
                 safe[o] = val
                 if sweep.kind(o) == L.Kind.LIVE:  # no dropped lane: bitwise the original
                     orig.values.setdefault(o, val)
-            else:
+            elif shared and site is None:  # an index or predicate from original values only
                 orig.values.setdefault(o, val)
+            else:
+                safe[o] = val
     return [safe[v] if isinstance(v, Var) and v in safe else orig[v] for v in jaxpr.outvars]
 
 

@@ -1,0 +1,187 @@
+"""Symbolic masks: which lanes of a value are live (or changed), as a formula the rewrite can
+reason with before anything runs.
+
+A mask is a boolean formula in disjunctive normal form: a set of terms, each a set of literals.
+A literal is `(key, positive, embed)`: `key` is a boolean predicate variable of the program (a
+`jnp.where` condition) or an `Unknown` (a mask the static pass cannot name, e.g. what a slice or a
+comparison of values leaves live); `embed[j]` is the value axis along which the key's axis j
+runs (None where the key has size 1 and is broadcast). A literal depends on the axes it embeds
+and on no other, so a mask whose literals avoid an axis is the same along that axis.
+
+That is what lets masks cross reductions, broadcasts, transposes and matmuls (`move`): the
+softmax of a row that a `where` drops is dropped as a whole row, and a decision computed over the
+row (`stop_gradient(max(x))`) can be proven to affect dropped lanes only (`disjoint`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Callable, Optional
+
+from ._compat import JaxprEqn, Literal, Var
+from ._compat import primitives as P
+
+Lit = tuple  # (key, positive, embed: tuple[int | None, ...], or None for "every axis")
+Term = frozenset
+Sym = frozenset
+
+TRUE: Sym = frozenset({frozenset()})
+FALSE: Sym = frozenset()
+MAX_TERMS = 16
+
+
+class Unknown:
+    """A mask nobody can name: equal only to itself."""
+    __slots__ = ()
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return f"?{id(self) % 10000}"
+
+
+def unknown(axes: Optional[Iterable[int]]) -> Lit:
+    """A fresh unknown mask over `axes` of a value (None: every axis)."""
+    return (Unknown(), True, None if axes is None else tuple(sorted(set(axes))))
+
+
+def opaque() -> Sym:
+    """A fresh unknown mask that may depend on every axis."""
+    return frozenset({frozenset({unknown(None)})})
+
+
+def negate(lit: Lit) -> Lit:
+    return (lit[0], not lit[1], lit[2])
+
+
+def _contradicts(term: Term) -> bool:
+    return any(negate(lit) in term for lit in term)
+
+
+def _simplify(terms: set) -> Sym:
+    terms = {t for t in terms if not _contradicts(t)}
+    changed = True
+    while changed:
+        changed = False
+        for t in list(terms):  # absorption: a & b | a == a
+            if any(u < t for u in terms):
+                terms.discard(t)
+                changed = True
+        for t in list(terms):  # a & p | a & ~p == a
+            for lit in t:
+                other = (t - {lit}) | {negate(lit)}
+                if other in terms:
+                    terms.discard(t)
+                    terms.discard(other)
+                    terms.add(t - {lit})
+                    changed = True
+                    break
+            if changed:
+                break
+        if len(terms) > MAX_TERMS:
+            return opaque()
+    return frozenset(terms)
+
+
+def sym_or(a: Sym, b: Sym) -> Sym:
+    if not a or b == TRUE:
+        return b
+    if not b or a == TRUE:
+        return a
+    return _simplify(set(a) | set(b))
+
+
+def sym_and(a: Sym, b: Sym) -> Optional[Sym]:
+    """a & b, or None when the product has too many terms to track."""
+    if a == TRUE or not b:
+        return b
+    if b == TRUE or not a:
+        return a
+    if len(a) * len(b) > 4 * MAX_TERMS:
+        return None
+    out = _simplify({ta | tb for ta in a for tb in b})
+    return None if len(out) > MAX_TERMS else out
+
+
+def sym_and_literal(a: Sym, lit: Lit) -> Sym:
+    negated = negate(lit)
+    return _simplify({t | {lit} for t in a if negated not in t})
+
+
+def sym_not(a: Sym) -> Optional[Sym]:
+    """The complement, or None when it has too many terms to track."""
+    out: Optional[Sym] = TRUE
+    for term in a:
+        if not term:
+            return FALSE
+        out = sym_and(out, frozenset(frozenset({negate(lit)}) for lit in term))
+        if out is None:
+            return None
+    return out
+
+
+def disjoint(a: Sym, b: Sym) -> bool:
+    """Whether no lane can satisfy both: every pair of terms holds a literal and its negation."""
+    return all(any(negate(lit) in tb for lit in ta) for ta in a for tb in b)
+
+
+# --------------------------------------------------------------------------- moving masks
+
+_MISSING = object()
+
+
+def move(sym: Sym, mapping: dict[int, int]) -> Sym:
+    """The mask of a value whose lanes read (or are read by) the lanes of another along
+    `mapping` (the other's axis -> this value's axis): an OR over the other's axes that are not
+    in `mapping`. Literals on those axes become one fresh unknown, on the axes they also
+    embedded; the literals that avoid them carry over exactly."""
+    if sym == TRUE or sym == FALSE:
+        return sym
+    targets = set(mapping.values())
+    terms = set()
+    for term in sym:
+        kept, touched, collapsed = [], set(), False
+        for key, positive, embed in term:
+            if embed is None:
+                collapsed = True
+                touched |= targets
+                continue
+            new = tuple(None if e is None else mapping.get(e, _MISSING) for e in embed)
+            if any(e is _MISSING for e in new):
+                collapsed = True
+                touched.update(e for e in new if e is not None and e is not _MISSING)
+            else:
+                kept.append((key, positive, new))
+        if collapsed:
+            kept.append(unknown(touched))
+        terms.add(frozenset(kept))
+    return _simplify(terms)
+
+
+def backward_mapping(align: Sequence[Optional[int]]) -> dict[int, int]:
+    """`align[i]`: the output axis that operand axis i runs along (None: none does)."""
+    return {o: i for i, o in enumerate(align) if o is not None}
+
+
+def forward_mapping(align: Sequence[Optional[int]]) -> dict[int, int]:
+    return {i: o for i, o in enumerate(align) if o is not None}
+
+
+def predicate_literal(pred: Var, positive: bool,
+                      producer_of: Callable[[Var], Optional[JaxprEqn]]) -> Lit:
+    """The literal `pred` (or its negation) over a value of `pred`'s shape (or any shape, for a
+    scalar `pred`), followed back through broadcasts (`producer_of`), so that a row mask
+    broadcast over a row stays a literal on the row's axes only."""
+    shape = tuple(pred.aval.shape)
+    embed = tuple(i if n != 1 else None for i, n in enumerate(shape))
+    key = pred
+    while True:
+        eqn = producer_of(key)
+        if eqn is None or eqn.primitive is not P.broadcast_in_dim_p or len(eqn.invars) != 1:
+            break
+        src = eqn.invars[0]
+        if isinstance(src, Literal) or src.aval.dtype != key.aval.dtype:
+            break
+        in_shape, out_shape = tuple(src.aval.shape), tuple(key.aval.shape)
+        embed = tuple(embed[d] if in_shape[j] == out_shape[d] and in_shape[j] != 1 else None
+                      for j, d in enumerate(eqn.params["broadcast_dimensions"]))
+        key = src
+    return (key, positive, embed)
