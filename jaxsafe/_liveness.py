@@ -25,9 +25,11 @@ primal provably never reads are dropped.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -135,13 +137,89 @@ def ones(shape) -> jax.Array:
 
 
 def zeros(shape) -> jax.Array:
-    return lax.full(tuple(shape), False, jnp.bool_)
+    out = lax.full(tuple(shape), False, jnp.bool_)
+    table = getattr(_SCOPE, "broadcasts", None)
+    if table is not None:
+        table[id(out)] = (out, None, None)  # known to be all false
+    return out
+
+
+def _known_false(mask) -> bool:
+    table = getattr(_SCOPE, "broadcasts", None)
+    hit = None if table is None else table.get(id(mask))
+    return hit is not None and hit[0] is mask and hit[1] is None
+
+
+# Masks often cross a chain of reductions and broadcasts (a row mask through a layer norm, a
+# matmul, a softmax): `reduce_any` of a broadcast mask is the broadcast of its source, so the
+# chain collapses to one mask per row instead of an or-reduction per op, and XLA has less to
+# compile. The broadcasts are remembered within one trace (`mask_scope`, per thread): the
+# table holds tracers, which must not outlive their trace.
+_SCOPE = threading.local()
+
+
+@contextlib.contextmanager
+def mask_scope():
+    saved = getattr(_SCOPE, "broadcasts", None)
+    _SCOPE.broadcasts = {}
+    try:
+        yield
+    finally:
+        _SCOPE.broadcasts = saved
+
+
+def broadcast_mask(src: jax.Array, shape, dims: Sequence[int]) -> jax.Array:
+    shape, dims = tuple(shape), tuple(dims)
+    if tuple(np.shape(src)) == shape and dims == tuple(range(len(shape))):
+        return src
+    table = getattr(_SCOPE, "broadcasts", None)
+    if table is None:
+        return lax.broadcast_in_dim(src, shape, dims)
+    if _known_false(src):
+        return zeros(shape)
+    key = (id(src), shape, dims)  # the same broadcast asked for twice: one tracer, one op
+    hit = table.get(key)
+    if hit is not None and hit[1] is src:
+        return hit[0]
+    out = lax.broadcast_in_dim(src, shape, dims)
+    table[id(out)] = table[key] = (out, src, dims)
+    return out
+
+
+def _broadcast_source(mask) -> Optional[tuple]:
+    table = getattr(_SCOPE, "broadcasts", None)
+    hit = None if table is None else table.get(id(mask))
+    return hit if hit is not None and hit[0] is mask and hit[1] is not None else None
+
+
+def _reduce_broadcast(mask: jax.Array, axes: tuple, keepdims: bool) -> Optional[jax.Array]:
+    """`reduce_or(mask, axes)` when `mask` is a broadcast along exactly those axes, or None."""
+    hit = _broadcast_source(mask)
+    if hit is None:
+        return None
+    _, src, dims = hit
+    src_shape = np.shape(src)
+    if any(d in axes and src_shape[j] != 1 for j, d in enumerate(dims)):
+        return None  # the source itself is reduced: not a pure broadcast there
+    drop = tuple(j for j, d in enumerate(dims) if d in axes)
+    src = lax.squeeze(src, drop) if drop else src
+    kept = [d for d in dims if d not in axes]
+    if keepdims:
+        shape = tuple(1 if a in axes else n for a, n in enumerate(mask.shape))
+        return broadcast_mask(src, shape, kept)
+    remaining = [a for a in range(mask.ndim) if a not in axes]
+    position = {a: i for i, a in enumerate(remaining)}
+    return broadcast_mask(src, tuple(mask.shape[a] for a in remaining),
+                          [position[d] for d in kept])
 
 
 def reduce_any(mask: jax.Array, axes: Sequence[int], keepdims: bool = False) -> jax.Array:
     axes = tuple(axes)
     if not axes:
         return mask
+    short = _reduce_broadcast(mask, axes, keepdims)
+    if short is not None:
+        return short
     out = lax.reduce_or(mask, axes)
     return lax.expand_dims(out, axes) if keepdims else out
 
@@ -158,7 +236,7 @@ def broadcast(x: jax.Array, shape) -> jax.Array:
     if squeeze:
         x = lax.squeeze(x, squeeze)
         dims = tuple(d for k, d in enumerate(dims) if k not in squeeze)
-    return lax.broadcast_in_dim(x, shape, dims)
+    return broadcast_mask(x, shape, dims)
 
 
 def materialize(mask: Mask, shape) -> jax.Array:
@@ -182,11 +260,21 @@ def fit(mask: Mask, shape) -> Mask:
 def any_of(masks: Sequence[Mask]) -> Mask:
     if any(m is None for m in masks):
         return None
-    out, seen = masks[0], {id(masks[0])}
-    for m in masks[1:]:
-        if id(m) not in seen:  # the same mask read twice (x * x): one `or` less
+    unique, seen = [], set()
+    for m in masks:
+        if id(m) not in seen and not _known_false(m):  # x * x reads one mask twice
             seen.add(id(m))
-            out = lax.bitwise_or(out, m)
+            unique.append(m)
+    if not unique:
+        return masks[0]
+    sources = [_broadcast_source(m) for m in unique]
+    if len(unique) > 1 and all(h is not None for h in sources) and \
+            len({(h[2], np.shape(h[1])) for h in sources}) == 1:
+        # broadcasts of row masks along the same axes: or the rows, broadcast once
+        return broadcast_mask(any_of([h[1] for h in sources]), unique[0].shape, sources[0][2])
+    out = unique[0]
+    for m in unique[1:]:
+        out = lax.bitwise_or(out, m)
     return out
 
 
@@ -313,8 +401,66 @@ register(P.slice_p, P.dynamic_slice_p, P.gather_p, P.dynamic_update_slice_p,
          drops=lambda eqn: True)(_by_transpose)
 register(P.pad_p, drops=lambda eqn: any(lo < 0 or hi < 0 for lo, hi, _ in
                                         eqn.params["padding_config"]))(_by_transpose)
-register(P.concatenate_p, P.reshape_p, P.squeeze_p, P.transpose_p, P.rev_p)(_by_transpose)
-register(*[p for p in [getattr(lax, "split_p", None)] if p is not None])(_by_transpose)
+register(P.rev_p)(_by_transpose)
+
+
+# Permutations of lanes: the mask moves as the values do (no float round trip through a vjp).
+
+def _transpose(eqn, outs, invals, ctx):
+    out = outs[0]
+    if out is None:
+        return [None]
+    inverse = tuple(int(d) for d in np.argsort(eqn.params["permutation"]))
+    hit = _broadcast_source(out)
+    if hit is not None:  # a broadcast row mask: move its axes, not its lanes
+        _, src, dims = hit
+        moved = [inverse[d] for d in dims]
+        order = tuple(int(j) for j in np.argsort(moved))
+        if order != tuple(range(len(order))):
+            src = lax.transpose(src, order)
+        return [broadcast_mask(src, _shape(eqn.invars[0]), sorted(moved))]
+    return [lax.transpose(out, inverse)]
+
+
+def _reshape(eqn, outs, invals, ctx):
+    out = outs[0]
+    if out is None:
+        return [None] * len(eqn.invars)
+    if eqn.params.get("dimensions") is not None or len(eqn.invars) != 1:
+        return _by_transpose(eqn, outs, invals, ctx)  # pragma: no cover - rare forms
+    shape = _shape(eqn.invars[0])
+    hit = _broadcast_source(out)
+    if hit is not None and hit[2]:
+        _, src, dims = hit  # a broadcast whose source axes lead and are kept: reshape the rest
+        lead = max(dims) + 1
+        if tuple(out.shape[:lead]) == shape[:lead]:
+            return [broadcast_mask(src, shape, dims)]
+    return [lax.reshape(out, shape)]
+
+
+def _concatenate(eqn, outs, invals, ctx):
+    out = outs[0]
+    if out is None:
+        return [None] * len(eqn.invars)
+    axis, start, masks = eqn.params["dimension"], 0, []
+    for v in eqn.invars:
+        size = _shape(v)[axis]
+        masks.append(lax.slice_in_dim(out, start, start + size, axis=axis))
+        start += size
+    return masks
+
+
+def _split(eqn, outs, invals, ctx):
+    if all(m is None for m in outs):
+        return [None]
+    return [lax.concatenate([materialize(m, _shape(o)) for m, o in zip(outs, eqn.outvars)],
+                            eqn.params["axis"])]
+
+
+register(P.transpose_p)(_transpose)
+register(P.reshape_p, P.squeeze_p)(_reshape)
+register(P.concatenate_p)(_concatenate)
+register(*[p for p in [getattr(lax, "split_p", None)] if p is not None])(_split)
 
 
 def _broadcast_in_dim(eqn, outs, invals, ctx):
@@ -343,7 +489,7 @@ def _reduction(eqn, outs, invals, ctx):
     in_shape = _shape(eqn.invars[0])
     axes = tuple(eqn.params["axes"])
     kept = tuple(d for d in range(len(in_shape)) if d not in axes)
-    m = lax.broadcast_in_dim(out, in_shape, kept)
+    m = broadcast_mask(out, in_shape, kept)
     return [m] + [fit(out, _shape(v)) for v in eqn.invars[1:]]
 
 
@@ -379,8 +525,8 @@ def _dot_general(eqn, outs, invals, ctx):
     b_out_axes = tuple(range(nb, nb + len(a_free)))
     m_a = reduce_any(out, a_out_axes)
     m_b = reduce_any(out, b_out_axes)
-    m_a = lax.broadcast_in_dim(m_a, a_shape, tuple(lb) + tuple(a_free))
-    m_b = lax.broadcast_in_dim(m_b, b_shape, tuple(rb) + tuple(b_free))
+    m_a = broadcast_mask(m_a, a_shape, tuple(lb) + tuple(a_free))
+    m_b = broadcast_mask(m_b, b_shape, tuple(rb) + tuple(b_free))
     return [m_a, m_b]
 
 

@@ -626,6 +626,11 @@ class _Originals:
 
 
 def _emit_masked(plan: Plan, out_masks: Sequence[L.Mask], args: Sequence[Any]) -> list:
+    with L.mask_scope():  # one trace: the masks' bookkeeping must not outlive it
+        return _emit_masked_in_scope(plan, out_masks, args)
+
+
+def _emit_masked_in_scope(plan: Plan, out_masks: Sequence[L.Mask], args: Sequence[Any]) -> list:
     jaxpr = plan.closed.jaxpr
     sweep = plan.sweep
     orig = _Originals(plan, args)
