@@ -40,6 +40,7 @@ import numpy as np
 from jax import lax
 
 from . import _liveness as L
+from . import _signs as B
 from . import _symbolic as S
 from ._compat import (ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var, bind_eqn, dce,
                       trace_to_jaxpr)
@@ -310,6 +311,19 @@ class DroppedValues:
         return _finite_with_derivatives(eqn, point)
 
 
+def _bounded_into_domain(eqn: JaxprEqn, k: int, bounds: B.Bounds, tainted: set) -> bool:
+    """Whether operand k is, for every finite input, at or above a positive point where `eqn`
+    and its derivative are finite, for a primitive that only gets safer above it."""
+    v = eqn.invars[k]
+    if eqn.primitive not in B.DECREASING or k != 0 or not isinstance(v, Var) or v in tainted:
+        return False
+    lower = bounds.of(v)
+    if lower is None or lower <= 0:
+        return False
+    point = np.asarray(lower, v.aval.dtype)
+    return bool(0 < float(point) <= lower) and _finite_with_derivatives(eqn, [point])
+
+
 def _finite_with_derivatives(eqn: JaxprEqn, point: list) -> bool:
     point = [np.asarray(p).reshape(()) if np.size(p) == 1 else np.asarray(p) for p in point]
     floats = [j for j, p in enumerate(point) if np.issubdtype(p.dtype, np.inexact)]
@@ -491,6 +505,8 @@ def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) ->
         if isinstance(v, Var):
             reads[v] = reads.get(v, 0) + 1
     dropped = DroppedValues(closed, sites, producer, reads)
+    bounds = B.Bounds(eqns, producer, {v: c for v, c in zip(jaxpr.constvars, closed.consts)
+                                       if not isinstance(c, jax.core.Tracer)})
     masked: dict[int, list] = {}
     selections: set[int] = set()
     changed: set = set()
@@ -518,6 +534,8 @@ def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) ->
                     if k < len(eqn.invars) and diff[k] and op_kinds[k] != L.Kind.LIVE:
                         if dropped.guard_is_noop(eqn, k, guard.safe):
                             continue  # e.g. div(_, exp(guarded x)): exp(0) = 1 there already
+                        if _bounded_into_domain(eqn, k, bounds, tainted):
+                            continue  # e.g. rsqrt(mean(d ** 2) + 1e-5): in domain for any d
                         replace[k], reasons[k] = value, "table"
             if eqn.primitive not in LINEAR:
                 for k, v in enumerate(eqn.invars):

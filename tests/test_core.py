@@ -269,3 +269,44 @@ def test_guard_needed_only_by_an_unused_scan_output_is_not_planned():
     args = (jnp.full(4, 2.), jnp.ones((3, 4)))
     assert np.isfinite(jax.grad(lambda x, m: f(x, m).sum())(*args)).all()
     assert str(jaxsafe.make_jaxpr(f)(*args)) == str(jax.make_jaxpr(f)(*args))
+
+
+# --------------------------------------------------------------------------- guards that cannot matter
+# jaxsafe/_signs.py: an operand bounded below, for every finite input, by a point where the
+# primitive and its derivative are finite needs no guard (a layer norm's rsqrt).
+
+def _layer_norm_rows(x, keep, eps):
+    mu = jnp.mean(x, -1, keepdims=True)
+    var = jnp.mean((x - mu) ** 2, -1, keepdims=True)
+    return jnp.sum(jnp.where(keep, (x - mu) * jax.lax.rsqrt(var + eps), 0.))
+
+
+def test_layer_norm_rsqrt_is_not_guarded():
+    f = lambda x, keep: _layer_norm_rows(x, keep, 1e-5)
+    x = jnp.array([[1., 2., 4.], [3., 3., 3.]])   # row 1: variance 0
+    keep = jnp.array([[True], [False]])
+    assert str(jaxsafe.make_jaxpr(f)(x, keep)) == str(jax.make_jaxpr(f)(x, keep))
+    assert_finite(jax.grad(f)(x, keep))            # plain JAX is fine already
+
+
+@pytest.mark.parametrize("dtype, eps", [(jnp.float32, 1e-40), (jnp.float16, 1e-5)])
+def test_rsqrt_whose_derivative_overflows_at_the_bound_stays_guarded(dtype, eps):
+    # rsqrt'(v) = -v ** -1.5 / 2 overflows at v = 1e-40 (float32) and at 1e-5 (float16)
+    f = lambda x, keep: _layer_norm_rows(x, keep, eps)
+
+    def hand(x, keep):
+        return _layer_norm_rows(jnp.where(keep, x, jnp.array([0., 1., 2.], dtype)), keep, eps)
+    x = jnp.array([[1., 2., 4.], [3., 3., 3.]], dtype)
+    keep = jnp.array([[True], [False]])
+    assert np.isnan(np.asarray(jax.grad(f)(x, keep), np.float32)).any()
+    got = jax.grad(nan_safe(f))(x, keep)
+    assert_finite(got)
+    assert_close(got, jax.grad(hand)(x, keep), rtol=1e-2 if dtype == jnp.float16 else 1e-6)
+
+
+def test_bounded_operand_tested_for_nan_stays_guarded():
+    # x is tested with isnan, so it may be NaN in the lanes the where drops: no bound holds
+    f = lambda x: jnp.sum(jnp.where(jnp.isnan(x), 0., jax.lax.rsqrt(x ** 2 + 1.)))
+    x = jnp.array([jnp.nan, 0., 2.])
+    g = jax.grad(nan_safe(f))(x)
+    assert_close(g, jnp.array([0., 0., -2. * 5. ** -1.5]))
