@@ -443,11 +443,12 @@ def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) ->
         out_kinds = [L.Kind.LIVE] * len(jaxpr.outvars)
     sweep = L.sweep_for(jaxpr, list(out_kinds), False)
 
-    # Nested bodies: rewritten on their own.
+    # Nested bodies: rewritten on their own, unless nothing differentiates their results (read
+    # by comparisons only, say): then no derivative runs through them.
     nested: dict[int, dict] = {}
     for i, eqn in enumerate(eqns):
         names = NESTED_PARAMS.get(eqn.primitive)
-        if not names:
+        if not names or all(sweep.kind(o) == L.Kind.DEAD for o in eqn.outvars):
             continue
         new_params = dict(eqn.params)
         for name in names:

@@ -862,13 +862,13 @@ class _Emitter:
         # The operands of a scan are live as soon as any output is (jaxsafe's static rule for
         # primitives without a liveness rule), its carries are live, and the per-step outputs
         # take the mask from outside, step by step.
-        # One exception: a per-step output that is the step's input itself (`y = xi`), with a
-        # carry that does not read it, is moved out of the scan by JAX (`lax.scan` forwards it),
-        # so the stacked output is the operand and takes the mask from outside.
+        # One exception: a per-step output that is the step's input itself (`y = xi`) is moved
+        # out of the scan by JAX (`lax.scan` forwards it), so the stacked output is the operand
+        # and takes the mask from outside; the scan itself is then unused (its carry is not the
+        # output) and jaxsafe plans without it.
         _, xs, init, t, y, out = node
         xs_o, init_o = self.orig(xs, env2), self.orig(init, env2)
-        forwarded = (out == "ys" and y == ("in", "xi")
-                     and not any(n == ("in", "xi") for n in walk(t)))
+        forwarded = out == "ys" and y == ("in", "xi")
         xs_m = m if forwarded else None
         xs_g, xs_t, xs_c = self.tw(xs, env2, xs_m, xs_m is not None, tested)
         init_g, init_t, init_c = self.tw(init, env2, None, False, tested)

@@ -190,6 +190,7 @@ def _all_derivatives(f, twin):
 
 def _eager_derivatives(f, twin, args):
     """The same results, equation by equation (no XLA fusion anywhere)."""
+    args = [jnp.asarray(a) for a in args]  # JAX arrays: NumPy would do `m / m` itself
     with jax.disable_jit():
         return jax.device_get({
             "jaxsafe": derivatives(jaxsafe.nan_safe(f, jit=False), args),

@@ -173,3 +173,48 @@ def test_scan_body_with_a_constant_predicate_and_an_unused_output_is_unchanged()
         return (jnp.where(v5 >= 0., x, x),)
     args = (np.ones(4, f32), np.ones(4, f32), np.ones((3, 4), f32), f32(1.))
     assert str(jaxsafe.make_jaxpr(f)(*args)) == str(jax.make_jaxpr(f)(*args))
+
+
+# --------------------------------------------------------------------------- second run
+# Found by the 10,500-example run of 2026-11-22 (at 3df58eb), shrunk by hypothesis.
+
+_ARGS_2 = (np.array([-3.3366185e-01, -5.9604645e-08, 2.0, -2.5738523e+00], f32),
+           np.array([2.0, 0.4891242, -0.5, 0.88495433], f32),
+           np.array([[-0.0, -0.5, 2.9417, -1.0e+30],
+                     [3.0, 1.0, -3.4006395, 2.1879179e-17],
+                     [1.0e-30, 1.1, -0.5, 1.8075681]], f32),
+           f32(1e30))
+
+
+def _scan_forwarding_its_input(pred):
+    import fuzzgen as G
+    scan = ("scan", ("div", ("in", "m"), ("in", "m")), ("un", "neg", ("in", "x")),
+            ("in", "xi"), ("in", "xi"), "ys")
+    return G, G.Program((("where", pred, scan, ("in", "m")),))
+
+
+def test_ill_conditioned_live_lane_is_settled_equation_by_equation_with_numpy_arguments():
+    # The tiny-denominator case again (m / m at 2.2e-17, jit and eager differ by rounding);
+    # the eager re-check crashed on NumPy arguments (NumPy computed `m / m` itself and warned).
+    G, program = _scan_forwarding_its_input(("cmp", "lt", ("dot", ("in", "x"), ("in", "y")), 0.))
+    _check(G.build(program), G.build(program, guarded=True), _ARGS_2)
+
+
+def test_forwarded_scan_output_whose_carry_reads_it_is_guarded_like_the_twin():
+    # `lambda c, xi: (c + xi, xi)`: JAX forwards the per-step output out of the scan, and the
+    # carry is unused, so the scan is dead code and `m / m` is dropped by the where. The
+    # generator's twin kept the scan's operand live because the carry reads it.
+    G, program = _scan_forwarding_its_input(("cmp", "lt", ("index", 0, ("in", "y")), 0.))
+    _check(G.build(program), G.build(program, guarded=True), _ARGS_2)
+
+
+def test_scan_read_only_by_a_comparison_is_unchanged():
+    # Nothing differentiates the scan's output (a comparison reads it): its body is not
+    # rewritten, though arccos is dropped there.
+    def f(x, y, m, s):
+        def body(c, xi):
+            return c, jnp.where(c >= 0., c, jnp.arccos(c))
+        v = lax.scan(body, x, m)[1]
+        return (jnp.where(v >= 0., m, m),)
+    args = (np.ones(4, f32), np.ones(4, f32), np.ones((3, 4), f32), f32(1.))
+    assert str(jaxsafe.make_jaxpr(f)(*args)) == str(jax.make_jaxpr(f)(*args))
