@@ -26,10 +26,12 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
+# One pytest worker per CPU (pytest-xdist): the suite is compile-bound and takes about 10
+# minutes on one core. `make fuzz` stays in one process (it writes tests/.fuzz-counts.json).
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow" --ignore=tests/test_x64.py
+	$(PY) -m pytest -n auto -m "not slow" --ignore=tests/test_x64.py
 	if [ -f tests/test_x64.py ]; then \
-		JAX_ENABLE_X64=1 $(PY) -m pytest -m "not slow" tests/test_x64.py; \
+		JAX_ENABLE_X64=1 $(PY) -m pytest -n auto -m "not slow" tests/test_x64.py; \
 	fi
 
 fuzz: $(STAMP)

@@ -735,6 +735,9 @@ def operand_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context,
         identity = list(range(len(_shape(eqn.outvars[0]))))
         syms: list[Sym] = []
         for k, v in enumerate(eqn.invars):
+            if isinstance(v, Literal):  # carries no liveness
+                syms.append(FALSE)
+                continue
             align = alignment(eqn, k)
             if align is None:
                 break

@@ -14,7 +14,8 @@ included: a product of two non-negative values has none (0 * inf is NaN).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import numpy as np
 

@@ -15,8 +15,7 @@ row (`stop_gradient(max(x))`) can be proven to affect dropped lanes only (`disjo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterable, Sequence
 
 from ._compat import JaxprEqn, Literal, Var
 from ._compat import primitives as P
@@ -38,7 +37,7 @@ class Unknown:
         return f"?{id(self) % 10000}"
 
 
-def unknown(axes: Optional[Iterable[int]]) -> Lit:
+def unknown(axes: Iterable[int] | None) -> Lit:
     """A fresh unknown mask over `axes` of a value (None: every axis)."""
     return (Unknown(), True, None if axes is None else tuple(sorted(set(axes))))
 
@@ -89,7 +88,7 @@ def sym_or(a: Sym, b: Sym) -> Sym:
     return _simplify(set(a) | set(b))
 
 
-def sym_and(a: Sym, b: Sym) -> Optional[Sym]:
+def sym_and(a: Sym, b: Sym) -> Sym | None:
     """a & b, or None when the product has too many terms to track."""
     if a == TRUE or not b:
         return b
@@ -106,9 +105,9 @@ def sym_and_literal(a: Sym, lit: Lit) -> Sym:
     return _simplify({t | {lit} for t in a if negated not in t})
 
 
-def sym_not(a: Sym) -> Optional[Sym]:
+def sym_not(a: Sym) -> Sym | None:
     """The complement, or None when it has too many terms to track."""
-    out: Optional[Sym] = TRUE
+    out: Sym | None = TRUE
     for term in a:
         if not term:
             return FALSE
@@ -156,17 +155,17 @@ def move(sym: Sym, mapping: dict[int, int]) -> Sym:
     return _simplify(terms)
 
 
-def backward_mapping(align: Sequence[Optional[int]]) -> dict[int, int]:
+def backward_mapping(align: Sequence[int | None]) -> dict[int, int]:
     """`align[i]`: the output axis that operand axis i runs along (None: none does)."""
     return {o: i for i, o in enumerate(align) if o is not None}
 
 
-def forward_mapping(align: Sequence[Optional[int]]) -> dict[int, int]:
+def forward_mapping(align: Sequence[int | None]) -> dict[int, int]:
     return {i: o for i, o in enumerate(align) if o is not None}
 
 
 def predicate_literal(pred: Var, positive: bool,
-                      producer_of: Callable[[Var], Optional[JaxprEqn]]) -> Lit:
+                      producer_of: Callable[[Var], JaxprEqn | None]) -> Lit:
     """The literal `pred` (or its negation) over a value of `pred`'s shape (or any shape, for a
     scalar `pred`), followed back through broadcasts (`producer_of`), so that a row mask
     broadcast over a row stays a literal on the row's axes only."""

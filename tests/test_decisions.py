@@ -13,15 +13,13 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-from hypothesis import given, settings, strategies as st
+from helpers import assert_bitwise, assert_close, assert_finite
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import jaxsafe
 from jaxsafe import _symbolic as S
 from jaxsafe import nan_safe
 from jaxsafe._compat import Var
-
-from helpers import assert_bitwise, assert_close, assert_finite
 
 
 def _count(closed, name):
