@@ -311,6 +311,11 @@ class DroppedValues:
         return _finite_with_derivatives(eqn, point)
 
 
+def _is_elementwise(eqn: JaxprEqn) -> bool:
+    rule = L.RULES.get(eqn.primitive)
+    return rule is not None and rule.masks is L.elementwise and len(eqn.outvars) == 1
+
+
 def _bounded_into_domain(eqn: JaxprEqn, k: int, bounds: B.Bounds, tainted: set) -> bool:
     """Whether operand k is, for every finite input, at or above a positive point where `eqn`
     and its derivative are finite, for a primitive that only gets safer above it."""
@@ -532,7 +537,10 @@ def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) ->
             guard = guard_for(eqn)
             if guard is not None:
                 for k, value in guard.safe.items():
-                    if k < len(eqn.invars) and diff[k] and op_kinds[k] != L.Kind.LIVE:
+                    # a literal operand (`x / 0.`) passes no tangent, but its value does
+                    hazard_operand = k < len(eqn.invars) and (
+                        diff[k] or isinstance(eqn.invars[k], Literal) and L.is_float(eqn.invars[k]))
+                    if hazard_operand and op_kinds[k] != L.Kind.LIVE:
                         if dropped.guard_is_noop(eqn, k, guard.safe):
                             continue  # e.g. div(_, exp(guarded x)): exp(0) = 1 there already
                         if _bounded_into_domain(eqn, k, bounds, tainted):
@@ -684,9 +692,15 @@ def _emit_masked_in_scope(plan: Plan, out_masks: Sequence[L.Mask], args: Sequenc
             in_masks = L.operand_masks(eqn, [mask_of(o) for o in eqn.outvars], originals,
                                        sweep.ctx)
             for k, value in site.replace.items():
-                live = in_masks[k]
+                live, operand = in_masks[k], invals[k]
+                out_shape = L._shape(eqn.outvars[0])
+                if np.shape(operand) != out_shape and _is_elementwise(eqn):
+                    # a scalar or broadcast operand: guard it lane by lane, at the output's shape
+                    live = mask_of(eqn.outvars[0])
+                    if live is not None:
+                        operand = L.broadcast(operand, out_shape)
                 if live is not None:
-                    invals[k] = lax.select_n(live, lax.full_like(invals[k], value), invals[k])
+                    invals[k] = lax.select_n(live, lax.full_like(operand, value), operand)
             for k in site.cut:
                 live = in_masks[k]
                 if live is not None:

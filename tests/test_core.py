@@ -310,3 +310,30 @@ def test_bounded_operand_tested_for_nan_stays_guarded():
     x = jnp.array([jnp.nan, 0., 2.])
     g = jax.grad(nan_safe(f))(x)
     assert_close(g, jnp.array([0., 0., -2. * 5. ** -1.5]))
+
+
+# --------------------------------------------------------------------------- literal and scalar operands
+# A guard on an operand that the op broadcasts (a literal `0.`, a scalar) is applied lane by lane,
+# at the output's shape: the dropped lanes get the safe value, the live ones keep theirs.
+
+def test_literal_zero_denominator_is_guarded_in_dropped_lanes():
+    f = lambda x: jnp.sum(jnp.where(x > 0, x / 0., 0.))
+    x = jnp.array([-1., 2., 3.])
+    assert np.isnan(jax.grad(f)(x)[0])
+    np.testing.assert_array_equal(jax.grad(nan_safe(f))(x), [0., np.inf, np.inf])  # real: kept
+    assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+
+
+@pytest.mark.parametrize("s", [0., 2.])
+def test_scalar_denominator_matches_the_double_where(s):
+    f = lambda x, s: jnp.sum(jnp.where(x > 0, x / s, 0.))
+    hand = lambda x, s: jnp.sum(jnp.where(x > 0, x / jnp.where(x > 0, s, 1.), 0.))
+    x = jnp.array([-1., 2., 3.])
+    for got, want in zip(jax.grad(nan_safe(f), (0, 1))(x, s), jax.grad(hand, (0, 1))(x, s)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_in_domain_literal_is_not_guarded():
+    f = lambda x: jnp.where(x > 0, x / 2., 0.)
+    x = jnp.array([-1., 2.])
+    assert str(jaxsafe.make_jaxpr(f)(x)) == str(jax.make_jaxpr(f)(x))
