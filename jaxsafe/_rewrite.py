@@ -694,8 +694,12 @@ def _emit_masked_in_scope(plan: Plan, out_masks: Sequence[L.Mask], args: Sequenc
             for k, value in site.replace.items():
                 live, operand = in_masks[k], invals[k]
                 out_shape = L._shape(eqn.outvars[0])
-                if np.shape(operand) != out_shape and _is_elementwise(eqn):
-                    # a scalar or broadcast operand: guard it lane by lane, at the output's shape
+                if isinstance(eqn.invars[k], Literal) and np.shape(operand) != out_shape \
+                        and _is_elementwise(eqn):
+                    # a literal (`x / 0.`): guarded lane by lane, at the output's shape. Other
+                    # broadcast operands keep their shape (live where any lane they feed is): XLA
+                    # divides by a broadcast row as by its reciprocal, so a full-shape divisor
+                    # would change the live lanes' last bit.
                     live = mask_of(eqn.outvars[0])
                     if live is not None:
                         operand = L.broadcast(operand, out_shape)

@@ -313,8 +313,8 @@ def test_bounded_operand_tested_for_nan_stays_guarded():
 
 
 # --------------------------------------------------------------------------- literal and scalar operands
-# A guard on an operand that the op broadcasts (a literal `0.`, a scalar) is applied lane by lane,
-# at the output's shape: the dropped lanes get the safe value, the live ones keep theirs.
+# A guard on a literal that the op broadcasts (`x / 0.`) is applied lane by lane, at the output's
+# shape: the dropped lanes get the safe value, the live ones keep the literal.
 
 def test_literal_zero_denominator_is_guarded_in_dropped_lanes():
     f = lambda x: jnp.sum(jnp.where(x > 0, x / 0., 0.))
@@ -325,11 +325,15 @@ def test_literal_zero_denominator_is_guarded_in_dropped_lanes():
 
 
 @pytest.mark.parametrize("s", [0., 2.])
-def test_scalar_denominator_matches_the_double_where(s):
+def test_scalar_denominator_keeps_its_shape(s):
+    # A broadcast operand is guarded where every lane it feeds is dropped, and keeps its shape:
+    # the live lanes are divided exactly as in f (bitwise, also under value_and_grad).
     f = lambda x, s: jnp.sum(jnp.where(x > 0, x / s, 0.))
-    hand = lambda x, s: jnp.sum(jnp.where(x > 0, x / jnp.where(x > 0, s, 1.), 0.))
     x = jnp.array([-1., 2., 3.])
-    for got, want in zip(jax.grad(nan_safe(f), (0, 1))(x, s), jax.grad(hand, (0, 1))(x, s)):
+    value, _ = jax.value_and_grad(nan_safe(f), (0, 1))(x, s)
+    assert_bitwise(value, jax.jit(f)(x, s))
+    x = -jnp.ones(3)  # every lane dropped: s is guarded
+    for got, want in zip(jax.grad(nan_safe(f), (0, 1))(x, s), (jnp.zeros(3), 0.)):
         np.testing.assert_array_equal(got, want)
 
 
