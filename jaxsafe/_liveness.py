@@ -25,11 +25,9 @@ primal provably never reads are dropped.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import math
-import threading
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -40,11 +38,11 @@ from jax import lax
 
 from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Var, bind_eqn
 from ._compat import primitives as P
+from ._masks import (Mask, all_of, any_of, broadcast, broadcast_mask, concat_masks, factor, fit,
+                     materialize, move_axes, not_mask, pad_mask, reduce_any,
+                     register_broadcast, reshape_mask, slice_mask, within, zeros)
 from ._symbolic import FALSE, TRUE, Sym, opaque, sym_and_literal, sym_or
 from . import _symbolic as S
-
-Mask = Optional[jax.Array]
-"""A boolean array of a value's shape (True: live), or None when every lane is live."""
 
 
 class Kind(enum.IntEnum):
@@ -127,157 +125,6 @@ def register(*prims: Primitive, **rule_fields) -> Callable[[MaskRule], MaskRule]
     return deco
 
 
-# --------------------------------------------------------------------------- mask helpers
-
-# Masks are built with raw lax calls: jnp functions are jitted wrappers, and their dispatch
-# dominated the rewrite time of long programs.
-
-def ones(shape) -> jax.Array:
-    return lax.full(tuple(shape), True, jnp.bool_)
-
-
-def zeros(shape) -> jax.Array:
-    out = lax.full(tuple(shape), False, jnp.bool_)
-    table = getattr(_SCOPE, "broadcasts", None)
-    if table is not None:
-        table[id(out)] = (out, None, None)  # known to be all false
-    return out
-
-
-def _known_false(mask) -> bool:
-    table = getattr(_SCOPE, "broadcasts", None)
-    hit = None if table is None else table.get(id(mask))
-    return hit is not None and hit[0] is mask and hit[1] is None
-
-
-# Masks often cross a chain of reductions and broadcasts (a row mask through a layer norm, a
-# matmul, a softmax): `reduce_any` of a broadcast mask is the broadcast of its source, so the
-# chain collapses to one mask per row instead of an or-reduction per op, and XLA has less to
-# compile. The broadcasts are remembered within one trace (`mask_scope`, per thread): the
-# table holds tracers, which must not outlive their trace.
-_SCOPE = threading.local()
-
-
-@contextlib.contextmanager
-def mask_scope():
-    saved = getattr(_SCOPE, "broadcasts", None)
-    _SCOPE.broadcasts = {}
-    try:
-        yield
-    finally:
-        _SCOPE.broadcasts = saved
-
-
-def broadcast_mask(src: jax.Array, shape, dims: Sequence[int]) -> jax.Array:
-    shape, dims = tuple(shape), tuple(dims)
-    if tuple(np.shape(src)) == shape and dims == tuple(range(len(shape))):
-        return src
-    table = getattr(_SCOPE, "broadcasts", None)
-    if table is None:
-        return lax.broadcast_in_dim(src, shape, dims)
-    if _known_false(src):
-        return zeros(shape)
-    key = (id(src), shape, dims)  # the same broadcast asked for twice: one tracer, one op
-    hit = table.get(key)
-    if hit is not None and hit[1] is src:
-        return hit[0]
-    out = lax.broadcast_in_dim(src, shape, dims)
-    table[id(out)] = table[key] = (out, src, dims)
-    return out
-
-
-def _broadcast_source(mask) -> Optional[tuple]:
-    table = getattr(_SCOPE, "broadcasts", None)
-    hit = None if table is None else table.get(id(mask))
-    return hit if hit is not None and hit[0] is mask and hit[1] is not None else None
-
-
-def _reduce_broadcast(mask: jax.Array, axes: tuple, keepdims: bool) -> Optional[jax.Array]:
-    """`reduce_or(mask, axes)` when `mask` is a broadcast along exactly those axes, or None."""
-    hit = _broadcast_source(mask)
-    if hit is None:
-        return None
-    _, src, dims = hit
-    src_shape = np.shape(src)
-    if any(d in axes and src_shape[j] != 1 for j, d in enumerate(dims)):
-        return None  # the source itself is reduced: not a pure broadcast there
-    drop = tuple(j for j, d in enumerate(dims) if d in axes)
-    src = lax.squeeze(src, drop) if drop else src
-    kept = [d for d in dims if d not in axes]
-    if keepdims:
-        shape = tuple(1 if a in axes else n for a, n in enumerate(mask.shape))
-        return broadcast_mask(src, shape, kept)
-    remaining = [a for a in range(mask.ndim) if a not in axes]
-    position = {a: i for i, a in enumerate(remaining)}
-    return broadcast_mask(src, tuple(mask.shape[a] for a in remaining),
-                          [position[d] for d in kept])
-
-
-def reduce_any(mask: jax.Array, axes: Sequence[int], keepdims: bool = False) -> jax.Array:
-    axes = tuple(axes)
-    if not axes:
-        return mask
-    short = _reduce_broadcast(mask, axes, keepdims)
-    if short is not None:
-        return short
-    out = lax.reduce_or(mask, axes)
-    return lax.expand_dims(out, axes) if keepdims else out
-
-
-def broadcast(x: jax.Array, shape) -> jax.Array:
-    """numpy-style broadcast of x (rank 0, or same rank with size-1 axes) to `shape`."""
-    shape = tuple(shape)
-    if tuple(np.shape(x)) == shape:
-        return x
-    x = jnp.asarray(x) if not isinstance(x, jax.Array) and not hasattr(x, "aval") else x
-    lead = len(shape) - np.ndim(x)
-    dims = tuple(range(lead, len(shape)))
-    squeeze = tuple(d for d, (n, m) in enumerate(zip(np.shape(x), shape[lead:])) if n != m)
-    if squeeze:
-        x = lax.squeeze(x, squeeze)
-        dims = tuple(d for k, d in enumerate(dims) if k not in squeeze)
-    return broadcast_mask(x, shape, dims)
-
-
-def materialize(mask: Mask, shape) -> jax.Array:
-    return ones(shape) if mask is None else mask
-
-
-def fit(mask: Mask, shape) -> Mask:
-    """A mask over an output, as seen by an operand of `shape` that the op broadcasts (a rank-0
-    scalar, or size-1 axes): a lane is live if any output lane it is broadcast to is."""
-    shape = tuple(shape)
-    if mask is None or tuple(mask.shape) == shape:
-        return mask
-    lead = mask.ndim - len(shape)
-    if lead < 0:
-        return None  # pragma: no cover - shapes that do not line up: conservative
-    mask = reduce_any(mask, range(lead))
-    size_one = tuple(d for d, n in enumerate(shape) if n == 1 and mask.shape[d] != 1)
-    return reduce_any(mask, size_one, keepdims=True)
-
-
-def any_of(masks: Sequence[Mask]) -> Mask:
-    if any(m is None for m in masks):
-        return None
-    unique, seen = [], set()
-    for m in masks:
-        if id(m) not in seen and not _known_false(m):  # x * x reads one mask twice
-            seen.add(id(m))
-            unique.append(m)
-    if not unique:
-        return masks[0]
-    sources = [_broadcast_source(m) for m in unique]
-    if len(unique) > 1 and all(h is not None for h in sources) and \
-            len({(h[2], np.shape(h[1])) for h in sources}) == 1:
-        # broadcasts of row masks along the same axes: or the rows, broadcast once
-        return broadcast_mask(any_of([h[1] for h in sources]), unique[0].shape, sources[0][2])
-    out = unique[0]
-    for m in unique[1:]:
-        out = lax.bitwise_or(out, m)
-    return out
-
-
 def _shape(atom) -> tuple[int, ...]:
     return tuple(atom.aval.shape)
 
@@ -356,14 +203,13 @@ def _decided_by_value(eqn, outs, invals, ctx):
         operand = k - first + 1
         if eqn.primitive is P.select_n_p:
             if pred.dtype == jnp.bool_:
-                live = _bcast(pred if operand == 2 else lax.bitwise_not(pred), shape)
+                picked = _bcast(pred, shape)
+                live = picked if operand == 2 else not_mask(picked)
             else:
                 live = _bcast(lax.eq(pred, np.asarray(operand - 1, pred.dtype)), shape)
         else:
             live = lax.bitwise_or(lax.eq(win, np.int32(operand)), lax.eq(win, np.int32(0)))
-        if outs[0] is not None:
-            live = lax.bitwise_and(live, outs[0])
-        masks.append(fit(live, _shape(v)))
+        masks.append(fit(all_of([live, outs[0]]), _shape(v)))
     return masks
 
 
@@ -397,7 +243,51 @@ def _by_transpose(eqn, outs, invals, ctx):
     return masks
 
 
-register(P.slice_p, P.dynamic_slice_p, P.gather_p, P.dynamic_update_slice_p,
+def _slice(eqn, outs, invals, ctx):
+    """The lanes a static slice reads: its mask padded with False (the transpose of slice)."""
+    shape, out_shape = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    if outs[0] is None and shape == out_shape:
+        return [None]
+    out = materialize(outs[0], out_shape)
+    starts = eqn.params["start_indices"]
+    strides = eqn.params["strides"] or (1,) * len(shape)
+    if 0 in out_shape:
+        return [zeros(shape)]
+    config = []
+    for n, lo, k, step in zip(shape, starts, out_shape, strides):
+        last = lo + (k - 1) * step
+        config.append((int(lo), int(n - 1 - last), int(step - 1)))
+    return [pad_mask(out, config, shape)]
+
+
+def _gather(eqn, outs, invals, ctx):
+    """A gather reads, for each output lane, operand lanes at the same batching coordinates: the
+    operand's mask (a scatter of the output's) lies inside the output mask's rows."""
+    masks = _by_transpose(eqn, outs, invals, ctx)
+    out = outs[0]
+    if out is None or masks[0] is None:
+        return masks
+    dn = eqn.params["dimension_numbers"]
+    out_rank = len(_shape(eqn.outvars[0]))
+    batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]
+    index_dims = [d for d in range(len(_shape(eqn.invars[1])) - 1)]  # last: the index vector
+    to_operand = {}
+    for o, i in zip(batch_out, index_dims):
+        if i in dn.start_indices_batching_dims:
+            to_operand[o] = dn.operand_batching_dims[dn.start_indices_batching_dims.index(i)]
+    core, axes = factor(out)
+    if all(a in to_operand for a in axes):
+        moved = [to_operand[a] for a in axes]
+        order = tuple(int(j) for j in np.argsort(moved))
+        if order != tuple(range(len(order))):
+            core = lax.transpose(core, order)
+        within(masks[0], broadcast_mask(core, _shape(eqn.invars[0]), sorted(moved)))
+    return masks
+
+
+register(P.slice_p, drops=lambda eqn: True)(_slice)
+register(P.gather_p, drops=lambda eqn: True)(_gather)
+register(P.dynamic_slice_p, P.dynamic_update_slice_p,
          drops=lambda eqn: True)(_by_transpose)
 register(P.pad_p, drops=lambda eqn: any(lo < 0 or hi < 0 for lo, hi, _ in
                                         eqn.params["padding_config"]))(_by_transpose)
@@ -410,32 +300,17 @@ def _transpose(eqn, outs, invals, ctx):
     out = outs[0]
     if out is None:
         return [None]
-    inverse = tuple(int(d) for d in np.argsort(eqn.params["permutation"]))
-    hit = _broadcast_source(out)
-    if hit is not None:  # a broadcast row mask: move its axes, not its lanes
-        _, src, dims = hit
-        moved = [inverse[d] for d in dims]
-        order = tuple(int(j) for j in np.argsort(moved))
-        if order != tuple(range(len(order))):
-            src = lax.transpose(src, order)
-        return [broadcast_mask(src, _shape(eqn.invars[0]), sorted(moved))]
-    return [lax.transpose(out, inverse)]
+    return [move_axes(out, eqn.params["permutation"], _shape(eqn.invars[0]))]
 
 
 def _reshape(eqn, outs, invals, ctx):
     out = outs[0]
     if out is None:
         return [None] * len(eqn.invars)
-    if eqn.params.get("dimensions") is not None or len(eqn.invars) != 1:
+    if eqn.primitive is P.reshape_p and (eqn.params.get("dimensions") is not None
+                                         or len(eqn.invars) != 1):
         return _by_transpose(eqn, outs, invals, ctx)  # pragma: no cover - rare forms
-    shape = _shape(eqn.invars[0])
-    hit = _broadcast_source(out)
-    if hit is not None and hit[2]:
-        _, src, dims = hit  # a broadcast whose source axes lead and are kept: reshape the rest
-        lead = max(dims) + 1
-        if tuple(out.shape[:lead]) == shape[:lead]:
-            return [broadcast_mask(src, shape, dims)]
-    return [lax.reshape(out, shape)]
+    return [reshape_mask(out, _shape(eqn.invars[0]))]
 
 
 def _concatenate(eqn, outs, invals, ctx):
@@ -445,7 +320,7 @@ def _concatenate(eqn, outs, invals, ctx):
     axis, start, masks = eqn.params["dimension"], 0, []
     for v in eqn.invars:
         size = _shape(v)[axis]
-        masks.append(lax.slice_in_dim(out, start, start + size, axis=axis))
+        masks.append(slice_mask(out, axis, start, start + size))
         start += size
     return masks
 
@@ -453,8 +328,7 @@ def _concatenate(eqn, outs, invals, ctx):
 def _split(eqn, outs, invals, ctx):
     if all(m is None for m in outs):
         return [None]
-    return [lax.concatenate([materialize(m, _shape(o)) for m, o in zip(outs, eqn.outvars)],
-                            eqn.params["axis"])]
+    return [concat_masks(outs, [_shape(o) for o in eqn.outvars], eqn.params["axis"])]
 
 
 register(P.transpose_p)(_transpose)
@@ -474,7 +348,7 @@ def _broadcast_in_dim(eqn, outs, invals, ctx):
     m = reduce_any(out, others)
     size_one = tuple(k for k, size in enumerate(in_shape) if size == 1 and m.shape[k] != 1)
     m = reduce_any(m, size_one, keepdims=True)
-    masks[0] = lax.reshape(m, in_shape)
+    masks[0] = reshape_mask(m, in_shape)
     return masks
 
 
@@ -880,6 +754,20 @@ class Sweep:
             self._constants[v] = value
         return self._constants[atom]
 
+    def _note_broadcasts(self, env, atom) -> None:
+        """Tell the mask algebra that a predicate the program broadcasts is a smaller core."""
+        chain = []
+        while isinstance(atom, Var):
+            eqn = self.producer_of(atom)
+            if eqn is None or eqn.primitive is not P.broadcast_in_dim_p or \
+                    isinstance(eqn.invars[0], Literal) or len(eqn.invars) != 1:
+                break
+            chain.append(eqn)
+            atom = eqn.invars[0]
+        for eqn in reversed(chain):  # the innermost first: its core composes into the next
+            register_broadcast(env[eqn.outvars[0]], env[eqn.invars[0]],
+                               eqn.params["broadcast_dimensions"])
+
     def kind(self, atom) -> Kind:
         if isinstance(atom, Literal):
             return Kind.DEAD
@@ -926,6 +814,8 @@ class Sweep:
                 for i, k in consumers.get(u, ()):
                     if i not in eqn_masks:
                         eqn = eqns[i]
+                        if eqn.primitive is P.select_n_p:
+                            self._note_broadcasts(env, eqn.invars[0])
                         eqn_masks[i] = operand_masks(
                             eqn, [settled(o) for o in eqn.outvars],
                             LazyOperands(env, eqn.invars), self.ctx)

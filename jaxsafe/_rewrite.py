@@ -40,6 +40,7 @@ import numpy as np
 from jax import lax
 
 from . import _liveness as L
+from . import _masks as M
 from . import _signs as B
 from . import _symbolic as S
 from ._compat import (ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var, bind_eqn, dce,
@@ -653,7 +654,7 @@ class _Originals:
 
 
 def _emit_masked(plan: Plan, out_masks: Sequence[L.Mask], args: Sequence[Any]) -> list:
-    with L.mask_scope():  # one trace: the masks' bookkeeping must not outlive it
+    with M.mask_scope():  # one trace: the masks' bookkeeping must not outlive it
         return _emit_masked_in_scope(plan, out_masks, args)
 
 
@@ -702,7 +703,7 @@ def _emit_masked_in_scope(plan: Plan, out_masks: Sequence[L.Mask], args: Sequenc
                     # would change the live lanes' last bit.
                     live = mask_of(eqn.outvars[0])
                     if live is not None:
-                        operand = L.broadcast(operand, out_shape)
+                        operand = M.broadcast(operand, out_shape)
                 if live is not None:
                     invals[k] = lax.select_n(live, lax.full_like(operand, value), operand)
             for k in site.cut:
@@ -714,7 +715,7 @@ def _emit_masked_in_scope(plan: Plan, out_masks: Sequence[L.Mask], args: Sequenc
                                      [mask_of(o) for o in eqn.outvars], plan.nested.get(i))
         elif i in plan.selections:
             out = bind_eqn(eqn, invals)[0]
-            cases = [out] + [L.broadcast(lax.convert_element_type(x, out.dtype), out.shape)
+            cases = [out] + [M.broadcast(lax.convert_element_type(x, out.dtype), out.shape)
                              for x in invals]
             outs = [lax.select_n(L.winner(eqn, originals), *cases)]
         else:

@@ -1,0 +1,409 @@
+"""Run-time masks, kept at the size of what they depend on.
+
+A liveness mask is a boolean array of a value's shape, but it rarely varies along every axis: the
+mask of a softmax row, of a layer norm, of every lane of a matmul's output row depends on the row
+alone. Within one trace (`mask_scope`) this module remembers each mask that is a broadcast as a
+*core* (the small array) and the output *axes* it runs along, and does the mask algebra on cores:
+
+- `all_of` / `any_of` combine cores at the union of their axes, then broadcast once;
+- `reduce_any` reduces the core along the reduced axes it has, and drops the others;
+- `pad_mask`, `slice_mask`, `concat_masks`, `move_axes`, `reshape_mask` move the core's axes;
+- a concatenation remembers its parts, so an any-reduction across it ors the parts' reductions;
+- `within(mask, upper)` records that a mask is a subset of another (a gather's lanes lie in the
+  rows it reads from), so `any_of` drops it where the bound is already in the union.
+
+A broadcast in the original program is registered too (`register_broadcast`): a `jnp.where`
+predicate of shape (b, 1, q, 1) that the program broadcasts to (b, h, q, k) is a (b, q) core. XLA
+then compiles a few small boolean fusions instead of one per op at the full shape.
+
+Masks are built with raw lax calls: jnp functions are jitted wrappers, and their dispatch
+dominated the rewrite time of long programs. The table holds tracers, which must not outlive their
+trace: it lives only inside `mask_scope` (per thread). Outside a scope every helper still works,
+on full arrays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+Mask = jax.Array | None
+"""A boolean array of the value's shape, or None for "every lane live"."""
+
+
+@dataclasses.dataclass
+class _Fact:
+    mask: Any                           # the tracer the facts are about (identity checked)
+    core: Any = None                    # mask == broadcast of core along `axes`
+    axes: tuple | None = None
+    false: bool = False                 # every lane is dropped
+    parts: tuple | None = None       # mask == concatenate(parts, concat_axis)
+    concat_axis: int = -1
+    upper: Any = None                   # mask is a subset of this mask
+
+
+_SCOPE = threading.local()
+
+
+@contextlib.contextmanager
+def mask_scope():
+    saved = getattr(_SCOPE, "table", None)
+    _SCOPE.table = {}
+    try:
+        yield
+    finally:
+        _SCOPE.table = saved
+
+
+def _table() -> dict | None:
+    return getattr(_SCOPE, "table", None)
+
+
+def _fact(mask) -> _Fact | None:
+    table = _table()
+    hit = None if table is None else table.get(id(mask))
+    return hit if hit is not None and hit.mask is mask else None
+
+
+def _remember(mask, **fields) -> None:
+    table = _table()
+    if table is None:
+        return
+    fact = _fact(mask)
+    if fact is None:
+        fact = table[id(mask)] = _Fact(mask)
+    for k, v in fields.items():
+        setattr(fact, k, v)
+
+
+def _shape(x) -> tuple:
+    return tuple(np.shape(x))
+
+
+# --------------------------------------------------------------------------- cores
+
+def ones(shape) -> jax.Array:
+    shape = tuple(shape)
+    if _table() is None or not shape:
+        return lax.full(shape, True, jnp.bool_)
+    return broadcast_mask(_true_scalar(), shape, ())
+
+
+def _true_scalar() -> jax.Array:
+    key = ("true",)
+    table = _table()
+    hit = table.get(key)
+    if hit is None:
+        hit = table[key] = lax.full((), True, jnp.bool_)
+    return hit
+
+
+def zeros(shape) -> jax.Array:
+    out = lax.full(tuple(shape), False, jnp.bool_)
+    _remember(out, false=True)
+    return out
+
+
+def known_false(mask) -> bool:
+    fact = _fact(mask)
+    return fact is not None and fact.false
+
+
+def factor(mask) -> tuple[Any, tuple]:
+    """(core, axes) with `mask == broadcast_in_dim(core, mask.shape, axes)`; a mask that is not a
+    known broadcast is its own core, along every axis."""
+    fact = _fact(mask)
+    if fact is not None and fact.axes is not None:
+        return fact.core, fact.axes
+    return mask, tuple(range(np.ndim(mask)))
+
+
+def _canonical(src, shape: tuple, dims: tuple) -> tuple[Any, tuple]:
+    """The core and axes of `broadcast_in_dim(src, shape, dims)`: src's own core, without the
+    size-1 axes that the broadcast widens."""
+    core, axes = factor(src)
+    axes = tuple(dims[a] for a in axes)
+    wide = tuple(i for i, a in enumerate(axes) if np.shape(core)[i] == 1 and shape[a] != 1)
+    if wide:
+        core = _squeeze(core, wide)
+        axes = tuple(a for i, a in enumerate(axes) if i not in wide)
+    if list(axes) != sorted(axes):  # pragma: no cover - broadcast_in_dim keeps axes in order
+        order = tuple(int(i) for i in np.argsort(axes))
+        core, axes = lax.transpose(core, order), tuple(sorted(axes))
+    return core, axes
+
+
+def _squeeze(core, dims: tuple):
+    table = _table()
+    key = ("squeeze", id(core), dims)
+    hit = None if table is None else table.get(key)
+    if hit is not None and hit[1] is core:
+        return hit[0]
+    out = lax.squeeze(core, dims)
+    if table is not None:
+        table[key] = (out, core)
+    return out
+
+
+def broadcast_mask(src, shape, dims: Sequence[int]) -> jax.Array:
+    """`lax.broadcast_in_dim(src, shape, dims)`, remembered as a core within a mask scope."""
+    shape, dims = tuple(shape), tuple(dims)
+    if _shape(src) == shape and dims == tuple(range(len(shape))):
+        return src
+    table = _table()
+    if table is None:
+        return lax.broadcast_in_dim(src, shape, dims)
+    if known_false(src):
+        return zeros(shape)
+    core, axes = _canonical(src, shape, dims)
+    if axes == tuple(range(len(shape))) and _shape(core) == shape:
+        return core
+    key = ("broadcast", id(core), shape, axes)  # the same broadcast twice: one tracer, one op
+    hit = table.get(key)
+    if hit is not None and hit[1] is core:
+        return hit[0]
+    out = lax.broadcast_in_dim(core, shape, axes)
+    table[key] = (out, core)
+    _remember(out, core=core, axes=axes)
+    return out
+
+
+def register_broadcast(out, src, dims: Sequence[int]) -> None:
+    """Record that `out`, a value of the original program, is `broadcast_in_dim(src, ..., dims)`."""
+    table = _table()
+    if table is None or _fact(out) is not None or not isinstance(out, jax.Array):
+        return
+    shape = _shape(out)
+    core, axes = _canonical(src, shape, tuple(dims))
+    if axes == tuple(range(len(shape))):
+        return
+    table.setdefault(("broadcast", id(core), shape, axes), (out, core))
+    _remember(out, core=core, axes=axes)
+
+
+def _expand(core, axes: tuple, to: tuple, shape: tuple):
+    """A core along `axes` as a core along `to` (a superset of the axes)."""
+    if axes == to:
+        return core
+    return broadcast_mask(core, tuple(shape[a] for a in to), tuple(to.index(a) for a in axes))
+
+
+# --------------------------------------------------------------------------- algebra
+
+def _key(mask) -> tuple:
+    core, axes = factor(mask)
+    return id(core), axes
+
+
+def _unique(masks: Sequence[Any]) -> list:
+    """The masks without repeats (`x * x` reads one mask twice; equal broadcasts of one core)."""
+    out, seen = [], set()
+    for m in masks:
+        key = _key(m)
+        if key not in seen:
+            seen.add(key)
+            out.append(m)
+    return out
+
+
+def _combine(masks: list, op, shape: tuple) -> jax.Array:
+    factored = [factor(m) for m in masks]
+    union = tuple(sorted(set().union(*(set(a) for _, a in factored))))
+    cores = [_expand(c, a, union, shape) for c, a in factored]
+    out = cores[0]
+    for c in cores[1:]:
+        out = op(out, c)
+    return broadcast_mask(out, shape, union)
+
+
+def any_of(masks: Sequence[Mask]) -> Mask:
+    """The union of masks of one shape (None: every lane live)."""
+    if any(m is None for m in masks):
+        return None
+    unique = [m for m in _unique(masks) if not known_false(m)]
+    if not unique:
+        return masks[0]
+    keys = [_key(m) for m in unique]
+    bounded = []
+    for m, key in zip(unique, keys):  # a mask inside another member of the union adds nothing
+        fact = _fact(m)
+        if fact is not None and fact.upper is not None:
+            upper = _key(fact.upper)
+            if upper != key and upper in keys:
+                continue
+        bounded.append(m)
+    if len(bounded) == 1:
+        return bounded[0]
+    return _combine(bounded, lax.bitwise_or, _shape(bounded[0]))
+
+
+def all_of(masks: Sequence[Mask]) -> Mask:
+    """The intersection of masks of one shape (None: every lane live)."""
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    if any(known_false(m) for m in present):
+        return zeros(_shape(present[0]))
+    unique = _unique(present)
+    if len(unique) == 1:
+        return unique[0]
+    return _combine(unique, lax.bitwise_and, _shape(unique[0]))
+
+
+def not_mask(mask) -> jax.Array:
+    """The complement, computed on the core."""
+    core, axes = factor(mask)
+    table = _table()
+    key = ("not", id(core))
+    hit = None if table is None else table.get(key)
+    if hit is not None and hit[1] is core:
+        flipped = hit[0]
+    else:
+        flipped = lax.bitwise_not(core)
+        if table is not None:
+            table[key] = (flipped, core)
+    return broadcast_mask(flipped, _shape(mask), axes)
+
+
+def reduce_any(mask, axes: Sequence[int], keepdims: bool = False) -> jax.Array:
+    """Any-reduction along `axes`: on the core's own axes only, the others are dropped."""
+    axes = tuple(sorted({int(a) for a in axes}))
+    if not axes:
+        return mask
+    shape = _shape(mask)
+    kept_axes = [a for a in range(len(shape)) if a not in axes]
+    if keepdims:
+        out_shape = tuple(1 if a in axes else n for a, n in enumerate(shape))
+        place = {a: a for a in kept_axes}
+    else:
+        out_shape = tuple(shape[a] for a in kept_axes)
+        place = {a: i for i, a in enumerate(kept_axes)}
+    if known_false(mask) or any(shape[a] == 0 for a in axes):
+        return zeros(out_shape)
+    fact = _fact(mask)
+    if fact is not None and fact.parts is not None and fact.concat_axis in axes:
+        return any_of([reduce_any(p, axes, keepdims) for p in fact.parts])
+    core, core_axes = factor(mask)
+    inside = tuple(i for i, a in enumerate(core_axes) if a in axes)
+    if inside:
+        core = lax.reduce_or(core, inside)
+    left = tuple(place[a] for a in core_axes if a not in axes)
+    if _table() is None and keepdims:
+        return lax.expand_dims(core, axes)
+    return broadcast_mask(core, out_shape, left)
+
+
+# --------------------------------------------------------------------------- moving lanes
+
+def move_axes(mask, permutation: Sequence[int], shape) -> jax.Array:
+    """The mask of a transpose's operand: output axis d is operand axis permutation[d]."""
+    core, axes = factor(mask)
+    moved = [int(permutation[a]) for a in axes]
+    order = tuple(int(j) for j in np.argsort(moved))
+    if order != tuple(range(len(order))):
+        core = lax.transpose(core, order)
+    return broadcast_mask(core, tuple(shape), sorted(moved))
+
+
+def reshape_mask(mask, shape) -> jax.Array:
+    """The mask reshaped to `shape`; a core survives reshapes that insert or remove size-1 axes,
+    or that keep every axis up to its last one."""
+    shape, old = tuple(shape), _shape(mask)
+    if old == shape:
+        return mask
+    if _table() is None:
+        return lax.reshape(mask, shape)
+    core, axes = factor(mask)
+    big_old = [a for a, n in enumerate(old) if n != 1]
+    big_new = [a for a, n in enumerate(shape) if n != 1]
+    if [old[a] for a in big_old] == [shape[a] for a in big_new]:
+        to_new = dict(zip(big_old, big_new))
+        small = tuple(i for i, a in enumerate(axes) if a not in to_new)
+        if small:
+            core = _squeeze(core, small)
+        return broadcast_mask(core, shape, [to_new[a] for a in axes if a in to_new])
+    lead = max(axes) + 1 if axes else 0
+    if lead < len(old) and old[:lead] == shape[:lead]:
+        return broadcast_mask(core, shape, axes)
+    return lax.reshape(mask, shape)
+
+
+def pad_mask(mask, config: Sequence[tuple[int, int, int]], shape) -> jax.Array:
+    """`lax.pad(mask, False, config)` (the lanes a slice reads, in its operand), on the core."""
+    core, axes = factor(mask)
+    changed = {a for a, c in enumerate(config) if tuple(c) != (0, 0, 0)}
+    union = tuple(sorted(set(axes) | changed))
+    core = _expand(core, axes, union, _shape(mask))
+    core = lax.pad(core, np.bool_(False), [tuple(config[a]) for a in union])
+    return broadcast_mask(core, tuple(shape), union)
+
+
+def slice_mask(mask, axis: int, start: int, stop: int) -> jax.Array:
+    """Lanes start:stop of `axis`."""
+    shape = list(_shape(mask))
+    shape[axis] = stop - start
+    core, axes = factor(mask)
+    if axis in axes:
+        core = lax.slice_in_dim(core, start, stop, axis=axes.index(axis))
+    return broadcast_mask(core, tuple(shape), axes)
+
+
+def concat_masks(masks: Sequence[Mask], shapes: Sequence[tuple], axis: int) -> jax.Array:
+    """The masks concatenated along `axis`; the parts are remembered (see `reduce_any`)."""
+    parts = [materialize(m, s) for m, s in zip(masks, shapes)]
+    shape = list(shapes[0])
+    shape[axis] = sum(s[axis] for s in shapes)
+    shape = tuple(shape)
+    factored = [factor(p) for p in parts]
+    if axis not in factored[0][1] and all(f[0] is factored[0][0] and f[1] == factored[0][1]
+                                          for f in factored):
+        return broadcast_mask(factored[0][0], shape, factored[0][1])  # one core, all parts
+    union = tuple(sorted(set().union(*[set(a) for _, a in factored]) | {axis}))
+    cores = [_expand(c, a, union, _shape(p)) for (c, a), p in zip(factored, parts)]
+    out = broadcast_mask(lax.concatenate(cores, union.index(axis)), shape, union)
+    _remember(out, parts=tuple(parts), concat_axis=axis)
+    return out
+
+
+def within(mask, upper) -> None:
+    """Record that `mask` is a subset of `upper` (used by `any_of`)."""
+    if upper is not None and mask is not upper:
+        _remember(mask, upper=upper)
+
+
+# --------------------------------------------------------------------------- shapes
+
+def broadcast(x, shape) -> jax.Array:
+    """numpy-style broadcast of x (rank 0, or same rank with size-1 axes) to `shape`."""
+    shape = tuple(shape)
+    if _shape(x) == shape:
+        return x
+    x = jnp.asarray(x) if not isinstance(x, jax.Array) and not hasattr(x, "aval") else x
+    lead = len(shape) - np.ndim(x)
+    return broadcast_mask(x, shape, tuple(range(lead, len(shape))))
+
+
+def materialize(mask: Mask, shape) -> jax.Array:
+    return ones(shape) if mask is None else mask
+
+
+def fit(mask: Mask, shape) -> Mask:
+    """A mask over an output, as seen by an operand of `shape` that the op broadcasts (a rank-0
+    scalar, or size-1 axes): a lane is live if any output lane it is broadcast to is."""
+    shape = tuple(shape)
+    if mask is None or _shape(mask) == shape:
+        return mask
+    lead = np.ndim(mask) - len(shape)
+    if lead < 0:
+        return None  # pragma: no cover - shapes that do not line up: conservative
+    mask = reduce_any(mask, range(lead))
+    size_one = tuple(d for d, n in enumerate(shape) if n == 1 and _shape(mask)[d] != 1)
+    return reduce_any(mask, size_one, keepdims=True)

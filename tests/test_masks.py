@@ -1,0 +1,229 @@
+"""The mask algebra on cores (jaxsafe/_masks.py): every helper against NumPy on the full arrays,
+and the programs where a core crosses a transpose, a gather, a split and a concatenation."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, assert_finite
+from jax import lax
+
+import jaxsafe
+from jaxsafe import _masks as M
+from jaxsafe import nan_safe
+
+SHAPE = (2, 3, 4)
+RNG = np.random.default_rng(0)
+
+
+def core_mask(axes, shape=SHAPE, p=0.5):
+    """A random mask of `shape` that varies along `axes` only: (the broadcast mask, NumPy full)."""
+    core = RNG.random([shape[a] for a in axes]) < p
+    full = np.broadcast_to(np.expand_dims(core, [a for a in range(len(shape)) if a not in axes]),
+                           shape)
+    return M.broadcast_mask(jnp.asarray(core), shape, axes), full
+
+
+AXES = [axes for r in range(4) for axes in itertools.combinations(range(3), r)]
+
+
+@pytest.mark.parametrize("axes", AXES)
+def test_a_broadcast_is_remembered_as_its_core(axes):
+    with M.mask_scope():
+        m, full = core_mask(axes)
+        core, found = M.factor(m)
+        assert found == axes and np.shape(core) == tuple(SHAPE[a] for a in axes)
+        np.testing.assert_array_equal(m, full)
+
+
+@pytest.mark.parametrize("a,b", [(a, b) for a in AXES for b in AXES][::3])
+def test_and_or_combine_cores_at_the_union_of_their_axes(a, b):
+    with M.mask_scope():
+        (ma, fa), (mb, fb) = core_mask(a), core_mask(b)
+        both, either = M.all_of([ma, mb]), M.any_of([ma, mb])
+        np.testing.assert_array_equal(both, fa & fb)
+        np.testing.assert_array_equal(either, fa | fb)
+        assert M.factor(either)[1] == tuple(sorted(set(a) | set(b)))
+        np.testing.assert_array_equal(M.not_mask(ma), ~fa)
+    assert M.all_of([None, None]) is None and M.any_of([ma, None]) is None
+
+
+@pytest.mark.parametrize("axes", AXES)
+@pytest.mark.parametrize("reduced", [(0,), (1,), (2,), (0, 2), (0, 1, 2)])
+@pytest.mark.parametrize("keepdims", [False, True])
+def test_reduce_any_on_a_core(axes, reduced, keepdims):
+    with M.mask_scope():
+        m, full = core_mask(axes, p=0.3)
+        out = M.reduce_any(m, reduced, keepdims)
+        np.testing.assert_array_equal(out, np.any(full, axis=reduced, keepdims=keepdims))
+    np.testing.assert_array_equal(M.reduce_any(jnp.asarray(full), reduced, keepdims),
+                                  np.any(full, axis=reduced, keepdims=keepdims))
+
+
+def test_reduce_any_over_an_empty_axis_is_false():
+    with M.mask_scope():
+        m = M.broadcast_mask(jnp.ones((2,), bool), (2, 0), (0,))
+        np.testing.assert_array_equal(M.reduce_any(m, (1,)), np.zeros(2, bool))
+
+
+@pytest.mark.parametrize("perm", list(itertools.permutations(range(3))))
+@pytest.mark.parametrize("axes", AXES)
+def test_transpose_moves_the_core_to_the_operand_axes(perm, axes):
+    out_shape = tuple(SHAPE[p] for p in perm)
+    with M.mask_scope():
+        m, full = core_mask(axes, out_shape)
+        operand = M.move_axes(m, perm, SHAPE)
+        np.testing.assert_array_equal(operand, np.transpose(full, np.argsort(perm)))
+
+
+@pytest.mark.parametrize("axes", AXES)
+def test_pad_and_slice_a_core(axes):
+    config = [(1, 0, 0), (0, 2, 1), (0, 0, 0)]
+    with M.mask_scope():
+        m, full = core_mask(axes)
+        padded = M.pad_mask(m, config, (3, 7, 4))
+        ref = np.zeros((3, 7, 4), bool)
+        ref[1:, 0:5:2, :] = full
+        np.testing.assert_array_equal(padded, ref)
+        for axis in range(3):
+            np.testing.assert_array_equal(M.slice_mask(m, axis, 1, 2),
+                                          np.take(full, [1], axis=axis))
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_concatenated_masks_reduce_part_by_part(axis):
+    shapes = [tuple(2 if a == axis else n for a, n in enumerate(SHAPE)), SHAPE]
+    with M.mask_scope():
+        (m1, f1), (m2, f2) = core_mask((0,), shapes[0]), core_mask((1, 2), shapes[1])
+        cat = M.concat_masks([m1, m2], shapes, axis)
+        full = np.concatenate([f1, f2], axis)
+        np.testing.assert_array_equal(cat, full)
+        for reduced in [(axis,), (0, 1, 2)]:
+            np.testing.assert_array_equal(M.reduce_any(cat, reduced), np.any(full, reduced))
+        same = M.concat_masks([None, None], shapes, axis)  # every lane live: one core, no concat
+        np.testing.assert_array_equal(same, np.ones(full.shape, bool))
+
+
+@pytest.mark.parametrize("new_shape", [(2, 1, 3, 4), (2, 3, 4, 1), (6, 4), (1, 2, 12)])
+@pytest.mark.parametrize("axes", AXES)
+def test_reshape_a_core(new_shape, axes):
+    with M.mask_scope():
+        m, full = core_mask(axes)
+        np.testing.assert_array_equal(M.reshape_mask(m, new_shape), full.reshape(new_shape))
+
+
+def test_a_mask_inside_another_member_adds_nothing_to_a_union():
+    with M.mask_scope():
+        row, full_row = core_mask((0, 1))
+        inner = jnp.asarray(full_row & (RNG.random(SHAPE) < 0.5))
+        M.within(inner, M.broadcast_mask(M.factor(row)[0], SHAPE, (0, 1)))
+        assert M.any_of([row, inner]) is row
+        other, full_other = core_mask((2,))
+        np.testing.assert_array_equal(M.any_of([inner, other]), np.asarray(inner) | full_other)
+
+
+def test_original_broadcasts_are_registered_through_a_chain():
+    with M.mask_scope():
+        src = jnp.asarray(RNG.random((2, 1, 4)) < 0.5)
+        mid = lax.broadcast_in_dim(src, (2, 1, 4, 1), (0, 1, 2))
+        out = lax.broadcast_in_dim(mid, (2, 3, 4, 5), (0, 1, 2, 3))
+        M.register_broadcast(mid, src, (0, 1, 2))
+        M.register_broadcast(out, mid, (0, 1, 2, 3))
+        core, axes = M.factor(out)
+        assert axes == (0, 2) and np.shape(core) == (2, 4)
+        np.testing.assert_array_equal(M.reduce_any(out, (1, 3)), np.asarray(src)[:, 0, :])
+
+
+# --------------------------------------------------------------------------- whole programs
+
+def test_a_row_mask_crosses_a_three_cycle_transpose():
+    """Output axis 0 of transpose(., (1, 2, 0)) is operand axis 1 (not argsort's 2)."""
+    keep = np.array([True, False, True])
+
+    def f(x):
+        s = jnp.sum(jnp.transpose(jnp.sqrt(x), (1, 2, 0)), axis=(1, 2))
+        return jnp.sum(jnp.where(keep, s, 0.))
+
+    def hand(x):
+        s = jnp.sum(jnp.transpose(jnp.sqrt(jnp.where(keep[None, :, None], x, 1.)), (1, 2, 0)),
+                    axis=(1, 2))
+        return jnp.sum(jnp.where(keep, s, 0.))
+    x = jnp.linspace(0.5, 1.5, 27).reshape(3, 3, 3).at[:, 1, :].set(-1.)
+    assert np.isnan(jax.grad(f)(x)).any()
+    np.testing.assert_array_equal(jax.grad(nan_safe(f))(x), jax.grad(hand)(x))
+
+
+def test_cross_entropy_of_a_log_with_zeros_in_unpicked_lanes():
+    """take_along_axis(log(p), labels) in kept rows: the log's unpicked lanes are dropped (their
+    zeros would give 0 * inf), although logsumexp-free rows keep the picked lane live."""
+    p = jnp.array([[0.5, 0.5, 0.], [0., 1., 0.], [0.2, 0.3, 0.5]])
+    labels = jnp.array([0, 1, 2])
+    keep = np.array([True, True, False])
+
+    def f(p):
+        picked = jnp.take_along_axis(jnp.log(p), labels[:, None], axis=-1)[:, 0]
+        return jnp.sum(jnp.where(keep, picked, 0.))
+
+    def ref(p):  # analytic: d/dp log(p[i, label_i]) = 1 / p[i, label_i] in kept rows
+        return jnp.zeros_like(p).at[jnp.arange(3), labels].set(
+            jnp.where(keep, 1. / p[jnp.arange(3), labels], 0.))
+    assert np.isnan(jax.grad(f)(p)).any()
+    g = jax.grad(nan_safe(f))(p)
+    assert_finite(g)
+    assert_close(g, ref(p))
+
+
+def test_split_columns_reduce_part_by_part():
+    """q, k, v = split(x @ w): rows of x are live when any part's row is."""
+    w = jnp.linspace(-1., 1., 18).reshape(3, 6)
+    rows = np.array([True, False, True, False])
+
+    def f(x, w):
+        q, k, _ = jnp.split(jnp.log(x) @ w, 3, axis=-1)  # v: no lane live
+        return jnp.sum(jnp.where(rows[:, None], q * k, 0.))
+
+    def ref(x, w):
+        q, k, _ = jnp.split(jnp.log(x[rows]) @ w, 3, axis=-1)
+        return jnp.sum(q * k)
+    x = jnp.linspace(0.5, 2., 12).reshape(4, 3).at[1].set(0.).at[3].set(-1.)
+    assert np.isnan(jax.grad(f)(x, w)).any()
+    g, g_ref = jax.grad(nan_safe(f), (0, 1))(x, w), jax.grad(ref, (0, 1))(x, w)
+    assert_close(g, g_ref)
+    np.testing.assert_array_equal(g[0][~rows], 0.)
+
+
+def _bool_ops_of_shape(closed, shape) -> list[str]:
+    """Boolean equations at `shape` other than broadcasts (which XLA fuses into their select)."""
+    return [e.primitive.name for e in closed.jaxpr.eqns for o in e.outvars
+            if o.aval.dtype == jnp.bool_ and tuple(o.aval.shape) == shape
+            and e.primitive.name != "broadcast_in_dim"]
+
+
+def test_row_masks_of_attention_stay_at_row_size():
+    """Two masked attention layers, padded rows dropped after each and padded targets by the
+    loss: the rewrite's masks run along (batch, query) and (batch, key), so no mask is computed at
+    the logits' full shape (each op there is a fusion XLA compiles); the guards read broadcasts
+    of the row masks, as the hand-written double where does."""
+    b, h, t, d = 2, 4, 8, 16
+    mask = (np.arange(t)[:, None] >= np.arange(t)[None, :])[None, None] & \
+        (np.arange(t)[None, :] >= np.array([[3], [0]]))[:, None, None, :]
+    row_valid = np.any(mask, axis=-1, keepdims=True)
+
+    def attention(x, hand=False):
+        s = jnp.where(mask, x @ jnp.swapaxes(x, -1, -2), -jnp.inf)
+        if hand:
+            s = jnp.where(row_valid, s, 0.)
+        return jnp.where(row_valid, jax.nn.softmax(s, axis=-1) @ x, 0.)
+
+    def loss(x, keep, hand=False):
+        per_row = jnp.sum(attention(jnp.tanh(attention(x, hand)), hand) ** 2, axis=(1, 3))
+        return jnp.sum(jnp.where(keep, per_row, 0.))
+    x = jnp.linspace(-1., 1., b * h * t * d).reshape(b, h, t, d)
+    keep = jnp.asarray(np.any(row_valid, axis=(1, 3)) & (np.arange(t) < t - 1))
+    rewritten = jaxsafe.make_jaxpr(loss)(x, keep)
+    assert _bool_ops_of_shape(rewritten, (b, h, t, t)) == []
+    g = jax.grad(nan_safe(loss))(x, keep)
+    assert_finite(g)
+    assert_close(g, jax.grad(loss)(x, keep, hand=True), rtol=1e-4, atol=1e-6)
