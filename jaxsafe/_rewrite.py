@@ -237,14 +237,21 @@ class DroppedValues:
 
     A constant (literals only, or a small concrete constant) holds its value everywhere. `v =
     op(a, b, ...)`, elementwise, holds `op` of its operands' known values, when each operand is
-    a constant, is replaced there by this equation's guard, or is itself known and read only here
-    with `v`'s shape (then its dropped lanes are exactly `v`'s). A guard whose operand is known
-    to be inside the primitive's domain there (`div(_, sqrt(guarded x))` has 1 already, `log(2.)`
-    always) is a no-op: it is left out, and XLA keeps folding the constant.
+    a constant, is replaced there by this equation's guard, or is itself known in its dropped
+    lanes and every dropped lane of `v` reads only dropped lanes of it (`reads_dropped`). A
+    broadcast, a size-1 reshape or a reduction of a value known to hold one scalar in its dropped
+    lanes holds it too (a sum: times the row length), on the same condition: the row sums of a
+    softmax whose dropped rows are guarded to `exp(0) = 1` hold the row length there.
+
+    A guard whose operand is known to be inside the primitive's domain there (`div(_,
+    sqrt(guarded x))` has 1 already, `log(2.)` always, a softmax's row sums) is a no-op: it is
+    left out, and XLA keeps folding the constant.
     """
 
-    def __init__(self, closed: ClosedJaxpr, sites: dict, producer: dict, reads: dict):
+    def __init__(self, closed: ClosedJaxpr, sites: dict, producer: dict, reads: dict,
+                 sweep: L.Sweep):
         self.eqns, self.sites, self.producer, self.reads = closed.jaxpr.eqns, sites, producer, reads
+        self.sweep = sweep
         self.memo: dict = {}
         for v, c in zip(closed.jaxpr.constvars, closed.consts):
             if not isinstance(c, jax.core.Tracer) and np.size(c) <= _SMALL:
@@ -260,11 +267,31 @@ class DroppedValues:
         self.memo[atom] = result = self._compute(atom)
         return result
 
+    def reads_dropped(self, eqn: JaxprEqn, k: int) -> bool:
+        """Whether each dropped lane of `eqn`'s output reads only dropped lanes of operand k: a
+        live operand lane feeds live output lanes only (static masks, `_symbolic.implies`)."""
+        u, v = eqn.invars[k], eqn.outvars[0]
+        if self.reads.get(u, 0) == 1 and _shape_of(u) == _shape_of(v) and _is_elementwise(eqn):
+            return True  # the operand's dropped lanes are exactly the output's
+        align = L.alignment(eqn, k)
+        if align is None:
+            return False
+        su, sv = self.sweep.sym(u), self.sweep.sym(v)
+        if {a for a in align if a is not None} == set(range(len(_shape_of(v)))):
+            # every output axis is an operand axis (a reduction, the same shape): in u's lanes
+            return S.implies(su, S.move(sv, S.backward_mapping(align)))
+        if all(a is not None or n == 1 for a, n in zip(align, _shape_of(u))):
+            # every operand axis is an output axis (a broadcast): in v's lanes
+            return S.implies(S.move(su, S.forward_mapping(align)), sv)
+        return False
+
     def _compute(self, v):
         i = self.producer.get(v)
         if i is None:
             return None
         eqn = self.eqns[i]
+        if eqn.primitive in _SCALAR_MOVES and len(eqn.outvars) == 1 and not eqn.effects:
+            return self._moved_scalar(eqn)
         rule = L.RULES.get(eqn.primitive)
         if len(eqn.outvars) != 1 or eqn.effects or rule is None or rule.masks is not L.elementwise:
             return None
@@ -280,8 +307,8 @@ class DroppedValues:
             known = self._get(u)
             if known is None:
                 return None
-            if not known[1]:  # known in dropped lanes only: those must be v's
-                if self.reads.get(u, 0) != 1 or _shape_of(u) != _shape_of(v):
+            if not known[1]:  # known in dropped lanes only: v's must read only those
+                if not self.reads_dropped(eqn, k):
                     return None
                 constant = False
             vals.append(known[0])
@@ -294,13 +321,34 @@ class DroppedValues:
             return None
         return out, constant
 
+    def _moved_scalar(self, eqn: JaxprEqn):
+        """A broadcast, size-1 reshape or reduction of a value that holds one scalar in its
+        dropped lanes (or everywhere)."""
+        u = eqn.invars[0]
+        known = self._get(u)
+        if known is None or np.ndim(known[0]) != 0 or eqn.params.get("dimensions") is not None \
+                and eqn.primitive is P.reshape_p:
+            return None
+        if not known[1] and not self.reads_dropped(eqn, 0):
+            return None
+        value = np.asarray(known[0])
+        if eqn.primitive in (P.reduce_sum_p, P.reduce_max_p, P.reduce_min_p):
+            n = int(np.prod([_shape_of(u)[a] for a in eqn.params["axes"]]))
+            if n == 0 or not np.issubdtype(value.dtype, np.floating):
+                return None
+            if eqn.primitive is P.reduce_sum_p:
+                total = float(value) * n  # the row sums a run computes differ by rounding only
+                if not abs(total) < float(np.finfo(value.dtype).max) / 2:
+                    return None
+                value = np.asarray(total, value.dtype)
+        return value, known[1]
+
     def guard_is_noop(self, eqn: JaxprEqn, k: int, safe: dict) -> bool:
         """Whether operand k of `eqn` is known, in the lanes its guard would replace, to be a
         value at which `eqn` and its first derivatives are finite."""
         u = eqn.invars[k]
         known = self._get(u)
-        if known is None or (not known[1] and (self.reads.get(u, 0) != 1 or
-                                               _shape_of(u) != _shape_of(eqn.outvars[0]))):
+        if known is None or (not known[1] and not self.reads_dropped(eqn, k)):
             return False
         point = []
         for j, a in enumerate(eqn.invars):  # the others: known, else their safe value, else 1
@@ -310,6 +358,11 @@ class DroppedValues:
             else:
                 point.append(np.asarray(safe.get(j, 1.0), a.aval.dtype))
         return _finite_with_derivatives(eqn, point)
+
+
+_SCALAR_MOVES = frozenset({P.broadcast_in_dim_p, P.reshape_p, P.squeeze_p, P.reduce_sum_p,
+                           P.reduce_max_p, P.reduce_min_p})
+"""Primitives that carry a value known to be one scalar in dropped lanes (see DroppedValues)."""
 
 
 def _is_elementwise(eqn: JaxprEqn) -> bool:
@@ -511,7 +564,7 @@ def make_plan(closed: ClosedJaxpr, out_kinds: Sequence[L.Kind] | None = None) ->
     for v in jaxpr.outvars:
         if isinstance(v, Var):
             reads[v] = reads.get(v, 0) + 1
-    dropped = DroppedValues(closed, sites, producer, reads)
+    dropped = DroppedValues(closed, sites, producer, reads, sweep)
     bounds = B.Bounds(eqns, producer, {v: c for v, c in zip(jaxpr.constvars, closed.consts)
                                        if not isinstance(c, jax.core.Tracer)})
     masked: dict[int, list] = {}

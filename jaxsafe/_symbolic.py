@@ -122,6 +122,12 @@ def disjoint(a: Sym, b: Sym) -> bool:
     return all(any(negate(lit) in tb for lit in ta) for ta in a for tb in b)
 
 
+def implies(a: Sym, b: Sym) -> bool:
+    """Whether every lane in `a` is in `b`: each term of `a` holds every literal of some term of
+    `b` (a conservative test: False when it cannot tell)."""
+    return all(any(tb <= ta for tb in b) for ta in a)
+
+
 # --------------------------------------------------------------------------- moving masks
 
 _MISSING = object()

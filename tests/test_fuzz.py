@@ -20,7 +20,8 @@ and cond outputs), and keeps every decision of a max/min/clip on the original va
 Profiles: the unmarked tests run the small, derandomized profile (`make test`); the tests marked
 `slow` run the fuzz profile (`make fuzz`: fixed seed, example database in tests/.hypothesis-fuzz)
 and write the number of examples per property to tests/.fuzz-counts.json. `JAXSAFE_FUZZ=N`
-(N > 1) sets the examples per property of the fuzz profile.
+(N > 1) sets the examples per property of the fuzz profile; `JAXSAFE_FUZZ_SEED=S` another seed
+(new programs, not the recorded run's).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from helpers import assert_bitwise, assert_close
 HERE = os.path.dirname(os.path.abspath(__file__))
 FUZZ_DB = os.path.join(HERE, ".hypothesis-fuzz")
 COUNTS_FILE = os.path.join(HERE, ".fuzz-counts.json")
-FUZZ_SEED = 20240917
+FUZZ_SEED = int(os.environ.get("JAXSAFE_FUZZ_SEED", "20240917"))
 
 RTOL, ATOL = 1e-5, 1e-6
 
