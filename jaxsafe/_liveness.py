@@ -42,6 +42,7 @@ from ._masks import (Mask, all_of, any_of, broadcast, broadcast_mask, concat_mas
                      materialize, move_axes, not_mask, pad_mask, reduce_any,
                      register_broadcast, reshape_mask, slice_mask, within, zeros)
 from ._symbolic import FALSE, TRUE, Sym, opaque, sym_and_literal, sym_or
+from ._walk import postorder
 from . import _symbolic as S
 
 
@@ -718,41 +719,34 @@ class Sweep:
                     found.update(eqn.outvars)
         if atom not in self._from_literals:
             return None
-        stack = [atom]
-        while stack:  # iterative, post-order: chains can be long
-            v = stack[-1]
-            if v in self._constants:
-                stack.pop()
-                continue
-            i = self.producer.get(v)
-            eqn = None if i is None else self.jaxpr.eqns[i]
-            if (eqn is None or len(eqn.outvars) != 1 or eqn.effects or eqn.primitive not in RULES
-                    or math.prod(_shape(v)) > _SMALL_CONSTANT
-                    or any(isinstance(p, (Jaxpr, ClosedJaxpr)) for p in eqn.params.values())):
-                self._constants[v] = None
-                stack.pop()
-                continue
-            if any(isinstance(u, Var) and u in self._constants and self._constants[u] is None
-                   for u in eqn.invars):
-                self._constants[v] = None
-                stack.pop()
-                continue
-            todo = [u for u in eqn.invars if isinstance(u, Var) and u not in self._constants]
-            if todo:
-                stack.extend(todo)
-                continue
-            stack.pop()
-            args = [self._constants[u] if isinstance(u, Var) else
-                    np.asarray(u.val, u.aval.dtype) for u in eqn.invars]
-            value = None
-            if all(a is not None for a in args):
-                try:
-                    with jax.ensure_compile_time_eval():  # a constant, even under an outer jit
-                        value = np.asarray(bind_eqn(eqn, args)[0])
-                except Exception:  # noqa: BLE001 - not foldable: unknown, as before
-                    value = None
-            self._constants[v] = value
-        return self._constants[atom]
+        return postorder(atom, self._constants, self._constant_inputs, self._fold)
+
+    def _foldable(self, v) -> Optional[JaxprEqn]:
+        i = self.producer.get(v)
+        eqn = None if i is None else self.jaxpr.eqns[i]
+        if (eqn is None or len(eqn.outvars) != 1 or eqn.effects or eqn.primitive not in RULES
+                or math.prod(_shape(v)) > _SMALL_CONSTANT
+                or any(isinstance(p, (Jaxpr, ClosedJaxpr)) for p in eqn.params.values())):
+            return None
+        return eqn
+
+    def _constant_inputs(self, v) -> list:
+        eqn = self._foldable(v)
+        return [] if eqn is None else [u for u in eqn.invars if isinstance(u, Var)]
+
+    def _fold(self, v) -> Any:
+        eqn = self._foldable(v)
+        if eqn is None:
+            return None
+        args = [self._constants[u] if isinstance(u, Var) else np.asarray(u.val, u.aval.dtype)
+                for u in eqn.invars]
+        if any(a is None for a in args):
+            return None
+        try:
+            with jax.ensure_compile_time_eval():  # a constant, even under an outer jit
+                return np.asarray(bind_eqn(eqn, args)[0])
+        except Exception:  # noqa: BLE001 - not foldable: unknown, as before
+            return None
 
     def _note_broadcasts(self, env, atom) -> None:
         """Tell the mask algebra that a predicate the program broadcasts is a smaller core."""

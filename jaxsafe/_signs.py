@@ -21,6 +21,7 @@ import numpy as np
 
 from ._compat import JaxprEqn, Literal, Var
 from ._compat import primitives as P
+from ._walk import postorder
 
 Bound = Optional[float]  # every value is >= the bound; None: nothing known
 
@@ -120,27 +121,25 @@ class Bounds:
         value = self._constant(atom)
         if value is not None:
             return constant_bound(value)
-        stack = [atom]
-        while stack:  # iterative, post-order: chains can be long
-            v = stack[-1]
-            if v in self.memo:
-                stack.pop()
-                continue
-            i = self.producer.get(v)
-            eqn = None if i is None else self.eqns[i]
-            rule = None if eqn is None else RULES.get(eqn.primitive)
-            if rule is None or len(eqn.outvars) != 1:
-                self.memo[v] = None
-                stack.pop()
-                continue
-            todo = [u for u in eqn.invars if isinstance(u, Var) and u not in self.memo
-                    and self._constant(u) is None]
-            if todo:
-                stack.extend(todo)
-                continue
-            stack.pop()
-            consts = [self._constant(u) for u in eqn.invars]
-            bounds = [constant_bound(c) if c is not None else self.memo[u]
-                      for u, c in zip(eqn.invars, consts)]
-            self.memo[v] = rule(eqn, bounds, consts)
-        return self.memo[atom]
+        return postorder(atom, self.memo, self._inputs, self._bound)
+
+    def _rule(self, v):
+        i = self.producer.get(v)
+        eqn = None if i is None else self.eqns[i]
+        rule = None if eqn is None or len(eqn.outvars) != 1 else RULES.get(eqn.primitive)
+        return eqn, rule
+
+    def _inputs(self, v) -> list:
+        eqn, rule = self._rule(v)
+        if rule is None:
+            return []
+        return [u for u in eqn.invars if isinstance(u, Var) and self._constant(u) is None]
+
+    def _bound(self, v) -> Bound:
+        eqn, rule = self._rule(v)
+        if rule is None:
+            return None
+        consts = [self._constant(u) for u in eqn.invars]
+        bounds = [constant_bound(c) if c is not None else self.memo[u]
+                  for u, c in zip(eqn.invars, consts)]
+        return rule(eqn, bounds, consts)
