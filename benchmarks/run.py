@@ -55,7 +55,7 @@ class Config:
         self.budget_s = 0.5 if quick else 6.0
         self.min_rounds = 3 if quick else 5
         self.max_rounds = 7 if quick else 40
-        self.compile_rounds = 1 if quick else 3
+        self.compile_rounds = 1 if quick else 7  # one compile varies by 10-30% here: 7 rounds
         # generated program sizes (equations) and the repeats at each size
         self.scaling = [(200, 2), (1000, 2), (2000, 1)] if quick else \
             [(1000, 5), (10000, 3), (50000, 2)]
