@@ -39,7 +39,7 @@ from jax import lax
 from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Var, bind_eqn
 from ._compat import primitives as P
 from ._masks import (Mask, all_of, any_of, broadcast, broadcast_mask, concat_masks, factor, fit,
-                     materialize, move_axes, not_mask, pad_mask, reduce_any,
+                     materialize, move_axes, not_mask, pad_mask, place, reduce_any,
                      register_broadcast, reshape_mask, slice_mask, within, zeros)
 from ._symbolic import FALSE, TRUE, Sym, opaque, sym_and_literal, sym_or
 from ._walk import postorder
@@ -271,18 +271,14 @@ def _gather(eqn, outs, invals, ctx):
     dn = eqn.params["dimension_numbers"]
     out_rank = len(_shape(eqn.outvars[0]))
     batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]
-    index_dims = [d for d in range(len(_shape(eqn.invars[1])) - 1)]  # last: the index vector
+    index_dims = range(len(_shape(eqn.invars[1])) - 1)  # the last: the index vector
     to_operand = {}
     for o, i in zip(batch_out, index_dims):
         if i in dn.start_indices_batching_dims:
             to_operand[o] = dn.operand_batching_dims[dn.start_indices_batching_dims.index(i)]
     core, axes = factor(out)
     if all(a in to_operand for a in axes):
-        moved = [to_operand[a] for a in axes]
-        order = tuple(int(j) for j in np.argsort(moved))
-        if order != tuple(range(len(order))):
-            core = lax.transpose(core, order)
-        within(masks[0], broadcast_mask(core, _shape(eqn.invars[0]), sorted(moved)))
+        within(masks[0], place(core, [to_operand[a] for a in axes], _shape(eqn.invars[0])))
     return masks
 
 

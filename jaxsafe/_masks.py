@@ -7,7 +7,8 @@ alone. Within one trace (`mask_scope`) this module remembers each mask that is a
 
 - `all_of` / `any_of` combine cores at the union of their axes, then broadcast once;
 - `reduce_any` reduces the core along the reduced axes it has, and drops the others;
-- `pad_mask`, `slice_mask`, `concat_masks`, `move_axes`, `reshape_mask` move the core's axes;
+- `pad_mask`, `slice_mask`, `concat_masks`, `move_axes`, `reshape_mask`, `place` move the
+  core's axes;
 - a concatenation remembers its parts, so an any-reduction across it ors the parts' reductions;
 - `within(mask, upper)` records that a mask is a subset of another (a gather's lanes lie in the
   rows it reads from), so `any_of` drops it where the bound is already in the union.
@@ -303,14 +304,20 @@ def reduce_any(mask, axes: Sequence[int], keepdims: bool = False) -> jax.Array:
 
 # --------------------------------------------------------------------------- moving lanes
 
+def place(core, axes: Sequence[int], shape) -> jax.Array:
+    """The mask of `shape` whose lanes are `core`'s, core axis j running along axis axes[j] (in
+    any order), the same along the other axes."""
+    axes = [int(a) for a in axes]
+    order = tuple(int(j) for j in np.argsort(axes))
+    if order != tuple(range(len(order))):
+        core = lax.transpose(core, order)
+    return broadcast_mask(core, tuple(shape), sorted(axes))
+
+
 def move_axes(mask, permutation: Sequence[int], shape) -> jax.Array:
     """The mask of a transpose's operand: output axis d is operand axis permutation[d]."""
     core, axes = factor(mask)
-    moved = [int(permutation[a]) for a in axes]
-    order = tuple(int(j) for j in np.argsort(moved))
-    if order != tuple(range(len(order))):
-        core = lax.transpose(core, order)
-    return broadcast_mask(core, tuple(shape), sorted(moved))
+    return place(core, [permutation[a] for a in axes], shape)
 
 
 def reshape_mask(mask, shape) -> jax.Array:

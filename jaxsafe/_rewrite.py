@@ -326,8 +326,8 @@ class DroppedValues:
         dropped lanes (or everywhere)."""
         u = eqn.invars[0]
         known = self._get(u)
-        if known is None or np.ndim(known[0]) != 0 or eqn.params.get("dimensions") is not None \
-                and eqn.primitive is P.reshape_p:
+        if known is None or np.ndim(known[0]) != 0 or (
+                eqn.primitive is P.reshape_p and eqn.params.get("dimensions") is not None):
             return None
         if not known[1] and not self.reads_dropped(eqn, 0):
             return None
