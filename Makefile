@@ -29,7 +29,7 @@ demo: $(STAMP)
 # One pytest worker per CPU (pytest-xdist): the suite is compile-bound and takes about 10
 # minutes on one core. `make fuzz` stays in one process (it writes tests/.fuzz-counts.json).
 test: $(STAMP)
-	$(PY) -m pytest -n auto -m "not slow" --ignore=tests/test_x64.py
+	$(PY) -m pytest -n auto --dist loadfile -m "not slow" --ignore=tests/test_x64.py
 	if [ -f tests/test_x64.py ]; then \
 		JAX_ENABLE_X64=1 $(PY) -m pytest -n auto -m "not slow" tests/test_x64.py; \
 	fi
