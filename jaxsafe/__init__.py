@@ -1,11 +1,12 @@
 """jaxsafe: NaN-safe gradients through `jnp.where` and every other selection, automatically."""
 
+from . import _primitives  # noqa: F401  (fills the primitive table)
+from . import nn as nn
 from ._api import DEFAULT_CACHE_SIZE as DEFAULT_CACHE_SIZE
 from ._api import make_jaxpr as make_jaxpr
 from ._api import nan_safe as nan_safe
 from ._explain import explain as explain
 from ._guards import register_guard as register_guard
-from ._rewrite import Report as Report
-from . import nn as nn
+from ._report import Report as Report
 
 __version__ = "0.1.0"

@@ -6,14 +6,16 @@ import collections
 import functools
 import inspect
 import threading
-from typing import Any, Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
 from . import _guards
-from ._compat import ClosedJaxpr
-from ._rewrite import Report, rewrite_with_report
+from ._compat import ClosedJaxpr, Tracer, eval_jaxpr
+from ._report import Report
+from ._rewrite import rewrite_with_report
 
 DEFAULT_CACHE_SIZE = 256
 """Signatures (shapes, dtypes, static values) remembered per `nan_safe` function."""
@@ -50,7 +52,7 @@ def _normalize_static(fun: Callable, static_argnums, static_argnames, who: str):
     return tuple(sorted(nums)), tuple(sorted(names))
 
 
-_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex, jax.core.Tracer)
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex, Tracer)
 
 
 def _check_leaf(leaf: Any, where: str, who: str) -> None:
@@ -85,13 +87,13 @@ def _values_of(original: ClosedJaxpr, rewritten: ClosedJaxpr) -> Callable:
     """
     @jax.custom_jvp
     def run(orig_consts, new_consts, *args):
-        return jax.core.eval_jaxpr(original.jaxpr, orig_consts, *args)
+        return eval_jaxpr(original.jaxpr, orig_consts, *args)
 
     @run.defjvp
     def run_jvp(primals, tangents):
         _, new_consts, *args = primals
         _, t_new_consts, *t_args = tangents
-        return jax.jvp(lambda c, *a: jax.core.eval_jaxpr(rewritten.jaxpr, c, *a),
+        return jax.jvp(lambda c, *a: eval_jaxpr(rewritten.jaxpr, c, *a),
                        (new_consts, *args), (t_new_consts, *t_args))
 
     return functools.partial(run, list(original.consts), list(rewritten.consts))
@@ -105,14 +107,14 @@ class _Traced:
         self.closed = closed
         self.report = report
         self.out_tree = out_tree
-        self.closes_over_tracers = any(isinstance(c, jax.core.Tracer)
+        self.closes_over_tracers = any(isinstance(c, Tracer)
                                        for c in (*original.consts, *closed.consts))
         if closed is original or not use_jit or self.closes_over_tracers:
             # Closing over outer tracers: a custom_jvp that captures them would keep them alive
             # in JAX's caches. jit=False runs the rewritten program equation by equation: each
             # primitive alone gives the same bits in live lanes, and dropped lanes stay finite
             # for jax_debug_nans.
-            self.evaluate = functools.partial(jax.core.eval_jaxpr, closed.jaxpr, closed.consts)
+            self.evaluate = functools.partial(eval_jaxpr, closed.jaxpr, closed.consts)
         else:
             self.evaluate = _values_of(original, closed)
 

@@ -1,26 +1,24 @@
 """Every JAX-version-sensitive name jaxsafe uses, in one place.
 
-jaxsafe works on public APIs (`jax.make_jaxpr`, `jax.extend.core`, `jax.core.eval_jaxpr`).
-Three things have no public spelling in JAX 0.10; they are imported here, each with its reason,
-so that a JAX upgrade breaks in this file only.
+jaxsafe works on public APIs only: `jax.make_jaxpr`, `jax.extend.core` (the jaxpr types and the
+primitives), `jax.extend.source_info_util` (the user's source lines on re-emitted equations),
+`jax.interpreters.partial_eval.dce_jaxpr` (JAX's dead-code pass) and `jax.core` (`Tracer`,
+`eval_jaxpr`, some of whose neighbours JAX 0.11 removes). Nothing is imported from `jax._src`.
+They are all spelled here, so that a JAX upgrade breaks in this file only.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
+from jax.core import Tracer as Tracer
+from jax.core import eval_jaxpr as eval_jaxpr
 from jax.extend import core as jex
-
-# `dce_jaxpr` is JAX's own dead-code pass. The rewrite emits the original program, the mask
-# computation and the guarded shadow, and relies on DCE to drop what the shadow made unused.
-# There is no public DCE in jax 0.10.
-from jax._src.interpreters.partial_eval import dce_jaxpr as _dce_jaxpr
-
-# `source_info_util` carries the user's traceback onto re-emitted equations (so diagnostics
-# and error messages keep naming the user's source line) and summarizes it as "file:line".
-from jax._src import source_info_util as _source_info_util
+from jax.extend import source_info_util
+from jax.interpreters.partial_eval import dce_jaxpr
 
 Jaxpr = jex.Jaxpr
 ClosedJaxpr = jex.ClosedJaxpr
@@ -35,26 +33,22 @@ primitives = jex.primitives
 def dce(closed: ClosedJaxpr) -> ClosedJaxpr:
     """Drop equations whose results are unused (effects are kept)."""
     jaxpr = closed.jaxpr
-    new_jaxpr, used_inputs = _dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+    new_jaxpr, used_inputs = dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
     assert all(used_inputs)
     return ClosedJaxpr(new_jaxpr, closed.consts)
 
 
 def source_summary(eqn: JaxprEqn) -> str:
-    """'file:line (function)' of the user code that emitted `eqn`, or 'unknown'."""
-    try:
-        summary = _source_info_util.summarize(eqn.source_info)
-    except Exception:  # pragma: no cover - best effort only
-        summary = ""
-    return summary or "(inside JAX, no user frame)"
+    """'file:line (function)' of the user code that emitted `eqn`."""
+    return source_info_util.summarize(eqn.source_info) or "(inside JAX, no user frame)"
 
 
 def eqn_context(eqn: JaxprEqn) -> contextlib.AbstractContextManager:
     """Context that makes re-emitted equations keep `eqn`'s source info and name stack."""
     stack = contextlib.ExitStack()
-    name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     stack.enter_context(
-        _source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack))
+        source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack))
     stack.enter_context(eqn.ctx.manager)
     return stack
 
@@ -68,6 +62,6 @@ def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any], params: dict | None = None) -
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def trace_to_jaxpr(fun, avals: Sequence[Any]) -> ClosedJaxpr:
+def trace_to_jaxpr(fun: Any, avals: Sequence[Any]) -> ClosedJaxpr:
     """`jax.make_jaxpr` over abstract values (avals keep weak_type, ShapeDtypeStruct would not)."""
     return jax.make_jaxpr(fun)(*avals)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ._compat import source_summary
-from ._rewrite import Report
+from ._report import Report
 
 
 def format_report(report: Report, indent: str = "") -> str:

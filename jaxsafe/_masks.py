@@ -101,6 +101,7 @@ def ones(shape) -> jax.Array:
 def _true_scalar() -> jax.Array:
     key = ("true",)
     table = _table()
+    assert table is not None
     hit = table.get(key)
     if hit is None:
         hit = table[key] = lax.full((), True, jnp.bool_)
@@ -234,7 +235,8 @@ def any_of(masks: Sequence[Mask]) -> Mask:
         return masks[0]
     keys = [_key(m) for m in unique]
     bounded = []
-    for m, key in zip(unique, keys):  # a mask inside another member of the union adds nothing
+    # a mask inside another member of the union adds nothing
+    for m, key in zip(unique, keys, strict=True):
         fact = _fact(m)
         if fact is not None and fact.upper is not None:
             upper = _key(fact.upper)
@@ -291,7 +293,9 @@ def reduce_any(mask, axes: Sequence[int], keepdims: bool = False) -> jax.Array:
         return zeros(out_shape)
     fact = _fact(mask)
     if fact is not None and fact.parts is not None and fact.concat_axis in axes:
-        return any_of([reduce_any(p, axes, keepdims) for p in fact.parts])
+        out = any_of([reduce_any(p, axes, keepdims) for p in fact.parts])
+        assert out is not None  # the parts are arrays
+        return out
     core, core_axes = factor(mask)
     inside = tuple(i for i, a in enumerate(core_axes) if a in axes)
     if inside:
@@ -332,7 +336,7 @@ def reshape_mask(mask, shape) -> jax.Array:
     big_old = [a for a, n in enumerate(old) if n != 1]
     big_new = [a for a, n in enumerate(shape) if n != 1]
     if [old[a] for a in big_old] == [shape[a] for a in big_new]:
-        to_new = dict(zip(big_old, big_new))
+        to_new = dict(zip(big_old, big_new, strict=True))
         small = tuple(i for i, a in enumerate(axes) if a not in to_new)
         if small:
             core = _squeeze(core, small)
@@ -349,7 +353,8 @@ def pad_mask(mask, config: Sequence[tuple[int, int, int]], shape) -> jax.Array:
     changed = {a for a, c in enumerate(config) if tuple(c) != (0, 0, 0)}
     union = tuple(sorted(set(axes) | changed))
     core = _expand(core, axes, union, _shape(mask))
-    core = lax.pad(core, np.bool_(False), [tuple(config[a]) for a in union])
+    core = lax.pad(core, np.bool_(False), [(lo, hi, mid) for lo, hi, mid in
+                                           (config[a] for a in union)])
     return broadcast_mask(core, tuple(shape), union)
 
 
@@ -365,7 +370,7 @@ def slice_mask(mask, axis: int, start: int, stop: int) -> jax.Array:
 
 def concat_masks(masks: Sequence[Mask], shapes: Sequence[tuple], axis: int) -> jax.Array:
     """The masks concatenated along `axis`; the parts are remembered (see `reduce_any`)."""
-    parts = [materialize(m, s) for m, s in zip(masks, shapes)]
+    parts = [materialize(m, s) for m, s in zip(masks, shapes, strict=True)]
     shape = list(shapes[0])
     shape[axis] = sum(s[axis] for s in shapes)
     shape = tuple(shape)
@@ -374,7 +379,7 @@ def concat_masks(masks: Sequence[Mask], shapes: Sequence[tuple], axis: int) -> j
                                           for f in factored):
         return broadcast_mask(factored[0][0], shape, factored[0][1])  # one core, all parts
     union = tuple(sorted(set().union(*[set(a) for _, a in factored]) | {axis}))
-    cores = [_expand(c, a, union, _shape(p)) for (c, a), p in zip(factored, parts)]
+    cores = [_expand(c, a, union, _shape(p)) for (c, a), p in zip(factored, parts, strict=True)]
     out = broadcast_mask(lax.concatenate(cores, union.index(axis)), shape, union)
     _remember(out, parts=tuple(parts), concat_axis=axis)
     return out

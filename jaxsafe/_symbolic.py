@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
+from ._atoms import dtype_of, shape_of
 from ._compat import JaxprEqn, Literal, Var
-from ._compat import primitives as P
 
 Lit = tuple  # (key, positive, embed: tuple[int | None, ...], or None for "every axis")
 Term = frozenset
@@ -138,7 +138,7 @@ def move(sym: Sym, mapping: dict[int, int]) -> Sym:
     `mapping` (the other's axis -> this value's axis): an OR over the other's axes that are not
     in `mapping`. Literals on those axes become one fresh unknown, on the axes they also
     embedded; the literals that avoid them carry over exactly."""
-    if sym == TRUE or sym == FALSE:
+    if sym in (TRUE, FALSE):
         return sym
     targets = set(mapping.values())
     terms = set()
@@ -171,21 +171,22 @@ def forward_mapping(align: Sequence[int | None]) -> dict[int, int]:
 
 
 def predicate_literal(pred: Var, positive: bool,
-                      producer_of: Callable[[Var], JaxprEqn | None]) -> Lit:
+                      broadcast_of: Callable[[Var], JaxprEqn | None]) -> Lit:
     """The literal `pred` (or its negation) over a value of `pred`'s shape (or any shape, for a
-    scalar `pred`), followed back through broadcasts (`producer_of`), so that a row mask
-    broadcast over a row stays a literal on the row's axes only."""
-    shape = tuple(pred.aval.shape)
+    scalar `pred`), followed back through broadcasts (`broadcast_of` gives the broadcast that
+    computes a variable, if one does), so that a row mask broadcast over a row stays a literal
+    on the row's axes only."""
+    shape = shape_of(pred)
     embed = tuple(i if n != 1 else None for i, n in enumerate(shape))
     key = pred
     while True:
-        eqn = producer_of(key)
-        if eqn is None or eqn.primitive is not P.broadcast_in_dim_p or len(eqn.invars) != 1:
+        eqn = broadcast_of(key)
+        if eqn is None:
             break
         src = eqn.invars[0]
-        if isinstance(src, Literal) or src.aval.dtype != key.aval.dtype:
+        if isinstance(src, Literal) or dtype_of(src) != dtype_of(key):
             break
-        in_shape, out_shape = tuple(src.aval.shape), tuple(key.aval.shape)
+        in_shape, out_shape = shape_of(src), shape_of(key)
         embed = tuple(embed[d] if in_shape[j] == out_shape[d] and in_shape[j] != 1 else None
                       for j, d in enumerate(eqn.params["broadcast_dimensions"]))
         key = src

@@ -19,20 +19,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_bitwise, assert_close, assert_finite
 from jax import lax
 from jax.extend import core as jex
 
 import jaxsafe
 from jaxsafe import nan_safe
-from jaxsafe._guards import GUARDS
-
-from helpers import assert_bitwise, assert_close, assert_finite
+from jaxsafe._rules import RULES, guard_table
 
 P = jex.primitives
 sg = lax.stop_gradient
@@ -259,7 +258,7 @@ def check_case_uses_its_primitive(case: Case, dtype):
                 yield from prims(sub)
     jaxpr = jax.make_jaxpr(case.f)(case.inputs(dtype)).jaxpr
     assert case.primitive in set(prims(jaxpr))
-    assert dict(GUARDS[case.primitive].safe) == dict(case.safe)
+    assert dict(guard_table()[case.primitive].safe) == dict(case.safe)
 
 
 # --------------------------------------------------------------------------- the tests
@@ -269,7 +268,7 @@ dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 
 
 def test_every_primitive_of_the_guard_table_has_a_case():
-    assert set(GUARDS) <= {c.primitive for c in CASES}
+    assert set(guard_table()) <= {c.primitive for c in CASES}
 
 
 @cases
@@ -313,10 +312,10 @@ def test_sqrt_untaken_negative_and_zero_lanes_have_zero_gradient():
                          ids=["str", "jnp-function", "lax-function", "None", "int"])
 def test_register_guard_rejects_a_non_primitive_with_a_type_error_naming_primitive(
         not_a_primitive):
-    before = dict(GUARDS)
+    before = guard_table()
     with pytest.raises(TypeError, match="primitive"):
         jaxsafe.register_guard(not_a_primitive, {0: 1.0})
-    assert GUARDS == before
+    assert guard_table() == before
 
 
 @pytest.mark.parametrize("safe", [float("nan"), float("inf"), -float("inf"), np.float32("nan"),
@@ -329,6 +328,6 @@ def test_register_guard_rejects_a_non_finite_safe_value_with_a_value_error(safe)
     try:
         with pytest.raises(ValueError, match="finite"):
             jaxsafe.register_guard(prim, safe)
-        assert prim not in GUARDS
+        assert prim not in RULES
     finally:
-        GUARDS.pop(prim, None)
+        RULES.pop(prim, None)

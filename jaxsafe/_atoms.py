@@ -1,0 +1,49 @@
+"""What every pass reads off a jaxpr atom (a variable or a literal): shape, value, float-ness."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import jax.numpy as jnp
+import numpy as np
+
+from ._compat import Literal
+
+SMALL_CONSTANT = 64
+"""Values up to this many lanes are evaluated when the rewrite is planned (a predicate computed
+from literals, a value known in dropped lanes); larger ones are not worth it."""
+
+
+def shape_of(atom: Any) -> tuple[int, ...]:
+    """The shape of a jaxpr atom."""
+    return tuple(cast(Any, atom.aval).shape)
+
+
+def dtype_of(atom: Any) -> Any:
+    """The dtype of a jaxpr atom (a NumPy dtype, or an extended dtype such as a PRNG key's)."""
+    return cast(Any, atom.aval).dtype
+
+
+def is_float(atom: Any) -> bool:
+    """Whether an atom (or a value) is floating point or complex: what carries a derivative."""
+    dtype = dtype_of(atom) if hasattr(atom, "aval") else np.result_type(atom)
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.inexact))
+    except TypeError:  # extended dtypes (PRNG keys, float0)
+        return False
+
+
+def literal_value(atom: Literal) -> Any:
+    """A literal's value with its aval's dtype: a Python scalar (`jnp.where(True, ...)`) has
+    none, rules read `.dtype` of their operands, and x64 must not widen a float32 literal."""
+    val = atom.val
+    if isinstance(val, bool | int | float | complex):
+        return np.asarray(val, dtype_of(atom))
+    return val
+
+
+def is_nonfinite_literal(atom: Any) -> bool:
+    """Whether `atom` is a floating-point literal holding inf or NaN."""
+    if not isinstance(atom, Literal) or not is_float(atom):
+        return False
+    return not bool(np.all(np.isfinite(np.asarray(atom.val))))

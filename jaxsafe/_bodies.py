@@ -1,0 +1,115 @@
+"""Equations with bodies: reading their jaxprs, and staging them again with masks from outside.
+
+A body whose outputs the surrounding program drops in places (a checkpoint, a cond branch, a
+scan's per-step outputs) is rewritten again with those output masks as extra inputs, and staged
+again through the public API (`jax.checkpoint`, `lax.switch`, `lax.scan`), so that the structure
+stays and no parameters are edited by hand. One handler per primitive, held by its row
+(`PrimitiveRule.masked_body`); the planning and emission passes hand it the functions that plan
+and emit a body, so this module does not depend on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax import lax
+
+from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, eval_jaxpr
+from ._rules import Kind, Mask
+
+PlanBody = Callable[[ClosedJaxpr, list[Kind]], Any]
+"""(body, its outputs' kinds) -> the body's plan, or None when it needs no change."""
+
+EmitBody = Callable[[Any, Sequence[Mask], Sequence[Any]], list]
+"""(plan, output masks, arguments) -> the body's outputs, emitted on the current trace."""
+
+
+def call_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr:
+    """The body of a call-like equation (`jit`, `closed_call`, `remat`, custom rule calls)."""
+    params = eqn.params
+    inner = params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
+    return inner if isinstance(inner, ClosedJaxpr) else ClosedJaxpr(inner, ())
+
+
+def sub_jaxprs(eqn: JaxprEqn) -> list[ClosedJaxpr]:
+    """Every jaxpr in `eqn`'s parameters, closed."""
+    out = []
+    for value in eqn.params.values():
+        for item in (value if isinstance(value, tuple | list) else (value,)):
+            if isinstance(item, ClosedJaxpr):
+                out.append(item)
+            elif isinstance(item, Jaxpr):
+                out.append(ClosedJaxpr(item, ()))
+    return out
+
+
+def _body_out_kinds(kinds: Sequence[Kind]) -> list[Kind]:
+    return [Kind.LIVE if k == Kind.LIVE else Kind.MAYBE for k in kinds]
+
+
+def _any_plan(plans: list) -> list | None:
+    return plans if any(p is not None for p in plans) else None
+
+
+def _body_fn(plan: Any, closed: ClosedJaxpr, emit_body: EmitBody) -> Callable:
+    if plan is None:
+        return lambda args, masks: eval_jaxpr(closed.jaxpr, closed.consts, *args)
+    return lambda args, masks: emit_body(plan, masks, args)
+
+
+class RematBody:
+    """`jax.checkpoint`: one body, re-staged through `jax.checkpoint` (it stays a checkpoint)."""
+
+    def plan(self, eqn: JaxprEqn, out_kinds: Sequence[Kind], plan_body: PlanBody) -> list | None:
+        return _any_plan([plan_body(ClosedJaxpr(eqn.params["jaxpr"], ()),
+                                    _body_out_kinds(out_kinds))])
+
+    def emit(self, eqn: JaxprEqn, plans: list, invals: list, out_masks: list, params: dict,
+             emit_body: EmitBody) -> list:
+        fn = _body_fn(plans[0], ClosedJaxpr(params["jaxpr"], ()), emit_body)
+        return list(jax.checkpoint(fn, prevent_cse=params["prevent_cse"],
+                                   policy=params["policy"])(invals, out_masks))
+
+
+class CondBody:
+    """`cond`: every branch, re-staged through `lax.switch`."""
+
+    def plan(self, eqn: JaxprEqn, out_kinds: Sequence[Kind], plan_body: PlanBody) -> list | None:
+        kinds = _body_out_kinds(out_kinds)
+        return _any_plan([plan_body(br, kinds) for br in eqn.params["branches"]])
+
+    def emit(self, eqn: JaxprEqn, plans: list, invals: list, out_masks: list, params: dict,
+             emit_body: EmitBody) -> list:
+        fns = [_body_fn(p, br, emit_body) for p, br in zip(plans, params["branches"], strict=True)]
+        return list(lax.switch(invals[0], fns, invals[1:], out_masks))
+
+
+class ScanBody:
+    """`scan`: the masks of the stacked outputs are scanned over with the inputs; the carries
+    stay live (their liveness would need a fixed point across iterations)."""
+
+    def plan(self, eqn: JaxprEqn, out_kinds: Sequence[Kind], plan_body: PlanBody) -> list | None:
+        n_carry = eqn.params["num_carry"]
+        kinds = [Kind.LIVE] * n_carry + _body_out_kinds(out_kinds)[n_carry:]
+        if all(k == Kind.LIVE for k in kinds):
+            return None
+        return _any_plan([plan_body(eqn.params["jaxpr"], kinds)])
+
+    def emit(self, eqn: JaxprEqn, plans: list, invals: list, out_masks: list, params: dict,
+             emit_body: EmitBody) -> list:
+        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        consts, init, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
+                            invals[n_consts + n_carry:])
+        fn = _body_fn(plans[0], params["jaxpr"], emit_body)
+
+        def body(carry, x_and_masks):
+            x, masks = x_and_masks
+            outs = fn([*consts, *carry, *x], [None] * n_carry + list(masks))
+            return outs[:n_carry], outs[n_carry:]
+
+        carry, ys = lax.scan(body, list(init), (list(xs), list(out_masks[n_carry:])),
+                             length=params["length"], reverse=params["reverse"],
+                             unroll=params["unroll"])
+        return [*carry, *ys]

@@ -1,0 +1,139 @@
+"""Lower bounds of values, for every finite input: guards that cannot matter are left out.
+
+`rsqrt(mean((x - mu) ** 2) + 1e-5)` (a layer norm) is in the domain of `rsqrt` whatever `x` is:
+its operand is at least 1e-5. A guard there replaces nothing singular, yet it costs a mask, a
+select and the select's derivative. Each value's lower bound is derived from its equation, one
+rule per primitive (`PrimitiveRule.bound`, filled in by `_primitives.py`); a guard on a
+primitive whose value and derivative only shrink as its operand grows
+(`PrimitiveRule.decreasing`) is left out when they are finite at the operand's bound.
+
+Bounds assume finite operands (as the rest of the analysis does; values tested for NaN are
+guarded separately) and allow +inf, which rounding can reach and where those primitives and
+their derivatives are finite or zero. A bound is a number at or below every value, NaN never
+included: a product of two non-negative values has none (0 * inf is NaN).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ._atoms import dtype_of
+from ._compat import JaxprEqn, Literal, Var
+from ._rules import BoundRule, rule_for
+from ._walk import postorder
+
+Bound = float | None  # every value is >= the bound; None: nothing known
+
+
+def constant_bound(value) -> Bound:
+    """The bound of a constant: its smallest lane, when every lane is non-negative."""
+    value = np.asarray(value)
+    if value.size == 0 or value.dtype.kind not in "fiu" or not np.all(value >= 0):
+        return None  # NaN fails `>= 0` too
+    return float(np.min(value))
+
+
+def of_all(combine: Callable[..., float]) -> BoundRule:
+    """`combine` of the operands' bounds, when each has one (`add`, `max`: the largest)."""
+    def rule(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
+        return None if any(b is None for b in bounds) else combine(*bounds)
+    return rule
+
+
+def of_cases(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
+    """`select_n`: the smallest of the cases' bounds (the predicate has none)."""
+    return None if any(b is None for b in bounds[1:]) else min(bounds[1:])
+
+
+def _scaled(value: Bound, factor: Bound, const) -> Bound:
+    """A non-negative value times (or over) a positive finite constant stays non-negative (the
+    exact bound is not kept: the result is rounded, and may underflow to 0)."""
+    if value is None or factor is None or const is None or factor <= 0 or \
+            not np.all(np.isfinite(const)):
+        return None
+    return 0.0
+
+
+def product(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
+    """`mul` by a positive finite constant, on either side."""
+    value, factor = bounds
+    const = consts[1]
+    if const is None and consts[0] is not None:
+        value, factor, const = factor, value, consts[0]
+    return _scaled(value, factor, const)
+
+
+def quotient(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
+    """`div` by a positive finite constant."""
+    return _scaled(bounds[0], bounds[1], consts[1])
+
+
+def even_power(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
+    """`integer_pow` with a positive even exponent: at least 0."""
+    y = eqn.params["y"]
+    return 0.0 if y > 0 and y % 2 == 0 else None
+
+
+def converted(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
+    """A conversion keeps the bound in the same dtype; in another, only non-negativity."""
+    same = dtype_of(eqn.invars[0]) == dtype_of(eqn.outvars[0])
+    return bounds[0] if same else (None if bounds[0] is None else 0.0)
+
+
+def non_negative_if_bounded(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
+    """At least 0 when the operand is bounded (`sqrt`, a sum, a rounding)."""
+    return None if bounds[0] is None else 0.0
+
+
+def moved(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
+    """Lanes that move, unchanged: the operand's bound."""
+    return bounds[0]
+
+
+def non_negative(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
+    """At least 0 for every input (`square`, `abs`, `exp`, which underflows to 0)."""
+    return 0.0
+
+
+class Bounds:
+    """Lower bounds of the values of one jaxpr, computed on demand and memoized."""
+
+    def __init__(self, eqns, producer: dict, constants: dict):
+        self.eqns, self.producer, self.constants = eqns, producer, constants
+        self.memo: dict = {}
+
+    def _constant(self, atom):
+        if isinstance(atom, Literal):
+            return np.asarray(atom.val)
+        return self.constants.get(atom)
+
+    def of(self, atom) -> Bound:
+        value = self._constant(atom)
+        if value is not None:
+            return constant_bound(value)
+        return postorder(atom, self.memo, self._inputs, self._bound)
+
+    def _rule(self, v) -> tuple[JaxprEqn, BoundRule] | None:
+        i = self.producer.get(v)
+        if i is None or len(self.eqns[i].outvars) != 1:
+            return None
+        rule = rule_for(self.eqns[i].primitive).bound
+        return None if rule is None else (self.eqns[i], rule)
+
+    def _inputs(self, v) -> list:
+        found = self._rule(v)
+        if found is None:
+            return []
+        return [u for u in found[0].invars if isinstance(u, Var) and self._constant(u) is None]
+
+    def _bound(self, v) -> Bound:
+        found = self._rule(v)
+        if found is None:
+            return None
+        eqn, rule = found
+        consts = [self._constant(u) for u in eqn.invars]
+        bounds = [constant_bound(c) if c is not None else self.memo[u]
+                  for u, c in zip(eqn.invars, consts, strict=True)]
+        return rule(eqn, bounds, consts)

@@ -1,0 +1,147 @@
+"""The decision pass: which equations are emitted again, and what their decisions read.
+
+Once an operand is guarded, every equation downstream of it on a differentiated path is emitted
+again, on the guarded values (the *shadow*); the rest of the program is emitted once. A value
+recomputed from guarded operands differs from the original in its dropped lanes only (the
+complement of its liveness).
+
+A *decision* reads values without differentiating them: a predicate, an index, the
+`stop_gradient(max(x))` of a softmax. It must see the original values wherever its result is
+live, or a guard could flip it. When the lanes that a guarded read would change are provably
+dropped lanes of the result (a row that a `where` drops as a whole), the decision reads the
+guarded value and the original program is not computed a second time for it (`ChangedLanes`).
+`max`, `min` and `clamp` with a changed operand are re-decided on the original values.
+
+Reads: the liveness (`Sweep`), the guard sites and the masked bodies. Produces: `Decisions`, and
+the re-decided selections in the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from ._atoms import is_float
+from ._compat import ClosedJaxpr, JaxprEqn, Var
+from ._liveness import Sweep
+from ._report import Report, Site, note_failure
+from ._rules import Kind, alignment, rule_for
+from ._symbolic import FALSE, Sym, disjoint, forward_mapping, move, sym_not, sym_or
+
+
+@dataclasses.dataclass
+class Decisions:
+    """What the emission pass needs to know beyond the guards."""
+
+    reemit: set[int] = dataclasses.field(default_factory=set)
+    """Equations emitted again on guarded operands (their results differ in dropped lanes)."""
+    selections: set[int] = dataclasses.field(default_factory=set)
+    """`max`/`min`/`clamp` equations emitted as a `select_n` on the original decision."""
+    chain: set[int] = dataclasses.field(default_factory=set)
+    """Decisions computed from guarded values (every operand read as guarded)."""
+    safe_reads: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
+    """Equation -> operands read for their value only that may be read as guarded."""
+
+
+class ChangedLanes:
+    """Where the guarded program's values may differ from the original's, as static formulas."""
+
+    def __init__(self, sweep: Sweep):
+        self.sweep = sweep
+        self.chain: dict[Any, Sym | None] = {}  # decision values computed from guarded values
+        self.changed: set = set()  # values recomputed from guarded operands
+        self._dropped: dict[Any, Sym | None] = {}
+
+    def of(self, v: Any) -> Sym | None:
+        """Changed lanes of `v`: FALSE when unchanged, None when unknown."""
+        if v in self.chain:
+            return self.chain[v]
+        if v not in self.changed:
+            return FALSE
+        if v not in self._dropped:
+            self._dropped[v] = sym_not(self.sweep.sym(v))
+        return self._dropped[v]
+
+    def pushed(self, eqn: JaxprEqn, k: int) -> Sym | None:
+        """The lanes of `eqn`'s output that operand k's changed lanes reach, or None."""
+        sym = self.of(eqn.invars[k])
+        if sym is None or sym == FALSE:
+            return sym
+        align = alignment(eqn, k)
+        if align is None:
+            return None
+        return move(sym, forward_mapping(align))
+
+    def reach(self, eqn: JaxprEqn) -> Sym | None:
+        """The lanes of `eqn`'s output that any operand's changed lanes reach, or None."""
+        reach: Sym | None = FALSE
+        for k, v in enumerate(eqn.invars):
+            pushed = self.pushed(eqn, k) if isinstance(v, Var) else FALSE
+            reach = None if reach is None or pushed is None else sym_or(reach, pushed)
+        return reach
+
+    def reads_dropped_only(self, eqn: JaxprEqn, k: int) -> bool:
+        """Whether reading operand k as guarded changes dropped lanes of the result only."""
+        reach = self.pushed(eqn, k)
+        return reach is not None and disjoint(reach, self.sweep.sym(eqn.outvars[0]))
+
+
+def plan_decisions(closed: ClosedJaxpr, sweep: Sweep, sites: Mapping[int, Site],
+                   masked: Mapping[int, list], report: Report) -> Decisions:
+    """Walk the equations forward, following the guarded values."""
+    out = Decisions()
+    lanes = ChangedLanes(sweep)
+    i = 0
+    try:
+        for i, eqn in enumerate(closed.jaxpr.eqns):
+            _plan_equation(i, eqn, sweep, sites, masked, lanes, out, report)
+    except Exception as e:
+        note_failure(e, closed.jaxpr.eqns[i], "decision")
+        raise
+    return out
+
+
+def _plan_equation(i: int, eqn: JaxprEqn, sweep: Sweep, sites: Mapping[int, Site],
+                   masked: Mapping[int, list], lanes: ChangedLanes, out: Decisions,
+                   report: Report) -> None:
+    """Whether `eqn` is emitted again, and how it reads changed values."""
+    rule = rule_for(eqn.primitive)
+    diff = sweep.diff[i]
+    read_differentiably = any(sweep.kind(o) != Kind.DEAD for o in eqn.outvars)
+    safe_read = False
+    if not eqn.effects and not rule.has_body:
+        safe_read = _plan_decision(i, eqn, diff, read_differentiably, i in sites, lanes, out)
+    operand_changed = any(d and isinstance(v, Var) and v in lanes.changed
+                          for d, v in zip(diff, eqn.invars, strict=True))
+    if not (i in sites or operand_changed or safe_read or i in masked) or eqn.effects \
+            or not read_differentiably:
+        return
+    out.reemit.add(i)
+    # a LIVE output has no dropped lane, so it is bitwise the original: not "changed"
+    lanes.changed.update(o for o in eqn.outvars if is_float(o) and sweep.kind(o) != Kind.LIVE)
+    if rule.selection is not None and not rule.selection.by_predicate:
+        out.selections.add(i)  # any changed operand: decide on the original values
+        report.selections.append(eqn)
+
+
+def _plan_decision(i: int, eqn: JaxprEqn, diff: list[bool], read_differentiably: bool,
+                   guarded: bool, lanes: ChangedLanes, out: Decisions) -> bool:
+    """Record how `eqn` reads changed values for their value only; True when it may read them
+    as guarded although its result is differentiated (a safe read)."""
+    touched = [k for k, v in enumerate(eqn.invars)
+               if isinstance(v, Var) and (v in lanes.chain or v in lanes.changed)]
+    if not touched:
+        return False
+    if not read_differentiably and not guarded:
+        # a decision's intermediate value: computed from guarded values
+        out.chain.add(i)
+        reach = lanes.reach(eqn)
+        lanes.chain.update((o, reach) for o in eqn.outvars)
+        return False
+    decided_on = [k for k in touched if not diff[k] or eqn.invars[k] in lanes.chain]
+    if decided_on and read_differentiably and len(eqn.outvars) == 1 and all(
+            lanes.reads_dropped_only(eqn, k) for k in decided_on):
+        out.safe_reads[i] = frozenset(decided_on)
+        return True
+    return False

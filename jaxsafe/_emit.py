@@ -1,0 +1,190 @@
+"""The emission pass: trace the planned program, with its guards, into a new jaxpr.
+
+An interpreter over the original equations, run under `jax.make_jaxpr`, emits three parts:
+
+1. **The original program.** Every equation is emitted once on original values, unless the plan
+   says it is emitted again (`Decisions.reemit`); predicates and comparisons read these values.
+2. **The masks**: for each guarded equation, the liveness of its output, emitted on first demand
+   by the liveness pass (`Sweep.masks`), only on the paths between guards and drops.
+3. **The guarded shadow**: the equations from each guard down to the outputs, emitted again with
+   safe operands in dropped lanes, `select_n(live, safe, x)`; `max`/`min`/`clamp` with a changed
+   operand as a `select_n` on the decision taken from the original values.
+
+A guarded value with no dropped lane is the original value itself (the same tracer), so the
+shadow shares everything it can with the original program; dead-code elimination then removes
+what the shadow made unused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from jax import lax
+
+from ._atoms import is_float, literal_value, shape_of
+from ._compat import Literal, Var, bind_eqn
+from ._liveness import LazyOperands, operand_masks
+from ._masks import broadcast, mask_scope
+from ._plan import Plan
+from ._report import Site, note_failure
+from ._rules import Kind, Mask, rule_for
+
+
+def emit(plan: Plan, *args: Any) -> list:
+    """The planned program on `args`, every output live (traced by `jax.make_jaxpr`)."""
+    return emit_masked(plan, [None] * len(plan.closed.jaxpr.outvars), args)
+
+
+def emit_masked(plan: Plan, out_masks: Sequence[Mask], args: Sequence[Any]) -> list:
+    """The planned program on `args`, its outputs dropped where `out_masks` are False (a body
+    that the program around it drops in places)."""
+    with mask_scope():  # one trace: the masks' bookkeeping must not outlive it
+        emitter = _Emitter(plan, out_masks, args)
+        eqns = plan.closed.jaxpr.eqns
+        i = 0
+        try:
+            for i in range(len(eqns)):
+                emitter.equation(i)
+        except Exception as e:
+            note_failure(e, eqns[i], "emission")
+            raise
+        return emitter.outputs()
+
+
+class _Originals:
+    """The original program's values, computed on demand: an env for the liveness rules.
+
+    The forward pass computes each value once and shares it with the guarded program. Only a
+    value that a guard may change (in its dropped lanes) and that a predicate or another
+    non-differentiable use reads gets a second, original copy, computed here when first asked.
+    """
+
+    def __init__(self, plan: Plan, args: Sequence[Any]):
+        jaxpr = plan.closed.jaxpr
+        self.plan = plan
+        self.values: dict = dict(zip(jaxpr.constvars, plan.closed.consts, strict=True))
+        self.values.update(zip(jaxpr.invars, args, strict=True))
+
+    def __getitem__(self, v: Any) -> Any:
+        if isinstance(v, Literal):
+            return literal_value(v)
+        if v in self.values:
+            return self.values[v]
+        eqns, producer = self.plan.closed.jaxpr.eqns, self.plan.sweep.producer
+        todo: set[int] = set()
+        stack = [v]
+        while stack:  # iterative: chains can be long
+            u = stack.pop()
+            if isinstance(u, Literal) or u in self.values or producer[u] in todo:
+                continue
+            todo.add(producer[u])
+            stack.extend(eqns[producer[u]].invars)
+        for i in sorted(todo):
+            eqn = eqns[i]
+            outs = bind_eqn(eqn, [self[u] for u in eqn.invars], self.plan.nested.get(i))
+            self.values.update(zip(eqn.outvars, outs, strict=True))
+        return self.values[v]
+
+
+class _Emitter:
+    """One emission of a plan: the original values, the guarded ones, and the masks."""
+
+    def __init__(self, plan: Plan, out_masks: Sequence[Mask], args: Sequence[Any]):
+        self.plan = plan
+        self.orig = _Originals(plan, args)
+        self.safe: dict = {}  # the guarded program's values, where its derivative path differs
+        self.out_masks = list(out_masks)
+        self._mask_of: Callable[[Any], Mask] | None = None
+
+    def mask_of(self, v: Any) -> Mask:
+        if self._mask_of is None:  # one backward sweep, the first time a guard needs a mask
+            self._mask_of = self.plan.sweep.masks(self.orig, self.out_masks)
+        return self._mask_of(v)
+
+    def equation(self, i: int) -> None:
+        plan, orig, safe = self.plan, self.orig, self.safe
+        decisions = plan.decisions
+        eqn = plan.closed.jaxpr.eqns[i]
+        # Operands read as guarded: differentiable ones, and decisions the plan allows. A
+        # guarded value with no dropped lane is the original value itself (same tracer):
+        # equations that read only such values are computed once, for both programs.
+        as_guarded = [isinstance(v, Var) and v in safe and
+                      (d or i in decisions.chain or k in decisions.safe_reads.get(i, ()))
+                      for k, (d, v) in enumerate(zip(plan.sweep.diff[i], eqn.invars,
+                                                     strict=True))]
+        shared = all(not g or safe[v] is orig.values.get(v)
+                     for g, v in zip(as_guarded, eqn.invars, strict=True))
+        if i not in decisions.reemit and shared:
+            if eqn.outvars and all(o in orig.values for o in eqn.outvars):
+                return  # already computed for a decision
+            outs = bind_eqn(eqn, [orig[v] for v in eqn.invars], plan.nested.get(i))
+            orig.values.update(zip(eqn.outvars, outs, strict=True))
+            return
+        invals = [safe[v] if g else orig[v] for g, v in zip(as_guarded, eqn.invars, strict=True)]
+        site = plan.sites.get(i)
+        if site is not None:
+            self._guard(i, site, invals)
+        outs = self._bind(i, invals)
+        self._record(i, outs, shared and site is None)
+
+    def _guard(self, i: int, site: Site, invals: list) -> None:
+        """Replace the site's operands by their safe value (or cut them) in dropped lanes."""
+        eqn = site.eqn
+        in_masks = operand_masks(eqn, [self.mask_of(o) for o in eqn.outvars],
+                                 LazyOperands(self.orig, eqn.invars), self.plan.sweep)
+        for k, value in site.replace.items():
+            live, operand = in_masks[k], invals[k]
+            out_shape = shape_of(eqn.outvars[0])
+            if isinstance(eqn.invars[k], Literal) and np.shape(operand) != out_shape \
+                    and rule_for(eqn.primitive).elementwise and len(eqn.outvars) == 1:
+                # a literal (`x / 0.`): guarded lane by lane, at the output's shape. Other
+                # broadcast operands keep their shape (live where any lane they feed is): XLA
+                # divides by a broadcast row as by its reciprocal, so a full-shape divisor would
+                # change the live lanes' last bit.
+                live = self.mask_of(eqn.outvars[0])
+                if live is not None:
+                    operand = broadcast(operand, out_shape)
+            if live is not None:
+                invals[k] = lax.select_n(live, lax.full_like(operand, value), operand)
+        for k in site.cut:
+            live = in_masks[k]
+            if live is not None:
+                invals[k] = lax.select_n(live, lax.stop_gradient(invals[k]), invals[k])
+
+    def _bind(self, i: int, invals: list) -> list:
+        plan = self.plan
+        eqn = plan.closed.jaxpr.eqns[i]
+        rule = rule_for(eqn.primitive)
+        if i in plan.masked:
+            assert rule.masked_body is not None
+            out_masks = [self.mask_of(o) for o in eqn.outvars]
+            return rule.masked_body.emit(eqn, plan.masked[i], invals, out_masks,
+                                         plan.nested.get(i) or eqn.params, emit_masked)
+        if i in plan.decisions.selections:
+            assert rule.selection is not None
+            out = bind_eqn(eqn, invals)[0]
+            cases = [out] + [broadcast(lax.convert_element_type(x, out.dtype), out.shape)
+                             for x in invals]
+            originals = LazyOperands(self.orig, eqn.invars)
+            return [lax.select_n(rule.selection.winner(eqn, originals), *cases)]
+        return bind_eqn(eqn, invals, plan.nested.get(i))
+
+    def _record(self, i: int, outs: list, shared_unguarded: bool) -> None:
+        plan, orig, safe = self.plan, self.orig, self.safe
+        eqn = plan.closed.jaxpr.eqns[i]
+        for o, val in zip(eqn.outvars, outs, strict=True):
+            if is_float(o) or i in plan.decisions.chain:
+                safe[o] = val
+                if plan.sweep.kind(o) == Kind.LIVE:  # no dropped lane: bitwise the original
+                    orig.values.setdefault(o, val)
+            elif shared_unguarded:  # an index or predicate from original values only
+                orig.values.setdefault(o, val)
+            else:
+                safe[o] = val
+
+    def outputs(self) -> list:
+        jaxpr = self.plan.closed.jaxpr
+        return [self.safe[v] if isinstance(v, Var) and v in self.safe else self.orig[v]
+                for v in jaxpr.outvars]

@@ -1,0 +1,70 @@
+"""The inlining pass: every `jit` and `closed_call` replaced by its body.
+
+A jit boundary changes no value, and `jnp.where` is itself a `jit`: the hazard and the drop
+usually sit on opposite sides of one, so liveness and guards must cross it. Which primitives are
+inlined is a fact of their row (`PrimitiveRule.inline`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._bodies import call_jaxpr
+from ._compat import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Var
+from ._rules import rule_for
+
+
+def _has_inlinable(jaxpr: Jaxpr) -> bool:
+    return any(rule_for(e.primitive).inline for e in jaxpr.eqns)
+
+
+def _sub_atom(sub: dict, a: Any) -> Any:
+    return sub.get(a, a) if isinstance(a, Var) else a
+
+
+def flatten(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """The same program with every inlinable call inlined (at any depth); `closed` itself when
+    it has none.
+
+    Built by copying equations with renamed variables, not by tracing again: nothing is
+    re-evaluated, and every equation keeps its source info. Iterative: jit chains can be deep.
+    """
+    if not _has_inlinable(closed.jaxpr):
+        return closed
+    constvars, consts = list(closed.jaxpr.constvars), list(closed.consts)
+    eqns: list[JaxprEqn] = []
+    top_sub: dict = {}
+    # frames: (jaxpr, substitution, rename outputs?, equation iterator, the call being inlined)
+    stack: list[tuple[Jaxpr, dict, bool, Any, Any]] = [
+        (closed.jaxpr, top_sub, False, iter(closed.jaxpr.eqns), None)]
+    while stack:
+        jaxpr, sub, fresh, it, call = stack[-1]
+        eqn = next(it, None)
+        if eqn is None:
+            stack.pop()
+            if call is not None:  # the call's outputs are the body's results
+                outer_sub, outer_eqn = call
+                for o, a in zip(outer_eqn.outvars, jaxpr.outvars, strict=True):
+                    outer_sub[o] = _sub_atom(sub, a)
+            continue
+        invars = [_sub_atom(sub, v) for v in eqn.invars]
+        if rule_for(eqn.primitive).inline:
+            inner = call_jaxpr(eqn)
+            inner_sub: dict = {}
+            for cv, c in zip(inner.jaxpr.constvars, inner.consts, strict=True):
+                inner_sub[cv] = new_var = Var(cv.aval)
+                constvars.append(new_var)
+                consts.append(c)
+            inner_sub.update(zip(inner.jaxpr.invars, invars, strict=True))
+            stack.append((inner.jaxpr, inner_sub, True, iter(inner.jaxpr.eqns), (sub, eqn)))
+            continue
+        outvars = list(eqn.outvars)
+        if fresh:  # a body inlined more than once must not reuse its variables
+            outvars = [DropVar(o.aval) if isinstance(o, DropVar) else Var(o.aval)
+                       for o in eqn.outvars]
+            sub.update(zip(eqn.outvars, outvars, strict=True))
+        eqns.append(eqn.replace(invars=invars, outvars=outvars))
+    outvars = [_sub_atom(top_sub, v) for v in closed.jaxpr.outvars]
+    jaxpr = Jaxpr(constvars, closed.jaxpr.invars, outvars, eqns, closed.jaxpr.effects,
+                  closed.jaxpr.debug_info)
+    return ClosedJaxpr(jaxpr, consts)

@@ -1,0 +1,504 @@
+"""The liveness rules of the primitive table: how a primitive's operand lanes reach its outputs.
+
+Three kinds of rule, each used by `_primitives.py` to fill rows:
+
+- **run-time mask rules** (`MaskRule`): the boolean mask of each operand's live lanes, from the
+  outputs' masks and the original operand values (a predicate, the operands of a `max`);
+- **alignments** (`AlignRule`): which output axis each operand axis runs along, so the static
+  formulas of `_symbolic.py` cross the equation;
+- **static rules** (`StaticRule`) and **kinds rules** (`KindsRule`): the same, before anything
+  runs, as formulas over the program's predicates or as a `Kind`.
+
+Rules of primitives with bodies (calls, `cond`) recurse through the `Context`, which the liveness
+pass (`_liveness.py`) provides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._atoms import dtype_of, is_float, shape_of
+from ._bodies import call_jaxpr
+from ._compat import JaxprEqn, Literal, bind_eqn
+from ._masks import (
+    all_of,
+    broadcast,
+    broadcast_mask,
+    concat_masks,
+    factor,
+    fit,
+    materialize,
+    move_axes,
+    not_mask,
+    pad_mask,
+    place,
+    reduce_any,
+    reshape_mask,
+    slice_mask,
+    within,
+    zeros,
+)
+from ._rules import Context, Kind, Mask, alignment, rule_for
+from ._symbolic import (
+    FALSE,
+    Sym,
+    backward_mapping,
+    move,
+    negate,
+    opaque,
+    predicate_literal,
+    sym_and_literal,
+    unknown,
+)
+
+# --------------------------------------------------------------------------- elementwise
+
+
+def elementwise_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                      ctx: Context) -> list[Mask]:
+    """Lane to lane; a broadcast operand is live where any lane it feeds is."""
+    return [fit(outs[0], shape_of(v)) for v in eqn.invars]
+
+
+def same_rank_alignment(eqn: JaxprEqn, k: int) -> list[int | None] | None:
+    """An operand of the output's rank runs along the output's axes (size-1 axes broadcast)."""
+    ins, outs = shape_of(eqn.invars[k]), shape_of(eqn.outvars[0])
+    if not ins:
+        return []
+    if len(ins) != len(outs):
+        return None
+    return [i if ins[i] == outs[i] else None for i in range(len(ins))]
+
+
+# --------------------------------------------------------------------------- selections
+
+
+def select_winner(eqn: JaxprEqn, invals: Sequence[Any]) -> jax.Array:
+    """`select_n`: the case the predicate picks (operand predicate + 1)."""
+    pred = broadcast(invals[0], shape_of(eqn.outvars[0]))
+    return lax.add(lax.convert_element_type(pred, jnp.int32), np.int32(1))
+
+
+def _max_min_winner(eqn: JaxprEqn, invals: Sequence[Any], wins) -> jax.Array:
+    shape = shape_of(eqn.outvars[0])
+    a, b = (broadcast(x, shape) for x in invals)
+    return _index(wins(a, b), wins(b, a))
+
+
+def max_winner(eqn: JaxprEqn, invals: Sequence[Any]) -> jax.Array:
+    """`max`: the larger operand; a tie (or NaN) leaves both live."""
+    return _max_min_winner(eqn, invals, lax.gt)
+
+
+def min_winner(eqn: JaxprEqn, invals: Sequence[Any]) -> jax.Array:
+    """`min`: the smaller operand; a tie (or NaN) leaves both live."""
+    return _max_min_winner(eqn, invals, lax.lt)
+
+
+def clamp_winner(eqn: JaxprEqn, invals: Sequence[Any]) -> jax.Array:
+    """`clamp(lo, x, hi)`: the operand that determines the output; ties leave several live."""
+    shape = shape_of(eqn.outvars[0])
+    lo, x, hi = (broadcast(v, shape) for v in invals)
+    lo_wins = lax.bitwise_and(lax.gt(lo, x), lax.lt(lo, hi))
+    x_wins = lax.bitwise_and(lax.gt(x, lo), lax.lt(x, hi))
+    hi_wins = lax.lt(hi, x)
+    return _index(lo_wins, x_wins, hi_wins)
+
+
+def _index(*wins: jax.Array) -> jax.Array:
+    """k where the k-th (1-based) of the disjoint conditions holds, 0 where none does."""
+    out = None
+    for k, w in enumerate(wins, start=1):
+        term = lax.mul(lax.convert_element_type(w, jnp.int32), np.int32(k))
+        out = term if out is None else lax.add(out, term)
+    assert out is not None
+    return out
+
+
+def select_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                 ctx: Context) -> list[Mask]:
+    """`select_n`: a case is live where the predicate picks it (and the output is live)."""
+    if ctx.structural:
+        return elementwise_masks(eqn, outs, invals, ctx)
+    shape = shape_of(eqn.outvars[0])
+    pred = invals[0]
+    masks: list[Mask] = [None]  # the predicate carries no lanes
+    for k, v in enumerate(eqn.invars[1:], start=1):
+        if pred.dtype == jnp.bool_:
+            picked = broadcast(pred, shape)
+            live = picked if k == 2 else not_mask(picked)
+        else:
+            live = broadcast(lax.eq(pred, np.asarray(k - 1, pred.dtype)), shape)
+        masks.append(fit(all_of([live, outs[0]]), shape_of(v)))
+    return masks
+
+
+def winner_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                 ctx: Context) -> list[Mask]:
+    """`max`, `min`, `clamp`: an operand is live where it wins, or ties (original values)."""
+    if ctx.structural:
+        return elementwise_masks(eqn, outs, invals, ctx)
+    selection = rule_for(eqn.primitive).selection
+    assert selection is not None
+    win = selection.winner(eqn, invals)
+    masks: list[Mask] = []
+    for k, v in enumerate(eqn.invars, start=1):
+        live = lax.bitwise_or(lax.eq(win, np.int32(k)), lax.eq(win, np.int32(0)))
+        masks.append(fit(all_of([live, outs[0]]), shape_of(v)))
+    return masks
+
+
+# --------------------------------------------------------------------------- data movement
+
+
+def by_transpose_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                       ctx: Context) -> list[Mask]:
+    """Lanes that a linear data-movement op reads for live outputs: its transpose on the mask.
+
+    The transpose of gather is scatter-add, of dynamic_slice is dynamic_update_slice, ...: JAX
+    already knows where every operand lane goes.
+    """
+    cts_out = [lax.convert_element_type(materialize(m, shape_of(o)), jnp.float32)
+               for m, o in zip(outs, eqn.outvars, strict=True)]
+    float_ix = [i for i, v in enumerate(eqn.invars) if is_float(v)]
+
+    def op(*floats):
+        by_index = dict(zip(float_ix, floats, strict=True))  # indices are read as they are
+        vals = [by_index[i] if i in by_index else invals[i] for i in range(len(eqn.invars))]
+        return bind_eqn(eqn, vals)
+
+    primals = [lax.full(shape_of(eqn.invars[i]), 0., jnp.float32) for i in float_ix]
+    _, vjp = jax.vjp(op, *primals)
+    cts = vjp(cts_out)
+    masks: list[Mask] = [None] * len(eqn.invars)
+    for i, c in zip(float_ix, cts, strict=True):
+        masks[i] = lax.gt(c, np.float32(0))
+    return masks
+
+
+def slice_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                ctx: Context) -> list[Mask]:
+    """The lanes a static slice reads: its mask padded with False (the transpose of slice)."""
+    shape, out_shape = shape_of(eqn.invars[0]), shape_of(eqn.outvars[0])
+    if outs[0] is None and shape == out_shape:
+        return [None]
+    out = materialize(outs[0], out_shape)
+    starts = eqn.params["start_indices"]
+    strides = eqn.params["strides"] or (1,) * len(shape)
+    if 0 in out_shape:
+        return [zeros(shape)]
+    config = []
+    for n, lo, k, step in zip(shape, starts, out_shape, strides, strict=True):
+        last = lo + (k - 1) * step
+        config.append((int(lo), int(n - 1 - last), int(step - 1)))
+    return [pad_mask(out, config, shape)]
+
+
+def gather_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                 ctx: Context) -> list[Mask]:
+    """A gather reads, for each output lane, operand lanes at the same batching coordinates: the
+    operand's mask (a scatter of the output's) lies inside the output mask's rows."""
+    masks = by_transpose_masks(eqn, outs, invals, ctx)
+    out = outs[0]
+    if out is None or masks[0] is None:
+        return masks
+    dn = eqn.params["dimension_numbers"]
+    out_rank = len(shape_of(eqn.outvars[0]))
+    batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]
+    index_dims = range(len(shape_of(eqn.invars[1])) - 1)  # the last: the index vector
+    to_operand = {}
+    for o, i in zip(batch_out, index_dims, strict=False):
+        if i in dn.start_indices_batching_dims:
+            to_operand[o] = dn.operand_batching_dims[dn.start_indices_batching_dims.index(i)]
+    core, axes = factor(out)
+    if all(a in to_operand for a in axes):
+        within(masks[0], place(core, [to_operand[a] for a in axes], shape_of(eqn.invars[0])))
+    return masks
+
+
+def pad_drops(eqn: JaxprEqn) -> bool:
+    """A pad drops lanes only with negative padding (it cuts them off)."""
+    return any(lo < 0 or hi < 0 for lo, hi, _ in eqn.params["padding_config"])
+
+
+def transpose_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                    ctx: Context) -> list[Mask]:
+    """The mask moves as the values do."""
+    out = outs[0]
+    if out is None:
+        return [None]
+    return [move_axes(out, eqn.params["permutation"], shape_of(eqn.invars[0]))]
+
+
+def transpose_alignment(eqn: JaxprEqn, k: int) -> list[int | None]:
+    align: list[int | None] = [None] * len(shape_of(eqn.invars[k]))
+    for j, d in enumerate(eqn.params["permutation"]):
+        align[d] = j
+    return align
+
+
+def squeeze_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                  ctx: Context) -> list[Mask]:
+    """Lanes keep their order: the mask is reshaped back (on its core, where it can be)."""
+    out = outs[0]
+    if out is None:
+        return [None] * len(eqn.invars)
+    return [reshape_mask(out, shape_of(eqn.invars[0]))]
+
+
+def reshape_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                  ctx: Context) -> list[Mask]:
+    """As `squeeze`; a reshape that transposes first (`dimensions`) or has dynamic shape
+    operands goes through its transpose."""
+    if outs[0] is not None and (eqn.params.get("dimensions") is not None
+                                or len(eqn.invars) != 1):
+        return by_transpose_masks(eqn, outs, invals, ctx)  # pragma: no cover - rare forms
+    return squeeze_masks(eqn, outs, invals, ctx)
+
+
+def reshape_alignment(eqn: JaxprEqn, k: int) -> list[int | None] | None:
+    """Only reshapes that insert or remove size-1 axes keep the other axes' lanes."""
+    if k != 0:
+        return None
+    ins, outs = shape_of(eqn.invars[0]), shape_of(eqn.outvars[0])
+    big_in = [i for i, n in enumerate(ins) if n != 1]
+    big_out = [o for o, n in enumerate(outs) if n != 1]
+    if [ins[i] for i in big_in] != [outs[o] for o in big_out]:
+        return None
+    align: list[int | None] = [None] * len(ins)
+    for i, o in zip(big_in, big_out, strict=True):
+        align[i] = o
+    return align
+
+
+def concatenate_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                      ctx: Context) -> list[Mask]:
+    """Each operand reads its own stretch of the output along the axis."""
+    out = outs[0]
+    if out is None:
+        return [None] * len(eqn.invars)
+    axis, start, masks = eqn.params["dimension"], 0, []
+    for v in eqn.invars:
+        size = shape_of(v)[axis]
+        masks.append(slice_mask(out, axis, start, start + size))
+        start += size
+    return masks
+
+
+def split_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                ctx: Context) -> list[Mask]:
+    """The outputs' masks, concatenated back."""
+    if all(m is None for m in outs):
+        return [None]
+    return [concat_masks(outs, [shape_of(o) for o in eqn.outvars], eqn.params["axis"])]
+
+
+def broadcast_in_dim_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                           ctx: Context) -> list[Mask]:
+    """An operand lane is live if any of its copies is."""
+    out = outs[0]
+    masks: list[Mask] = [None] * len(eqn.invars)
+    if out is None:
+        return masks
+    in_shape = shape_of(eqn.invars[0])
+    bdims = tuple(eqn.params["broadcast_dimensions"])
+    others = tuple(d for d in range(out.ndim) if d not in bdims)
+    m = reduce_any(out, others)
+    size_one = tuple(k for k, size in enumerate(in_shape) if size == 1 and m.shape[k] != 1)
+    m = reduce_any(m, size_one, keepdims=True)
+    masks[0] = reshape_mask(m, in_shape)
+    return masks
+
+
+def broadcast_in_dim_alignment(eqn: JaxprEqn, k: int) -> list[int | None] | None:
+    if k != 0:
+        return None
+    ins, outs = shape_of(eqn.invars[0]), shape_of(eqn.outvars[0])
+    return [d if ins[j] == outs[d] else None
+            for j, d in enumerate(eqn.params["broadcast_dimensions"])]
+
+
+# --------------------------------------------------------------------------- reductions
+
+
+def reduction_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                    ctx: Context) -> list[Mask]:
+    """Every lane of a reduced row is live if the row's result is."""
+    out = outs[0]
+    if out is None:
+        return [None] * len(eqn.invars)
+    in_shape = shape_of(eqn.invars[0])
+    axes = tuple(eqn.params["axes"])
+    kept = tuple(d for d in range(len(in_shape)) if d not in axes)
+    m = broadcast_mask(out, in_shape, kept)
+    return [m] + [fit(out, shape_of(v)) for v in eqn.invars[1:]]
+
+
+def reduction_alignment(eqn: JaxprEqn, k: int) -> list[int | None] | None:
+    if k != 0:
+        return None
+    ins = shape_of(eqn.invars[0])
+    kept = [d for d in range(len(ins)) if d not in eqn.params["axes"]]
+    align: list[int | None] = [None] * len(ins)
+    for j, d in enumerate(kept):
+        align[d] = j
+    return align
+
+
+def cumulative_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                     ctx: Context) -> list[Mask]:
+    """Lane j of a cumulative op feeds outputs j, j+1, ... (or j, j-1, ... when reversed)."""
+    out = outs[0]
+    if out is None:
+        return [None]
+    axis, reverse = eqn.params["axis"], eqn.params["reverse"]
+    counts = lax.cummax(lax.convert_element_type(out, jnp.int32), axis=axis,
+                        reverse=not reverse)
+    return [lax.gt(counts, np.int32(0))]
+
+
+def dot_general_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                      ctx: Context) -> list[Mask]:
+    """An operand lane is live if any output it is multiplied into is: an any-reduction over the
+    other operand's free axes of the output mask, broadcast over the contracted axes."""
+    out = outs[0]
+    if out is None:
+        return [None, None]
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    a_shape, b_shape = shape_of(eqn.invars[0]), shape_of(eqn.invars[1])
+    a_free = [d for d in range(len(a_shape)) if d not in lc and d not in lb]
+    b_free = [d for d in range(len(b_shape)) if d not in rc and d not in rb]
+    nb = len(lb)
+    a_out_axes = tuple(range(nb + len(a_free), out.ndim))  # b's free axes in the output
+    b_out_axes = tuple(range(nb, nb + len(a_free)))
+    m_a = reduce_any(out, a_out_axes)
+    m_b = reduce_any(out, b_out_axes)
+    m_a = broadcast_mask(m_a, a_shape, tuple(lb) + tuple(a_free))
+    m_b = broadcast_mask(m_b, b_shape, tuple(rb) + tuple(b_free))
+    return [m_a, m_b]
+
+
+def dot_general_alignment(eqn: JaxprEqn, k: int) -> list[int | None]:
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    ins = shape_of(eqn.invars[k])
+    contract, batch = (lc, lb) if k == 0 else (rc, rb)
+    free = [d for d in range(len(ins)) if d not in contract and d not in batch]
+    n_lhs_free = len(shape_of(eqn.invars[0])) - len(lc) - len(lb)
+    first = len(lb) + (0 if k == 0 else n_lhs_free)
+    align: list[int | None] = [None] * len(ins)
+    for j, d in enumerate(batch):
+        align[d] = j
+    for j, d in enumerate(free):
+        align[d] = first + j
+    return align
+
+
+# --------------------------------------------------------------------------- bodies
+
+
+def call_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+               ctx: Context) -> list[Mask]:
+    """Through the body (`jit`, `closed_call`)."""
+    return ctx.inner_masks(call_jaxpr(eqn), invals, outs, ctx.structural)
+
+
+def call_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]:
+    return ctx.inner_kinds(call_jaxpr(eqn), out_kinds, ctx.structural)
+
+
+def opaque_call_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                      ctx: Context) -> list[Mask]:
+    """Through a body that runs again, as one unit, on guarded operands (a checkpoint, a custom
+    rule's primal): structural only, so nothing it decides on can change under it."""
+    return ctx.inner_masks(call_jaxpr(eqn), invals, outs, True)
+
+
+def opaque_call_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]:
+    return ctx.inner_kinds(call_jaxpr(eqn), out_kinds, True)
+
+
+def cond_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+               ctx: Context) -> list[Mask]:
+    """Per branch (structural: the branch is re-run on the guarded operands and decides on what
+    it reads), selected by the branch index."""
+    index, operands = invals[0], invals[1:]
+    per_branch = [ctx.inner_masks(br, operands, outs, True) for br in eqn.params["branches"]]
+    masks: list[Mask] = [None]
+    for k, v in enumerate(eqn.invars[1:]):
+        branch_masks = [m[k] for m in per_branch]
+        if all(m is None for m in branch_masks):
+            masks.append(None)
+            continue
+        cases = [materialize(m, shape_of(v)) for m in branch_masks]
+        which = lax.clamp(np.int32(0), lax.convert_element_type(index, jnp.int32),
+                          np.int32(len(cases) - 1))
+        masks.append(lax.select_n(which, *cases) if len(cases) > 1 else cases[0])
+    return masks
+
+
+def cond_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]:
+    per_branch = [ctx.inner_kinds(br, out_kinds, True) for br in eqn.params["branches"]]
+    kinds = [Kind.DEAD]
+    for k in range(len(eqn.invars) - 1):
+        ks = {m[k] for m in per_branch}
+        kinds.append(ks.pop() if len(ks) == 1 else Kind.MAYBE)
+    return kinds
+
+
+# --------------------------------------------------------------------------- static rules
+
+
+def _aligned(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context,
+             by_value: bool) -> list[Sym] | None:
+    if len(eqn.outvars) != 1:
+        return None
+    out = out_syms[0]
+    identity = list(range(len(shape_of(eqn.outvars[0]))))
+    syms: list[Sym] = []
+    for k, v in enumerate(eqn.invars):
+        if isinstance(v, Literal):  # carries no liveness
+            syms.append(FALSE)
+            continue
+        align = alignment(eqn, k)
+        if align is None:
+            return None
+        sym = out if align == identity else move(out, backward_mapping(align))
+        if by_value and sym:  # which operand wins is decided by value, at run time
+            shape = shape_of(v)
+            sym = sym_and_literal(sym, unknown(i for i, n in enumerate(shape) if n != 1))
+        syms.append(sym)
+    return syms
+
+
+def aligned_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
+    """The output's formula, moved along each operand's alignment."""
+    return _aligned(eqn, out_syms, ctx, False)
+
+
+def selected_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
+    """`max`, `min`, `clamp`: aligned, and an unknown (decided at run time) for each operand."""
+    return _aligned(eqn, out_syms, ctx, not ctx.structural)
+
+
+def select_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
+    """`select_n` with a boolean predicate: `p & out` for the taken case, `~p & out` for the
+    other. A predicate computed from literals that is all True or all False drops one case
+    everywhere (`jnp.where(True, a, b)`)."""
+    pred = eqn.invars[0]
+    if (not ctx.structural and len(eqn.invars) == 3 and dtype_of(pred) == jnp.bool_
+            and shape_of(pred) in (shape_of(eqn.outvars[0]), ())):
+        out = out_syms[0]
+        value = ctx.constant(pred)
+        if value is not None and (bool(np.all(value)) or not np.any(value)):
+            untaken = opaque() if out else FALSE  # dropped, yet differentiated (a zero cotangent)
+            return [FALSE, untaken, out] if np.all(value) else [FALSE, out, untaken]
+        if not isinstance(pred, Literal):
+            lit = predicate_literal(pred, True, ctx.broadcast_of)
+            return [FALSE, sym_and_literal(out, negate(lit)), sym_and_literal(out, lit)]
+    return selected_syms(eqn, out_syms, ctx)

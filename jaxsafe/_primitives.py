@@ -1,0 +1,220 @@
+"""The rows of the primitive table: every fact the rewrite knows about each primitive.
+
+Families are registered together (`register_elementwise`, `register_movement`, ...), each row
+naming only what differs from the family. To find everything about a primitive, find its name
+here. To add one:
+
+- an elementwise primitive: `register_elementwise(p, ...)` with its guard and bound, if any;
+- a NaN-prone primitive of your own: `jaxsafe.register_guard(p, safe)` (elementwise);
+- a primitive that moves lanes: `register(p, masks=..., ...)` with a mask rule from
+  `_liveness_rules.py` (`by_transpose_masks` works for any linear data movement), and
+  `linear=True` if its derivative never multiplies a cotangent by an operand's value.
+
+A primitive without a row is treated conservatively (`_rules.rule_for`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from jax import lax
+
+from . import _bounds as bounds
+from ._atoms import dtype_of
+from ._bodies import CondBody, RematBody, ScanBody
+from ._compat import JaxprEqn, Primitive
+from ._compat import primitives as prims
+from ._dropped import chosen_scalar, reshaped_scalar, same_scalar, summed_scalar
+from ._liveness_rules import (
+    aligned_syms,
+    broadcast_in_dim_alignment,
+    broadcast_in_dim_masks,
+    by_transpose_masks,
+    call_kinds,
+    call_masks,
+    clamp_winner,
+    concatenate_masks,
+    cond_kinds,
+    cond_masks,
+    cumulative_masks,
+    dot_general_alignment,
+    dot_general_masks,
+    elementwise_masks,
+    gather_masks,
+    max_winner,
+    min_winner,
+    opaque_call_kinds,
+    opaque_call_masks,
+    pad_drops,
+    reduction_alignment,
+    reduction_masks,
+    reshape_alignment,
+    reshape_masks,
+    same_rank_alignment,
+    select_masks,
+    select_syms,
+    select_winner,
+    selected_syms,
+    slice_masks,
+    split_masks,
+    squeeze_masks,
+    transpose_alignment,
+    transpose_masks,
+    winner_masks,
+)
+from ._rules import Guard, Selection, register
+from ._taint import compared_with_nonfinite, every_operand
+
+
+def _always(eqn: JaxprEqn) -> bool:
+    return True
+
+
+def register_elementwise(*primitives: Primitive, **facts: Any) -> None:
+    """Lane-to-lane primitives; a broadcast operand is live where any lane it feeds is."""
+    family = dict(masks=elementwise_masks, align=same_rank_alignment, static=aligned_syms,
+                  elementwise=True, foldable=True)
+    register(*primitives, **{**family, **facts})
+
+
+def register_movement(*primitives: Primitive, **facts: Any) -> None:
+    """Primitives that move lanes without computing on them: linear, evaluable on constants."""
+    register(*primitives, **{"linear": True, "foldable": True, **facts})
+
+
+def register_reduction(*primitives: Primitive, **facts: Any) -> None:
+    """Every lane of a reduced row is live if the row's result is."""
+    family = dict(masks=reduction_masks, align=reduction_alignment, static=aligned_syms,
+                  foldable=True)
+    register(*primitives, **{**family, **facts})
+
+
+def register_selection(primitive: Primitive, **facts: Any) -> None:
+    """Primitives that pick one operand's value per lane: the others' lanes are dropped."""
+    family = dict(align=same_rank_alignment, drops=_always, linear=True, foldable=True)
+    register(primitive, **{**family, **facts})
+
+
+def _negative_exponent(eqn: JaxprEqn) -> bool:
+    return eqn.params["y"] < 0
+
+
+def _complex_operand(eqn: JaxprEqn) -> bool:
+    return np.issubdtype(dtype_of(eqn.invars[0]), np.complexfloating)
+
+
+ONE = Guard({0: 1.0})  # roots, logs, poles at 0 and below: 1 is inside every domain
+ZERO = Guard({0: 0.0})  # overflow, inverse trig: the middle of the domain
+
+# --------------------------------------------------------------------------- elementwise
+# NaN-prone (the guard table): each listed operand takes the safe value in dropped lanes.
+register_elementwise(prims.sqrt_p, guard=ONE, decreasing=True,
+                     bound=bounds.non_negative_if_bounded)
+register_elementwise(prims.rsqrt_p, prims.cbrt_p, prims.log_p, guard=ONE, decreasing=True)
+register_elementwise(prims.log1p_p, guard=ZERO)                      # singular at -1
+register_elementwise(prims.div_p, guard=Guard({1: 1.0}), bound=bounds.quotient)
+register_elementwise(prims.rem_p, guard=Guard({1: 1.0}))
+register_elementwise(prims.pow_p, guard=ONE)          # x ** y: singular at 0 for y < 1, NaN below
+register_elementwise(prims.integer_pow_p, guard=Guard({0: 1.0}, _negative_exponent),
+                     bound=bounds.even_power)
+register_elementwise(prims.abs_p, guard=Guard({0: 1.0}, _complex_operand),
+                     bound=bounds.non_negative)
+register_elementwise(prims.acos_p, prims.asin_p, prims.atanh_p, prims.erf_inv_p, guard=ZERO)
+register_elementwise(prims.acosh_p, guard=Guard({0: 2.0}))
+register_elementwise(prims.atan2_p, guard=Guard({0: 0.0, 1: 1.0}))
+# overflow: inf in the forward, inf * 0 = NaN in the backward
+register_elementwise(prims.exp_p, prims.exp2_p, guard=ZERO, bound=bounds.non_negative)
+register_elementwise(prims.expm1_p, prims.sinh_p, prims.cosh_p, prims.tan_p, guard=ZERO)
+# special functions with poles at the non-positive integers
+register_elementwise(prims.lgamma_p, prims.digamma_p, guard=ONE)
+register_elementwise(prims.polygamma_p, guard=Guard({1: 1.0}), no_derivative=frozenset({0}))
+register_elementwise(prims.igamma_p, prims.igammac_p, guard=Guard({0: 1.0, 1: 1.0}))
+register_elementwise(prims.igamma_grad_a_p, guard=Guard({0: 1.0, 1: 1.0}),
+                     no_derivative=frozenset({0, 1}))
+register_elementwise(prims.zeta_p, guard=Guard({0: 2.0, 1: 1.0}), no_derivative=frozenset({0, 1}))
+register_elementwise(prims.regularized_incomplete_beta_p,
+                     guard=Guard({0: 1.0, 1: 1.0, 2: 0.5}), no_derivative=frozenset({0, 1}))
+
+# finite for every finite input
+register_elementwise(prims.add_p, linear=True, bound=bounds.of_all(max))
+register_elementwise(prims.sub_p, prims.neg_p, prims.add_jaxvals_p, prims.real_p, prims.imag_p,
+                     prims.complex_p, prims.conj_p, linear=True)
+register_elementwise(prims.mul_p, bound=bounds.product)
+register_elementwise(prims.square_p, bound=bounds.non_negative)
+register_elementwise(prims.convert_element_type_p, linear=True, bound=bounds.converted)
+register_elementwise(prims.reduce_precision_p, linear=True,
+                     bound=bounds.non_negative_if_bounded)
+register_elementwise(prims.copy_p, linear=True, bound=bounds.moved)
+register_elementwise(prims.tanh_p, prims.logistic_p, prims.sin_p, prims.cos_p, prims.atan_p,
+                     prims.asinh_p, prims.erf_p, prims.erfc_p, prims.bessel_i0e_p,
+                     prims.bessel_i1e_p)
+register_elementwise(prims.nextafter_p, no_derivative=frozenset({0, 1}))
+# zero derivative: operands are read for their value only
+register_elementwise(prims.stop_gradient_p, zero_derivative=True, linear=True,
+                     bound=bounds.moved)
+register_elementwise(prims.sign_p, prims.floor_p, prims.ceil_p, prims.round_p,
+                     zero_derivative=True)
+register_elementwise(prims.is_finite_p, zero_derivative=True, tests_nonfinite=every_operand)
+# comparisons and logic: no tangent, but in structural mode every read counts
+register_elementwise(prims.eq_p, prims.ne_p, prims.lt_p, prims.le_p, prims.gt_p, prims.ge_p,
+                     tests_nonfinite=compared_with_nonfinite)
+register_elementwise(prims.and_p, prims.or_p, prims.not_p, prims.xor_p)
+
+# --------------------------------------------------------------------------- selections
+register_selection(prims.select_n_p, masks=select_masks, static=select_syms,
+                   selection=Selection(select_winner, by_predicate=True),
+                   bound=bounds.of_cases)
+# max, min, clamp are not linear, but their derivative only selects (weights 0, 1/2, 1 from
+# comparisons): a NaN operand never meets a cotangent in a product, and a guard there would
+# bend the decision.
+register_selection(prims.max_p, masks=winner_masks, static=selected_syms,
+                   selection=Selection(max_winner, by_predicate=False), identity=-np.inf,
+                   bound=bounds.of_all(max))
+register_selection(prims.min_p, masks=winner_masks, static=selected_syms,
+                   selection=Selection(min_winner, by_predicate=False), identity=np.inf)
+register_selection(prims.clamp_p, masks=winner_masks, static=selected_syms,
+                   selection=Selection(clamp_winner, by_predicate=False))
+
+# --------------------------------------------------------------------------- data movement
+register_movement(prims.slice_p, masks=slice_masks, drops=_always, bound=bounds.moved)
+register_movement(prims.gather_p, masks=gather_masks, drops=_always)
+register_movement(prims.dynamic_slice_p, prims.dynamic_update_slice_p,
+                  masks=by_transpose_masks, drops=_always)
+register_movement(prims.pad_p, masks=by_transpose_masks, drops=pad_drops)
+register_movement(prims.rev_p, masks=by_transpose_masks)
+register_movement(prims.transpose_p, masks=transpose_masks, align=transpose_alignment,
+                  static=aligned_syms, bound=bounds.moved)
+register_movement(prims.reshape_p, masks=reshape_masks, align=reshape_alignment,
+                  static=aligned_syms, scalar_move=reshaped_scalar, bound=bounds.moved)
+register_movement(prims.squeeze_p, masks=squeeze_masks, align=reshape_alignment,
+                  static=aligned_syms, scalar_move=same_scalar, bound=bounds.moved)
+register_movement(prims.broadcast_in_dim_p, masks=broadcast_in_dim_masks,
+                  align=broadcast_in_dim_alignment, static=aligned_syms, broadcast=True,
+                  scalar_move=same_scalar, bound=bounds.moved)
+register_movement(prims.concatenate_p, masks=concatenate_masks)
+if hasattr(lax, "split_p"):
+    register(lax.split_p, masks=split_masks, foldable=True)
+register(prims.scatter_add_p, linear=True)  # no liveness rule: every lane live
+
+# --------------------------------------------------------------------------- reductions
+register_reduction(prims.reduce_sum_p, linear=True, scalar_move=summed_scalar,
+                   bound=bounds.non_negative_if_bounded)
+register_reduction(prims.reduce_max_p, prims.reduce_min_p, scalar_move=chosen_scalar)
+register_reduction(prims.reduce_prod_p)
+register(prims.cumsum_p, masks=cumulative_masks, linear=True, foldable=True)
+register(prims.cumprod_p, prims.cummax_p, prims.cummin_p, prims.cumlogsumexp_p,
+         masks=cumulative_masks, foldable=True)
+register(prims.dot_general_p, masks=dot_general_masks, align=dot_general_alignment,
+         static=aligned_syms, foldable=True)
+
+# --------------------------------------------------------------------------- bodies
+register(prims.jit_p, prims.closed_call_p, masks=call_masks, kinds=call_kinds, inline=True)
+register(prims.remat_p, masks=opaque_call_masks, kinds=opaque_call_kinds,
+         nested_params=("jaxpr",), masked_body=RematBody())
+register(prims.custom_jvp_call_p, prims.custom_vjp_call_p, masks=opaque_call_masks,
+         kinds=opaque_call_kinds, custom_rule=True)
+register(prims.cond_p, masks=cond_masks, kinds=cond_kinds, nested_params=("branches",),
+         masked_body=CondBody())
+register(prims.scan_p, nested_params=("jaxpr",), masked_body=ScanBody())
+register(prims.while_p, nested_params=("body_jaxpr",))

@@ -1,0 +1,51 @@
+"""What a rewrite did: the record each pass adds to, read by `jaxsafe.explain` and the tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ._compat import JaxprEqn, source_summary
+
+
+@dataclasses.dataclass
+class Site:
+    """One guarded equation: which operands take which value in its dropped lanes, and why;
+    `cut` operands keep their value but pass no derivative there (a custom rule's call)."""
+
+    eqn: JaxprEqn
+    replace: dict[int, float]
+    reasons: dict[int, str]
+    cut: frozenset[int] = frozenset()
+
+
+@dataclasses.dataclass
+class Report:
+    """What a rewrite did, for `jaxsafe.explain` and the tests.
+
+    - `sites`: the guarded equations, in program order (the guard pass);
+    - `selections`: `max`/`min`/`clamp` equations re-decided on original values (the decision
+      pass);
+    - `unknown`: equations of primitives jaxsafe knows nothing about (the guard pass);
+    - `nested`: the reports of rewritten bodies, with their equations (the nested-body pass and
+      the masked-body pass);
+    - `skipped`: equations left unchanged although they could use a guard, with the reason.
+    """
+
+    sites: list[Site] = dataclasses.field(default_factory=list)
+    selections: list[JaxprEqn] = dataclasses.field(default_factory=list)
+    unknown: list[JaxprEqn] = dataclasses.field(default_factory=list)
+    nested: list[tuple[JaxprEqn, Report]] = dataclasses.field(default_factory=list)
+    skipped: list[tuple[JaxprEqn, str]] = dataclasses.field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        """Whether the rewritten program differs from the original."""
+        return bool(self.sites or self.selections or any(r.changed for _, r in self.nested))
+
+
+def note_failure(error: BaseException, eqn: JaxprEqn, pass_name: str) -> None:
+    """Name the equation and the user's source line on an error raised while a pass handled it:
+    a failure inside the analysis is a bug in jaxsafe, and the report needs the place."""
+    error.add_note(f"jaxsafe: raised by the {pass_name} pass at `{eqn.primitive}` "
+                   f"({source_summary(eqn)}). This is a bug in jaxsafe; please report it with "
+                   f"this traceback.")

@@ -1,0 +1,264 @@
+"""The primitive table: one typed row per primitive, holding everything the rewrite knows of it.
+
+Every pass looks a primitive up here, with `rule_for(primitive)`, and never tests for a
+particular primitive itself. A primitive without a row gets an explicit default:
+`CONSERVATIVE` for JAX's own primitives (every operand lane is live where any output lane is,
+nothing is guarded) and `UNKNOWN` for any other (the same, plus its outputs may be non-finite and
+`explain` reports it).
+
+The rows are filled in by `_primitives.py`, family by family; `register_guard` (`_guards.py`)
+changes one row. This module holds only the types, the table and the lookup, so that every rule
+module can import it without a cycle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import jax
+import numpy as np
+from jax import lax
+
+from ._compat import ClosedJaxpr, JaxprEqn, Primitive, Var
+from ._compat import primitives as prims
+
+if TYPE_CHECKING:
+    from ._symbolic import Sym
+
+Mask = Any
+"""A run-time liveness mask: a boolean array of the value's shape, or None for "every lane
+live" (see `_masks.py`)."""
+
+
+class Kind(enum.IntEnum):
+    """Static summary of a value's liveness."""
+    DEAD = 0   # no lane reaches an output
+    MAYBE = 1  # a run-time mask decides
+    LIVE = 2   # every lane may reach an output
+
+
+class Context(Protocol):
+    """What a rule may ask besides its own equation: the mode, the program around the equation
+    (static rules), and the liveness of sub-jaxprs (rules of primitives with bodies)."""
+
+    structural: bool
+    """Inside a body that re-runs as one unit on guarded operands (a custom rule's primal, a
+    checkpoint, a cond branch): every read counts, and no selection by value drops a lane."""
+
+    def constant(self, atom: Any) -> np.ndarray | None:
+        """The value of a small atom that the program computes from literals alone, else None."""
+        ...
+
+    def broadcast_of(self, var: Var) -> JaxprEqn | None:
+        """The equation that computes `var` as a broadcast of one operand, else None."""
+        ...
+
+    def inner_masks(self, closed: ClosedJaxpr, invals: Sequence[Any],
+                    out_masks: Sequence[Mask], structural: bool) -> list[Mask]:
+        """Run-time masks of a sub-jaxpr's inputs, given its outputs' masks."""
+        ...
+
+    def inner_kinds(self, closed: ClosedJaxpr, out_kinds: Sequence[Kind],
+                    structural: bool) -> list[Kind]:
+        """Static liveness of a sub-jaxpr's inputs, given its outputs' kinds."""
+        ...
+
+
+MaskRule = Callable[[JaxprEqn, list, Sequence[Any], Context], list]
+"""(equation, output masks, original operand values, context) -> a mask per operand."""
+
+AlignRule = Callable[[JaxprEqn, int], "list[int | None] | None"]
+"""(equation, operand k) -> for each axis of operand k, the output axis it runs along (None for
+an axis that is reduced, contracted or broadcast); None when its lanes do not map to output
+lanes axis by axis (slices, gathers, general reshapes)."""
+
+StaticRule = Callable[[JaxprEqn, "Sequence[Sym]", Context], "list[Sym] | None"]
+"""(equation, output formulas, context) -> a formula per operand (`_symbolic.py`), or None to
+fall back to the kinds."""
+
+KindsRule = Callable[[JaxprEqn, list, Context], list]
+"""(equation, output kinds, context) -> a kind per operand: for primitives with bodies."""
+
+WinnerRule = Callable[[JaxprEqn, Sequence[Any]], jax.Array]
+"""(equation, original operand values) -> int32 per output lane: k > 0 where operand k - 1 alone
+determines the output and its derivative, 0 where several do (ties, NaN)."""
+
+BoundRule = Callable[[JaxprEqn, list, list], "float | None"]
+"""(equation, operand lower bounds, operand constant values) -> lower bound of the output."""
+
+ScalarMove = Callable[[JaxprEqn, np.ndarray], "np.ndarray | None"]
+"""(equation, the one scalar its operand holds in dropped lanes) -> the scalar the output holds
+in its dropped lanes, or None when unknown."""
+
+NonfiniteTest = Callable[[JaxprEqn], "list[Var]"]
+"""(equation) -> the variables it tests for NaN or inf (`is_finite(x)`, `x != x`, `x == inf`)."""
+
+
+def _always(eqn: JaxprEqn) -> bool:
+    return True
+
+
+def _never(eqn: JaxprEqn) -> bool:
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Guard:
+    """Safe values for some operands of one NaN-prone primitive.
+
+    `safe` maps an operand index to the value that operand takes in dropped lanes. `applies`
+    decides per equation whether the primitive is hazardous there at all (`integer_pow` only with
+    a negative exponent, `abs` only on complex numbers).
+    """
+
+    safe: Mapping[int, float]
+    applies: Callable[[JaxprEqn], bool] = _always
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """A primitive that picks, lane by lane, the value of one operand."""
+
+    winner: WinnerRule
+    by_predicate: bool
+    """Decided by operand 0, a predicate (`select_n`). Otherwise decided by comparing the
+    operands' values (`max`, `min`, `clamp`): once an operand is guarded the equation is
+    re-emitted as a `select_n` on the decision taken from the original values."""
+
+
+class MaskedBody(Protocol):
+    """A primitive whose body is rewritten again when the program around it drops some of its
+    output lanes (liveness flows in from outside): `remat`, `cond`, `scan`."""
+
+    def plan(self, eqn: JaxprEqn, out_kinds: Sequence[Kind],
+             plan_body: Callable[[ClosedJaxpr, list[Kind]], Any]) -> list | None:
+        """The body plans (None where a body needs no change), or None when none does."""
+        ...
+
+    def emit(self, eqn: JaxprEqn, plans: list, invals: list, out_masks: list,
+             params: dict, emit_body: Callable[[Any, Sequence[Mask], Sequence[Any]], list]
+             ) -> list:
+        """Stage the equation again on `invals`, each body given its output masks."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PrimitiveRule:
+    """Everything the rewrite knows about one primitive. A field left at its default says the
+    conservative thing: no lane is dropped, nothing is guarded, nothing is known of values."""
+
+    # -- liveness: which operand lanes reach an output (read backward) --------------------------
+    masks: MaskRule | None = None
+    """Run-time rule. None: every operand lane is live where any output lane is."""
+    align: AlignRule | None = None
+    """How operand axes run along output axes: lets static formulas cross the equation."""
+    static: StaticRule | None = None
+    """Static rule; None: the operands' formulas follow from `operand_kinds`."""
+    kinds: KindsRule | None = None
+    """Static rule of a primitive with a body (its liveness is the body's)."""
+    drops: Callable[[JaxprEqn], bool] = _never
+    """Whether live outputs can leave some operand lanes dropped (slices, selections)."""
+
+    # -- derivatives ------------------------------------------------------------------------------
+    zero_derivative: bool = False
+    """Passes no tangent (`floor`, `stop_gradient`): operands are read for their value only."""
+    no_derivative: frozenset[int] = frozenset()
+    """Operands JAX defines no derivative for (`zeta`, betainc's `a` and `b`): nothing is
+    concluded from a derivative there."""
+    linear: bool = False
+    """A zero cotangent never meets an operand's value in a product, so a non-finite operand in
+    a dropped lane cannot leak into another operand's derivative."""
+    selection: Selection | None = None
+    guard: Guard | None = None
+    """NaN-prone: the in-domain value each listed operand takes in dropped lanes."""
+    identity: float | None = None
+    """A non-finite literal that is this primitive's identity and makes nothing non-finite
+    (`max(-inf, x)`, the start of every softmax)."""
+    tests_nonfinite: NonfiniteTest | None = None
+
+    # -- values known when the rewrite is planned ---------------------------------------------
+    elementwise: bool = False
+    """Lane to lane (operands of rank 0 or with size-1 axes broadcast)."""
+    foldable: bool = False
+    """Evaluated at planning time on small constants (a predicate computed from literals)."""
+    broadcast: bool = False
+    """The output is operand 0 broadcast along `broadcast_dimensions` (predicates are followed
+    back through it, to the axes they really run along)."""
+    scalar_move: ScalarMove | None = None
+    bound: BoundRule | None = None
+    decreasing: bool = False
+    """Guarded operand 0 of a primitive whose value and derivative are finite for every operand
+    at or above a positive point where they are finite (`sqrt`, `log`): bounded operands need
+    no guard."""
+
+    # -- nested jaxprs --------------------------------------------------------------------------
+    inline: bool = False
+    """A call that changes no value (`jit`): inlined before the analysis."""
+    nested_params: tuple[str, ...] = ()
+    """Parameters holding bodies that are rewritten on their own, keeping their signature."""
+    masked_body: MaskedBody | None = None
+    custom_rule: bool = False
+    """A call whose derivative is the user's rule (`custom_jvp`, `custom_vjp`): not rewritten;
+    its dropped input lanes are cut from differentiation when its body is NaN-prone."""
+
+    known: bool = True
+    """False for a primitive jaxsafe knows nothing about: reported, outputs possibly non-finite."""
+
+    @property
+    def has_body(self) -> bool:
+        """Whether the equation runs a body of its own (other than an inlined call)."""
+        return bool(self.nested_params) or self.custom_rule
+
+
+RULES: dict[Primitive, PrimitiveRule] = {}
+
+CONSERVATIVE = PrimitiveRule()
+"""The default for JAX's own primitives without a row (`sort`, `conv_general_dilated`, ...)."""
+
+UNKNOWN = PrimitiveRule(known=False)
+"""The default for any other primitive."""
+
+JAX_PRIMITIVES: frozenset[Primitive] = frozenset(
+    v for module in (prims, lax) for v in vars(module).values() if isinstance(v, Primitive))
+
+
+def rule_for(primitive: Primitive) -> PrimitiveRule:
+    """The row of `primitive`, or the conservative default."""
+    rule = RULES.get(primitive)
+    if rule is not None:
+        return rule
+    return CONSERVATIVE if primitive in JAX_PRIMITIVES else UNKNOWN
+
+
+def register(*primitives: Primitive, **facts: Any) -> None:
+    """Give each of `primitives` a row with these facts (replacing any row it had)."""
+    for primitive in primitives:
+        RULES[primitive] = PrimitiveRule(**facts)
+
+
+def update(primitive: Primitive, **facts: Any) -> None:
+    """Change some facts of `primitive`'s existing row."""
+    RULES[primitive] = dataclasses.replace(RULES[primitive], **facts)
+
+
+def guard_table() -> dict[Primitive, Guard]:
+    """The NaN-prone primitives and their guards (a view of the rows)."""
+    return {p: r.guard for p, r in RULES.items() if r.guard is not None}
+
+
+def guard_for(eqn: JaxprEqn) -> Guard | None:
+    """The guard that applies to `eqn`, or None."""
+    guard = rule_for(eqn.primitive).guard
+    return guard if guard is not None and guard.applies(eqn) else None
+
+
+def alignment(eqn: JaxprEqn, k: int) -> list[int | None] | None:
+    """For operand k of a one-output equation, the output axis each of its axes runs along (see
+    `AlignRule`); None when the row has no such rule."""
+    rule = rule_for(eqn.primitive)
+    if rule.align is None or len(eqn.outvars) != 1:
+        return None
+    return rule.align(eqn, k)

@@ -1,0 +1,138 @@
+"""The guard pass: which operands of which equations get a safe value, or a cut, in their
+dropped lanes.
+
+An equation is guarded when its output has dropped lanes (static liveness says MAYBE) and
+
+- its row has a guard (`sqrt`, `log`, `div`, ...): each listed operand that reaches the hazard
+  takes the safe value, unless it is known to be in the domain there already (`_dropped.py`) or
+  bounded into it for every finite input (`_bounds.py`);
+- or it is not linear and an operand may be non-finite there (`_taint.py`): that operand takes 0;
+- or it calls a custom derivative rule whose body is NaN-prone: its dropped input lanes are cut
+  from differentiation (`select_n(live, stop_gradient(x), x)`), since no safe value is known for
+  the user's rule.
+
+One forward walk over the equations does it, carrying the taint along, because a guard cleans
+the taint of what it guards, and a later guard may be a no-op thanks to an earlier one.
+
+Reads: the flattened program, its liveness (`Sweep`) and the taint seeds. Produces: the sites
+(also appended to the report, with the unknown primitives met on the way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set
+
+import numpy as np
+
+from ._atoms import dtype_of, is_float
+from ._bodies import sub_jaxprs
+from ._bounds import Bounds
+from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
+from ._constants import finite_with_derivatives
+from ._dropped import DroppedValues
+from ._liveness import Sweep, operand_kinds
+from ._report import Report, Site, note_failure
+from ._rules import Kind, PrimitiveRule, guard_for, rule_for
+from ._taint import contains_hazard, literal_taints
+
+
+def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report) -> dict[int, Site]:
+    """The guard sites of `closed`, by equation index."""
+    jaxpr = closed.jaxpr
+    sites: dict[int, Site] = {}
+    tainted = set(seeds)
+    dropped = DroppedValues(closed, sites, sweep)
+    bounds = Bounds(jaxpr.eqns, sweep.producer,
+                    {v: c for v, c in zip(jaxpr.constvars, closed.consts, strict=True)
+                     if not isinstance(c, Tracer)})
+    i = 0
+    try:
+        for i, eqn in enumerate(jaxpr.eqns):
+            rule = rule_for(eqn.primitive)
+            if not rule.known:
+                report.unknown.append(eqn)
+            site = _site(i, eqn, rule, sweep, tainted, dropped, bounds)
+            if site is not None:
+                sites[i] = site
+                report.sites.append(site)
+            if _taints_outputs(eqn, rule, tainted, site):
+                tainted.update(o for o in eqn.outvars if is_float(o))
+    except Exception as e:
+        note_failure(e, jaxpr.eqns[i], "guard")
+        raise
+    return sites
+
+
+def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set,
+          dropped: DroppedValues, bounds: Bounds) -> Site | None:
+    out_kinds = [sweep.kind(o) for o in eqn.outvars]
+    has_dropped = any(k == Kind.MAYBE and is_float(o)
+                      for k, o in zip(out_kinds, eqn.outvars, strict=True))
+    if not has_dropped or eqn.effects:
+        return None
+    diff = sweep.diff[i]
+    guarded = [k != Kind.LIVE for k in operand_kinds(eqn, out_kinds, sweep)]
+    replace, reasons = _value_guards(eqn, rule, diff, guarded, tainted, dropped, bounds)
+    if not rule.linear:
+        for k, v in enumerate(eqn.invars):
+            if diff[k] and v in tainted and k not in replace and guarded[k]:
+                replace[k], reasons[k] = 0.0, "may be non-finite"
+    cut: set[int] = set()
+    if rule.custom_rule and any(contains_hazard(sub) for sub in sub_jaxprs(eqn)):
+        # The user's derivative rule may be singular in dropped lanes, and no safe value is
+        # known for it: cut those lanes from differentiation instead.
+        for k in range(len(eqn.invars)):
+            if diff[k] and k not in replace and guarded[k]:
+                cut.add(k)
+                reasons[k] = "custom derivative rule"
+    if not replace and not cut:
+        return None
+    return Site(eqn, replace, reasons, frozenset(cut))
+
+
+def _value_guards(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool], guarded: list[bool],
+                  tainted: set, dropped: DroppedValues,
+                  bounds: Bounds) -> tuple[dict[int, float], dict[int, str]]:
+    """The guard table's safe values for the operands that need them."""
+    replace: dict[int, float] = {}
+    reasons: dict[int, str] = {}
+    guard = guard_for(eqn)
+    if guard is None:
+        return replace, reasons
+    for k, value in guard.safe.items():
+        # a literal operand (`x / 0.`) passes no tangent, but its value does
+        hazard_operand = k < len(eqn.invars) and (
+            diff[k] or isinstance(eqn.invars[k], Literal) and is_float(eqn.invars[k]))
+        if not hazard_operand or not guarded[k]:
+            continue
+        if dropped.guard_is_noop(eqn, k, guard.safe):
+            continue  # e.g. div(_, exp(guarded x)): exp(0) = 1 there already
+        if _bounded_into_domain(eqn, k, rule, bounds, tainted):
+            continue  # e.g. rsqrt(mean(d ** 2) + 1e-5): in domain for any d
+        replace[k], reasons[k] = value, "table"
+    return replace, reasons
+
+
+def _bounded_into_domain(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bounds,
+                         tainted: set) -> bool:
+    """Whether operand k is, for every finite input, at or above a positive point where `eqn`
+    and its derivative are finite, for a primitive that only gets safer above it."""
+    v = eqn.invars[k]
+    if not rule.decreasing or k != 0 or not isinstance(v, Var) or v in tainted:
+        return False
+    lower = bounds.of(v)
+    if lower is None or lower <= 0:
+        return False
+    point = np.asarray(lower, dtype_of(v))
+    return bool(0 < float(point) <= lower) and finite_with_derivatives(eqn, [point])
+
+
+def _taints_outputs(eqn: JaxprEqn, rule: PrimitiveRule, tainted: set, site: Site | None) -> bool:
+    """Whether `eqn`'s outputs may be non-finite where no guard put it, after its guards."""
+    replaced = site.replace if site is not None else {}
+    if any(isinstance(v, Var) and v in tainted and k not in replaced
+           for k, v in enumerate(eqn.invars)):
+        return True
+    if any(literal_taints(eqn, v) for v in eqn.invars) or not rule.known:
+        return True
+    return rule.has_body and any(contains_hazard(s) for s in sub_jaxprs(eqn))
