@@ -6,12 +6,13 @@ BENCH_ARGS ?=
 STAMP = $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help demo test fuzz bench clean
+.PHONY: help demo test lint fuzz bench clean
 
 help:
 	@echo "Targets:"
 	@echo "  make demo    build $(VENV) and run examples/quickstart.py"
-	@echo "  make test    build $(VENV) and run the test suite (not slow)"
+	@echo "  make test    build $(VENV), run the house checks (make lint) and the test suite (not slow)"
+	@echo "  make lint    ruff and pyright on the package"
 	@echo "  make fuzz    run the slow (property/fuzz) tests"
 	@echo "  make bench   run benchmarks/run.py (BENCH_ARGS=...)"
 	@echo "  make clean   remove $(VENV), build artefacts and caches"
@@ -28,11 +29,16 @@ demo: $(STAMP)
 
 # One pytest worker per CPU (pytest-xdist): the suite is compile-bound and takes about 10
 # minutes on one core. `make fuzz` stays in one process (it writes tests/.fuzz-counts.json).
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest -n auto --dist loadfile -m "not slow" --ignore=tests/test_x64.py
 	if [ -f tests/test_x64.py ]; then \
 		JAX_ENABLE_X64=1 $(PY) -m pytest -n auto -m "not slow" tests/test_x64.py; \
 	fi
+
+# The house checks: ruff (pyproject.toml [tool.ruff]) and pyright on jaxsafe/ ([tool.pyright]).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check jaxsafe tests benchmarks examples docs
+	$(VENV)/bin/pyright --pythonpath $(PY)
 
 fuzz: $(STAMP)
 	$(PY) -m pytest -m slow

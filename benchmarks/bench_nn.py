@@ -120,7 +120,7 @@ def measure(work: dict, repeats: int, warmup: int = 2) -> dict:
         else:
             cand.append(_time(work["candidate"]))
             ref.append(_time(work["reference"]))
-    ratios = [c / r for c, r in zip(cand, ref)]
+    ratios = [c / r for c, r in zip(cand, ref, strict=True)]
     return {"candidate_s": statistics.median(cand), "reference_s": statistics.median(ref),
                 "ratio": statistics.median(cand) / statistics.median(ref),
                 "ratio_min": min(ratios), "ratio_max": max(ratios)}

@@ -35,7 +35,7 @@ def generated_program(n_blocks: int, seed: int = 0) -> Callable:
     consts = rng.uniform(0.1, 0.9, n_blocks).astype(np.float32)
 
     def f(x):
-        for kind, c in zip(kinds, consts):
+        for kind, c in zip(kinds, consts, strict=True):
             c = float(c)
             if kind == 0:
                 x = jnp.where(x > c, jnp.sqrt(x - c), x * c) + 0.5 * jnp.sin(x)

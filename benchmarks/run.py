@@ -155,10 +155,10 @@ def runtime_cells(r: dict) -> list[str]:
 def print_table(head: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(head)]
-    log("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    log("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)))
     log("  ".join("-" * w for w in widths))
     for r in rows:
-        log("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+        log("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
 
 
 def md_table(head: list[str], rows: list[list[str]]) -> str:
@@ -270,7 +270,7 @@ def plots(res: dict, img: Path) -> list[tuple[str, str]]:
         left = min(0.75, 0.9 * min(med))
         fig, ax = plt.subplots(figsize=(8, 0.38 * len(rows) + 1.3))
         ys = list(range(len(rows)))[::-1]
-        for y, m, lo, hi in zip(ys, med, lo_all, hi_all):
+        for y, m, lo, hi in zip(ys, med, lo_all, hi_all, strict=True):
             color = "tab:blue" if target is None else "tab:green" if m <= target else "tab:red"
             ax.plot([max(lo, left), min(hi, right)], [y, y], color=color, lw=1.5, alpha=0.6)
             ax.plot([m], [y], "o", color=color)

@@ -70,7 +70,7 @@ def measure(variants: Mapping[str, Any], *, budget_s: float, min_rounds: int, ma
 
 def ratio_stats(num: Sequence[float], den: Sequence[float]) -> dict:
     """Median, min and max of the per-round ratios num[i] / den[i]."""
-    ratios = [a / b for a, b in zip(num, den)]
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 

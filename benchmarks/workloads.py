@@ -360,7 +360,7 @@ def check(outputs: dict[str, Any]) -> dict:
     finite_ns = all(np.isfinite(a).all() for a in ns)
     finite_hand = all(np.isfinite(a).all() for a in hand)
     err = 0.
-    for a, b in zip(ns, hand):
+    for a, b in zip(ns, hand, strict=True):
         scale = max(float(np.max(np.abs(b), initial=0.)), 1e-30)
         err = max(err, float(np.max(np.abs(a - b), initial=0.)) / scale)
     return {"agree": bool(finite_ns == finite_hand and err < 1e-3), "max_rel_err": err,

@@ -60,7 +60,8 @@ def main() -> None:
     for name, g in grads.items():
         print(f"  {name:24s} {[bool(jnp.isnan(x).any()) for x in g]}")
     same = all(jnp.allclose(a, b, rtol=1e-5, atol=1e-6)
-               for a, b in zip(grads["nan_safe(hand-written)"], grads["jaxsafe.nn"]))
+               for a, b in zip(grads["nan_safe(hand-written)"], grads["jaxsafe.nn"],
+                               strict=True))
     print("\nnan_safe(hand-written) and jaxsafe.nn give the same gradient:", bool(same))
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -54,9 +55,12 @@ def _shift(x_safe: Array, axis: Axis, where: ArrayLike | None) -> Array:
     return lax.expand_dims(row_max, dims)
 
 
+def _axis_tuple(axis: int | Sequence[int]) -> tuple[int, ...]:
+    return tuple(axis) if isinstance(axis, tuple | list) else (cast(int, axis),)
+
+
 def _axes(ndim: int, axis: Axis) -> tuple[int, ...]:
-    axes = tuple(range(ndim)) if axis is None else (
-        tuple(axis) if isinstance(axis, (tuple, list)) else (axis,))
+    axes = tuple(range(ndim)) if axis is None else _axis_tuple(axis)
     if any(not -ndim <= a < ndim for a in axes):
         raise ValueError(f"axis {axis} is out of bounds for an array of dimension {ndim}")
     axes = tuple(sorted(int(a) % ndim for a in axes))
@@ -109,7 +113,8 @@ def softmax(x: ArrayLike, axis: Axis = -1, where: ArrayLike | None = None) -> Ar
 
     **Returns:** an array shaped like `x`.
     """
-    if jax.config.jax_softmax_custom_jvp:  # the same switch as jax.nn.softmax
+    # the same switch as jax.nn.softmax (a config flag the type stubs do not declare)
+    if jax.config.jax_softmax_custom_jvp:  # pyright: ignore[reportAttributeAccessIssue]
         return _softmax_custom_jvp(x, axis, where)
     return _softmax(x, axis, where)
 
@@ -195,13 +200,13 @@ def logsumexp(a: ArrayLike, axis: Axis = None, b: ArrayLike | None = None,
     """
     if where is not None:
         a = jnp.where(where, a, 0)
+    b_arr = None
     if b is not None:
         a_arr, b_arr = _promote_inexact(a, b)
         a_arr = jnp.where(b_arr != 0, a_arr, -jnp.inf)
     else:
         a_arr, = _promote_inexact(a)
-    dims = tuple(range(a_arr.ndim)) if axis is None else (
-        tuple(axis) if isinstance(axis, (tuple, list)) else (axis,))
+    dims = tuple(range(a_arr.ndim)) if axis is None else _axis_tuple(axis)
     amax = jnp.max(a_arr.real, axis=dims, keepdims=keepdims, where=where, initial=-jnp.inf)
     empty = amax == -jnp.inf
     amax = lax.stop_gradient(lax.select(jnp.isfinite(amax), amax, lax.full_like(amax, 0)))
@@ -209,7 +214,7 @@ def logsumexp(a: ArrayLike, axis: Axis = None, b: ArrayLike | None = None,
     amax_with_dims = amax if keepdims else lax.expand_dims(amax, pos_dims)
 
     exp_a = lax.exp(lax.sub(a_arr, amax_with_dims.astype(a_arr.dtype)))
-    if b is not None:
+    if b_arr is not None:
         exp_a = jnp.multiply(exp_a, b_arr)
     sumexp = exp_a.sum(axis=dims, keepdims=keepdims, where=where)
     sign = lax.sign(sumexp)
@@ -328,7 +333,7 @@ def _check(t, shape: Sequence[int], dtype, name: str) -> None:
         raise ValueError(f"{name} ndim should be {len(shape)}, but got {t.ndim}")
     if dtype is not None and t.dtype != dtype:
         raise ValueError(f"{name} dtype should be {dtype}, but got {t.dtype}")
-    if any(s != -1 and ts != s for s, ts in zip(shape, t.shape)):
+    if any(s != -1 and ts != s for s, ts in zip(shape, t.shape, strict=True)):
         raise ValueError(f"{name} shape should be {shape}: but got {t.shape}")
 
 

@@ -144,7 +144,7 @@ def shape_of(node, env: dict) -> str:
     if k == "col":
         return "R"
     if k == "reduce":
-        src, axis = shape_of(node[3], env), node[2]
+        axis = node[2]
         return "S" if axis is None else ("V" if axis == 0 else "R")
     if k == "dot":
         return {("M", "V"): "R", ("V", "V"): "S", ("R", "M"): "V"}[
@@ -580,7 +580,7 @@ class _Emitter:
             return self.let(f"jnp.isnan({self.ev(p[1], names)})", "p")
         raise ValueError(p)
 
-    def sub(self, env: dict) -> "_Emitter":
+    def sub(self, env: dict) -> _Emitter:
         e = _Emitter(self.counter, self.indent + 1, env)
         e.events = self.events
         return e
@@ -760,7 +760,7 @@ class _Emitter:
         cms = self.child_masks(node, env2, m)
         kid_maybe = maybe or k in DROPS
         res = []
-        for i, (c, cm) in enumerate(zip(kids, cms)):
+        for i, (c, cm) in enumerate(zip(kids, cms, strict=False)):
             t = tested or (k == "swhere" and node[1] == "isnan" and i == 0)
             res.append(self.tw(c, env2, cm, kid_maybe, t))
         gs = [r[0] for r in res]
@@ -778,7 +778,7 @@ class _Emitter:
         table = maybe and k in ("haz", "div")
         site = table or any(zeroed)
         cleaned = [z or (table and (k == "haz" or i == 1)) for i, z in enumerate(zeroed)]
-        tainted = tested or any(t and not c for t, c in zip(taints, cleaned))
+        tainted = tested or any(t and not c for t, c in zip(taints, cleaned, strict=False))
         # a value without dropped lanes is bitwise the original: never "changed"
         out_changed = maybe and (changed or site)
 

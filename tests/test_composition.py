@@ -4,10 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_bitwise, assert_close, assert_finite
 
 from jaxsafe import nan_safe
-
-from helpers import assert_bitwise, assert_close, assert_finite
 
 
 def f(x):

@@ -3,12 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from helpers import assert_bitwise, assert_close
 from jax import lax
 
 import jaxsafe
 from jaxsafe import nan_safe
-
-from helpers import assert_bitwise, assert_close, assert_finite
 
 P = jax.extend.core.primitives
 XS = jnp.array([-1., 0., 0.25, 4.])

@@ -4,12 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_bitwise, assert_close, assert_finite
 from jax import lax
 
 import jaxsafe
 from jaxsafe import nan_safe
-
-from helpers import assert_bitwise, assert_close, assert_finite
 
 
 def issue_19089(x, pre_filter=False):
@@ -273,8 +272,8 @@ def test_guard_needed_only_by_an_unused_scan_output_is_not_planned():
     assert str(jaxsafe.make_jaxpr(f)(*args)) == str(jax.make_jaxpr(f)(*args))
 
 
-# --------------------------------------------------------------------------- guards that cannot matter
-# jaxsafe/_signs.py: an operand bounded below, for every finite input, by a point where the
+# ------------------------------------------------------------------------ guards that cannot matter
+# jaxsafe/_bounds.py: an operand bounded below, for every finite input, by a point where the
 # primitive and its derivative are finite needs no guard (a layer norm's rsqrt).
 
 def _layer_norm_rows(x, keep, eps):
@@ -349,7 +348,7 @@ def test_a_sum_that_reads_live_lanes_keeps_its_guard():
     np.testing.assert_array_equal(jax.grad(nan_safe(f))(x, False), jnp.exp(x))
 
 
-# --------------------------------------------------------------------------- literal and scalar operands
+# ---------------------------------------------------------------------- literal and scalar operands
 # A guard on a literal that the op broadcasts (`x / 0.`) is applied lane by lane, at the output's
 # shape: the dropped lanes get the safe value, the live ones keep the literal.
 
@@ -370,7 +369,8 @@ def test_scalar_denominator_keeps_its_shape(s):
     value, _ = jax.value_and_grad(nan_safe(f), (0, 1))(x, s)
     assert_bitwise(value, jax.jit(f)(x, s))
     x = -jnp.ones(3)  # every lane dropped: s is guarded
-    for got, want in zip(jax.grad(nan_safe(f), (0, 1))(x, s), (jnp.zeros(3), 0.)):
+    for got, want in zip(jax.grad(nan_safe(f), (0, 1))(x, s), (jnp.zeros(3), 0.),
+                         strict=True):
         np.testing.assert_array_equal(got, want)
 
 

@@ -188,7 +188,7 @@ _values = st.tuples(*[st.lists(st.booleans(), min_size=n, max_size=n).map(
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(_sym, _sym, _values)
 def test_symbolic_not_and_disjoint_by_brute_force(a, b, vals):
-    values = {key: v for (key, _), v in zip(KEYS, vals)}
+    values = {key: v for (key, _), v in zip(KEYS, vals, strict=False)}
     a, b = S.sym_or(S.FALSE, a), S.sym_or(S.FALSE, b)
     not_a = S.sym_not(a)
     if not_a is not None:
@@ -200,14 +200,14 @@ def test_symbolic_not_and_disjoint_by_brute_force(a, b, vals):
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(_sym, _values)
 def test_symbolic_move_is_an_or_over_the_removed_axis(a, vals):
-    values = {key: v for (key, _), v in zip(KEYS, vals)}
+    values = {key: v for (key, _), v in zip(KEYS, vals, strict=False)}
     a = S.sym_or(S.FALSE, a)
     full = _evaluate(a, values)
     moved = S.move(a, {0: 0})  # keep axis 0, OR over axis 1
     # literals on axis 1 become unknowns: with each unknown true, the move is a superset of
     # the OR; literals that avoid axis 1 carry over exactly
     unknowns = {lit[0] for term in moved for lit in term if isinstance(lit[0], S.Unknown)}
-    as_true = S.sym_or(S.FALSE, frozenset(frozenset(l for l in t if l[0] not in unknowns)
+    as_true = S.sym_or(S.FALSE, frozenset(frozenset(lit for lit in t if lit[0] not in unknowns)
                                           for t in moved))
     assert (_evaluate(as_true, values, (2, 1))[:, 0] >= full.any(axis=1)).all()
     if not unknowns:

@@ -33,16 +33,16 @@ import os
 import platform
 import time
 
+import fuzzgen as G
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_bitwise, assert_close
 from hypothesis import HealthCheck, given, note, reject, seed, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-import fuzzgen as G
 import jaxsafe
-from helpers import assert_bitwise, assert_close
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FUZZ_DB = os.path.join(HERE, ".hypothesis-fuzz")
@@ -149,7 +149,8 @@ def derivatives(fn, args):
 def _note_program(program, args):
     note(f"natural:\n{G.emit(program)}")
     note(f"twin:\n{G.emit(program, guarded=True)}")
-    note("args = " + ", ".join(f"{a}={np.asarray(v).tolist()!r}" for a, v in zip(G.ARGS, args)))
+    note("args = " + ", ".join(f"{a}={np.asarray(v).tolist()!r}" for a, v in zip(G.ARGS, args,
+                                                                             strict=False)))
 
 
 def _nan(tree):

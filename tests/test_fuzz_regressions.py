@@ -13,14 +13,12 @@ two bugs below were fixed in 1260ac0.
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
+from helpers import assert_bitwise
 from jax import lax
+from test_fuzz import compare_to_twin
 
 import jaxsafe
 from jaxsafe import nan_safe
-
-from helpers import assert_bitwise
-from test_fuzz import compare_to_twin
 
 f32 = np.float32
 M0 = np.zeros((3, 4), f32)
@@ -31,7 +29,7 @@ def _check(f, twin, args):
     compare_to_twin(f, twin, args)
 
 
-# --------------------------------------------------------------------------- maxmin-replaced-operand
+# -------------------------------------------------------------------------- maxmin-replaced-operand
 # A value that the program tests with isnan is "possibly non-finite", and so is everything it is
 # computed from. jaxsafe replaced such an operand by 0 in the lanes a max/min/clip drops (the
 # losing side), but re-decided the max/min on the original values only when an operand was

@@ -4,12 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_bitwise
 from jax import lax
 
 import jaxsafe
 from jaxsafe import nan_safe
-
-from helpers import assert_bitwise, assert_close
 
 SAFE_SQRT = lambda x: jnp.where(x > 0, jnp.sqrt(x), 0.)
 
@@ -134,7 +133,7 @@ def test_a_chain_of_200_jits_and_scans_in_sequence():
 
 def _long_program(n_eqns):
     def f(x):
-        for i in range(n_eqns // 6):
+        for _ in range(n_eqns // 6):
             x = jnp.where(x > 0, jnp.sqrt(x), x * 0.5) + jnp.sin(x)
         return x
     return f

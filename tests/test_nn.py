@@ -374,7 +374,7 @@ def only(f, args, argnums):
     """`f` as a function of `args[i] for i in argnums`, the other arguments fixed."""
     def g(*a):
         full = list(args)
-        for i, x in zip(argnums, a):
+        for i, x in zip(argnums, a, strict=True):
             full[i] = x
         return f(*full)
     return g

@@ -1,4 +1,4 @@
-"""Transparency: `nan_safe` on 150+ plain JAX functions changes no value, and fixes `where` gradients.
+"""Transparency: `nan_safe` on 150+ plain JAX functions changes no value, fixes `where` gradients.
 
 Part 1, plain API functions (`transparency_cases.CASES`: jax.numpy, jax.lax, jax.nn,
 jax.scipy.special; elementwise, binary on a grid of edge-value pairs, reductions, cumulative ops,
@@ -23,9 +23,10 @@ Part 2, each unary float op behind `jnp.where(x > 0, op(x), x)` (`transparency_c
 the nan_safe gradient is finite on the dropped side and wherever the taken branch's derivative is
 finite, not finite where that derivative is not (real singularities stay), and equals the
 gradient of the hand-written double where (itself checked to give the dropped side exactly the
-derivative of the `x` branch); the forward value is bit for bit `jax.jit`'s. Arguments are assumed finite (how-it-works.md,
-limitations): at -inf and NaN, an op that is not NaN-prone on finite numbers (sin, tanh, ...) is
-not guarded, and there nan_safe is only checked to be no worse than plain JAX.
+derivative of the `x` branch); the forward value is bit for bit `jax.jit`'s. Arguments are
+assumed finite (how-it-works.md, limitations): at -inf and NaN, an op that is not NaN-prone on
+finite numbers (sin, tanh, ...) is not guarded, and there nan_safe is only checked to be no
+worse than plain JAX.
 
 Cost. Compiling is what costs, so the cases of one (check, kind, dtype) run as ONE function
 `F(xs) = [f_1(*xs[0]), f_2(*xs[1]), ...]`, each case with its own copy of the inputs (its outputs,
@@ -164,7 +165,7 @@ def _tol(dtype) -> float:
     return 8 * float(jnp.finfo(dtype).eps)
 
 
-# --------------------------------------------------------------------------- computed once per group
+# -------------------------------------------------------------------------- computed once per group
 
 @functools.cache
 def _args(kind, dtype):
@@ -244,8 +245,9 @@ def _cotangent_weights(leaf):
 
 def _loss(fn):
     def loss(*args):
-        leaves = [l for l in jax.tree.leaves(fn(*args)) if _is_float(l)]
-        return sum(jnp.sum(l * _cotangent_weights(l)).astype(jnp.float32) for l in leaves)
+        leaves = [leaf for leaf in jax.tree.leaves(fn(*args)) if _is_float(leaf)]
+        return sum(jnp.sum(leaf * _cotangent_weights(leaf)).astype(jnp.float32)
+                   for leaf in leaves)
     return loss
 
 
@@ -395,7 +397,7 @@ def test_every_function_runs_in_every_dtype_of_the_session_it_supports():
     assert set(ROTATION) == set(BY_ID)
     assert all(dt in BY_ID[cid].dtypes for cid, dt in ROTATION.items())
     assert set(ROTATION.values()) == set(ALL)
-    assert ROTATED <= set(PAIRS) and {dt for _, dt in ROTATED} == set(DTYPES)
+    assert set(PAIRS) >= ROTATED and {dt for _, dt in ROTATED} == set(DTYPES)
     assert set(FIXED_BY_INTERNAL_SELECTION) <= {cid for cid, _ in GRAD_PAIRS}
 
 
@@ -442,7 +444,7 @@ if UNSUPPORTED:  # every case runs in float64: none in the x64 session
         assert isinstance(error, (TypeError, ValueError, NotImplementedError)), repr(error)
 
 
-# --------------------------------------------------------------------------- part 2: op behind a where
+# ------------------------------------------------------------------------ part 2: op behind a where
 
 # Unary cases of part 1 that part 2 does not wrap in a where.
 NOT_WRAPPED = {

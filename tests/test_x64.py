@@ -7,13 +7,19 @@ and warnings are errors).
 
 import jax.numpy as jnp
 import pytest
-
-from test_guard_table import (CASES, CASE_IDS, SECOND_ORDER, check_case_uses_its_primitive,
-                              check_forward_is_bitwise, check_gradient_matches_twin,
-                              check_plain_gradient_is_broken, check_second_order_matches_twin)
+from test_guard_table import (
+    CASE_IDS,
+    CASES,
+    SECOND_ORDER,
+    check_case_uses_its_primitive,
+    check_forward_is_bitwise,
+    check_gradient_matches_twin,
+    check_plain_gradient_is_broken,
+    check_second_order_matches_twin,
+)
 
 # The float64 half of test_transparency.py (its DTYPES is ("float64",) in this session).
-from test_transparency import *
+from test_transparency import *  # noqa: F403  (pytest collects the imported tests)
 
 F64 = jnp.float64
 cases = pytest.mark.parametrize("case", CASES, ids=CASE_IDS)

@@ -311,7 +311,7 @@ CASES: list[Case] = [
 ]
 
 
-# --------------------------------------------------------------------------- unary ops behind a where
+# ------------------------------------------------------------------------- unary ops behind a where
 
 @dataclasses.dataclass(frozen=True)
 class Wrapped:
