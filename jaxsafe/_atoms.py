@@ -27,10 +27,16 @@ def dtype_of(atom: Any) -> Any:
 def is_float(atom: Any) -> bool:
     """Whether an atom (or a value) is floating point or complex: what carries a derivative."""
     dtype = dtype_of(atom) if hasattr(atom, "aval") else np.result_type(atom)
-    try:
-        return bool(jnp.issubdtype(dtype, jnp.inexact))
-    except TypeError:  # extended dtypes (PRNG keys, float0)
-        return False
+    inexact = _INEXACT.get(dtype)
+    if inexact is None:
+        try:
+            inexact = _INEXACT[dtype] = bool(jnp.issubdtype(dtype, jnp.inexact))
+        except TypeError:  # extended dtypes (PRNG keys, float0)
+            inexact = False
+    return inexact
+
+
+_INEXACT: dict[Any, bool] = {}  # dtype -> is_float: asked for every atom of every equation
 
 
 def literal_value(atom: Literal) -> Any:

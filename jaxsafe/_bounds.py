@@ -15,14 +15,15 @@ included: a product of two non-negative values has none (0 * inf is NaN).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from typing import Any
 
 import numpy as np
 
 from ._atoms import dtype_of
-from ._compat import JaxprEqn, Literal, Var
+from ._compat import JaxprEqn, Literal
 from ._rules import BoundRule, rule_for
-from ._walk import postorder
+from ._walk import demand
 
 Bound = float | None  # every value is >= the bound; None: nothing known
 
@@ -113,7 +114,7 @@ class Bounds:
         value = self._constant(atom)
         if value is not None:
             return constant_bound(value)
-        return postorder(atom, self.memo, self._inputs, self._bound)
+        return demand(atom, self.memo, self._bound)
 
     def _rule(self, v) -> tuple[JaxprEqn, BoundRule] | None:
         i = self.producer.get(v)
@@ -122,18 +123,14 @@ class Bounds:
         rule = rule_for(self.eqns[i].primitive).bound
         return None if rule is None else (self.eqns[i], rule)
 
-    def _inputs(self, v) -> list:
-        found = self._rule(v)
-        if found is None:
-            return []
-        return [u for u in found[0].invars if isinstance(u, Var) and self._constant(u) is None]
-
-    def _bound(self, v) -> Bound:
+    def _bound(self, v) -> Generator[Any, Bound, Bound]:
+        """The rule `demand` runs: yields each operand whose bound it needs."""
         found = self._rule(v)
         if found is None:
             return None
         eqn, rule = found
         consts = [self._constant(u) for u in eqn.invars]
-        bounds = [constant_bound(c) if c is not None else self.memo[u]
-                  for u, c in zip(eqn.invars, consts, strict=True)]
+        bounds: list[Bound] = []
+        for u, c in zip(eqn.invars, consts, strict=True):
+            bounds.append(constant_bound(c) if c is not None else (yield u))
         return rule(eqn, bounds, consts)

@@ -7,7 +7,7 @@ no-op: the guard pass leaves it out, and XLA keeps folding the constant.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,7 @@ from ._liveness import Sweep
 from ._report import Site
 from ._rules import alignment, rule_for
 from ._symbolic import backward_mapping, forward_mapping, implies, move
-from ._walk import postorder
+from ._walk import demand
 
 Known = tuple[np.ndarray, bool] | None
 """(value, is_constant): the value a variable holds in its dropped lanes (everywhere, when it
@@ -60,7 +60,7 @@ class DroppedValues:
         """What `atom` holds in its dropped lanes."""
         if isinstance(atom, Literal):
             return np.asarray(literal_value(atom)), True
-        return postorder(atom, self.memo, self._inputs, self._compute)
+        return demand(atom, self.memo, self._compute)
 
     # -- the walk ---------------------------------------------------------------------------
 
@@ -73,27 +73,15 @@ class DroppedValues:
         return (len(eqn.outvars) == 1 and not eqn.effects and rule_for(eqn.primitive).elementwise
                 and not (site is not None and site.cut))
 
-    def _inputs(self, v: Any) -> list:
-        """The variables `v`'s known value is computed from."""
-        found = self._producer(v)
-        if found is None:
-            return []
-        i, eqn = found
-        if self._moves_scalar(eqn):
-            return [u for u in eqn.invars[:1] if isinstance(u, Var)]
-        if not self._elementwise(i, eqn):
-            return []
-        site = self.sites.get(i)
-        return [u for k, u in enumerate(eqn.invars)
-                if isinstance(u, Var) and not (site is not None and k in site.replace)]
-
-    def _compute(self, v: Any) -> Known:
+    def _compute(self, v: Any) -> Generator[Any, Known, Known]:
+        """The rule `demand` runs: yields each operand it needs, receives what it holds."""
         found = self._producer(v)
         if found is None:
             return None
         i, eqn = found
         if self._moves_scalar(eqn):
-            return self._moved_scalar(eqn)
+            u = eqn.invars[0]
+            return self._moved_scalar(eqn, self.get(u) if isinstance(u, Literal) else (yield u))
         if not self._elementwise(i, eqn):
             return None
         site = self.sites.get(i)
@@ -103,7 +91,7 @@ class DroppedValues:
                 vals.append(np.asarray(site.replace[k], dtype_of(u)))
                 constant = False
                 continue
-            known = self.get(u)
+            known = self.get(u) if isinstance(u, Literal) else (yield u)
             if known is None:
                 return None
             if not known[1]:  # known in dropped lanes only: v's must read only those
@@ -120,9 +108,8 @@ class DroppedValues:
         return (rule_for(eqn.primitive).scalar_move is not None and len(eqn.outvars) == 1
                 and not eqn.effects)
 
-    def _moved_scalar(self, eqn: JaxprEqn) -> Known:
+    def _moved_scalar(self, eqn: JaxprEqn, known: Known) -> Known:
         """A value that holds one scalar in its dropped lanes (or everywhere), moved."""
-        known = self.get(eqn.invars[0])
         if known is None or np.ndim(known[0]) != 0:
             return None
         if not known[1] and not self.reads_dropped(eqn, 0):

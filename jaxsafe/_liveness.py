@@ -25,7 +25,7 @@ primal provably never reads are dropped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,7 @@ from ._masks import any_of, broadcast, reduce_any, register_broadcast, zeros
 from ._report import note_failure
 from ._rules import Kind, Mask, rule_for
 from ._symbolic import FALSE, TRUE, Sym, opaque, sym_or
-from ._walk import postorder
+from ._walk import demand
 
 
 def differentiable_operands(eqn: JaxprEqn, structural: bool = False) -> list[bool]:
@@ -236,7 +236,7 @@ class Sweep:
                     found.update(eqn.outvars)
         if atom not in self._from_literals:
             return None
-        return postorder(atom, self._constants, self._constant_inputs, self._fold)
+        return demand(atom, self._constants, self._fold)
 
     def inner_masks(self, closed: ClosedJaxpr, invals: Sequence[Any],
                     out_masks: Sequence[Mask], structural: bool) -> list[Mask]:
@@ -265,18 +265,17 @@ class Sweep:
             return None
         return eqn
 
-    def _constant_inputs(self, v: Any) -> list:
-        eqn = self._foldable(v)
-        return [] if eqn is None else [u for u in eqn.invars if isinstance(u, Var)]
-
-    def _fold(self, v: Any) -> Any:
+    def _fold(self, v: Any) -> Generator[Any, Any, Any]:
+        """The rule `demand` runs: yields each operand whose value it needs."""
         eqn = self._foldable(v)
         if eqn is None:
             return None
-        args = [self._constants[u] if isinstance(u, Var) else np.asarray(literal_value(u))
-                for u in eqn.invars]
-        if any(a is None for a in args):
-            return None
+        args = []
+        for u in eqn.invars:
+            value = (yield u) if isinstance(u, Var) else np.asarray(literal_value(u))
+            if value is None:
+                return None
+            args.append(value)
         return fold(eqn, args)[0]
 
     # -- kinds and masks ----------------------------------------------------------------------

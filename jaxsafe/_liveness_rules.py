@@ -44,7 +44,7 @@ from ._masks import (
     within,
     zeros,
 )
-from ._rules import Context, Kind, Mask, alignment, rule_for
+from ._rules import Context, Kind, Mask, rule_for
 from ._symbolic import (
     FALSE,
     Sym,
@@ -460,12 +460,15 @@ def _aligned(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context,
         return None
     out = out_syms[0]
     identity = list(range(len(shape_of(eqn.outvars[0]))))
+    align_rule = rule_for(eqn.primitive).align
+    if align_rule is None:
+        return None
     syms: list[Sym] = []
     for k, v in enumerate(eqn.invars):
         if isinstance(v, Literal):  # carries no liveness
             syms.append(FALSE)
             continue
-        align = alignment(eqn, k)
+        align = align_rule(eqn, k)
         if align is None:
             return None
         sym = out if align == identity else move(out, backward_mapping(align))

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from ._atoms import dtype_of, is_float, shape_of
+from ._collector import fewer_collections
 from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, dce, source_summary, trace_to_jaxpr
 from ._decisions import plan_decisions
 from ._emit import emit
@@ -42,7 +43,8 @@ from ._taint import nonfinite_seeds
 
 def rewrite_with_report(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, Report]:
     """Rewrite `closed`; returns it unchanged (the same object) when nothing needs a guard."""
-    return _rewrite(closed, Sweeps())
+    with fewer_collections():
+        return _rewrite(closed, Sweeps())
 
 
 def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps) -> tuple[ClosedJaxpr, Report]:
