@@ -4,11 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_bitwise, assert_close, assert_finite
+from helpers import assert_bitwise, assert_close, assert_finite, structure
 from jax import lax
 
 import jaxsafe
 from jaxsafe import nan_safe
+
+P = jax.extend.core.primitives
 
 
 def issue_19089(x, pre_filter=False):
@@ -153,13 +155,12 @@ def test_nothing_to_guard_is_the_original_program():
         orig = jax.make_jaxpr(f)(*args)
         new = jaxsafe.make_jaxpr(f)(*args)
         assert [e.primitive for e in new.eqns] == [e.primitive for e in orig.eqns]
-        assert new.jaxpr is orig.jaxpr or str(new) == str(orig)
+        assert structure(new) == structure(orig)
 
 
 def test_rewrite_is_the_double_where():
     new = jaxsafe.make_jaxpr(lambda x: jnp.where(x > 0, jnp.sqrt(x), 0.))(1.)
     prims = [e.primitive for e in new.eqns]
-    P = jax.extend.core.primitives
     assert prims.count(P.select_n_p) == 2 and prims.count(P.sqrt_p) == 1
 
 
@@ -214,7 +215,7 @@ def test_logsumexp_isfinite_test_does_not_taint_the_program():
     reduction), so it reads the sum of exp(0) = 1, three lanes: log(3)."""
     f = lambda w, x: jnp.sum(jnp.where(x > 0, (w * x) * jax.nn.logsumexp(x), 0.))
     _, report = jaxsafe.nan_safe(f).trace(1., jnp.ones(3))
-    assert sorted(site.eqn.primitive.name for site in report.sites) == ["exp"]
+    assert [site.eqn.primitive for site in report.sites] == [P.exp_p]
     assert all(reason == "table" for site in report.sites for reason in site.reasons.values())
 
 
@@ -235,7 +236,7 @@ def test_constant_true_predicate_changes_nothing(pred):
         p = jnp.full((), 0.) >= 0. if pred == "computed" else pred
         return jnp.where(p, jnp.sqrt(x), 0.)
     x = jnp.array([-1., 0., 4.])
-    assert str(jaxsafe.make_jaxpr(f)(x)) == str(jax.make_jaxpr(f)(x))
+    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
     assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
 
 
@@ -269,7 +270,7 @@ def test_guard_needed_only_by_an_unused_scan_output_is_not_planned():
         return lax.scan(body, x, m)[0]
     args = (jnp.full(4, 2.), jnp.ones((3, 4)))
     assert np.isfinite(jax.grad(lambda x, m: f(x, m).sum())(*args)).all()
-    assert str(jaxsafe.make_jaxpr(f)(*args)) == str(jax.make_jaxpr(f)(*args))
+    assert structure(jaxsafe.make_jaxpr(f)(*args)) == structure(jax.make_jaxpr(f)(*args))
 
 
 # ------------------------------------------------------------------------ guards that cannot matter
@@ -286,7 +287,7 @@ def test_layer_norm_rsqrt_is_not_guarded():
     f = lambda x, keep: _layer_norm_rows(x, keep, 1e-5)
     x = jnp.array([[1., 2., 4.], [3., 3., 3.]])   # row 1: variance 0
     keep = jnp.array([[True], [False]])
-    assert str(jaxsafe.make_jaxpr(f)(x, keep)) == str(jax.make_jaxpr(f)(x, keep))
+    assert structure(jaxsafe.make_jaxpr(f)(x, keep)) == structure(jax.make_jaxpr(f)(x, keep))
     assert_finite(jax.grad(f)(x, keep))            # plain JAX is fine already
 
 
@@ -329,7 +330,7 @@ def test_softmax_row_sums_over_dropped_rows_are_not_guarded():
     mask = jnp.array([[True, False, True], [False, False, False]])
     s, v = jnp.array([[1., 2., 3.], [4., 5., 6.]]), jnp.array([[1., -1.], [2., 0.], [0., 3.]])
     _, report = jaxsafe.nan_safe(_masked_attention_rows).trace(s, v, mask)
-    assert [site.eqn.primitive.name for site in report.sites] == ["exp"]  # as the hand fix
+    assert [site.eqn.primitive for site in report.sites] == [P.exp_p]  # as the hand fix
     assert np.isnan(jax.grad(_masked_attention_rows, 1)(s, v, mask)).any()
     got = jax.grad(nan_safe(_masked_attention_rows), (0, 1))(s, v, mask)
     assert_close(got, jax.grad(_masked_attention_rows, (0, 1))(s, v, mask, hand=True))
@@ -344,7 +345,7 @@ def test_a_sum_that_reads_live_lanes_keeps_its_guard():
     x = jnp.array([-200., -300.])
     assert np.isnan(jax.grad(f)(x, False)).any()
     _, report = jaxsafe.nan_safe(f).trace(x, False)
-    assert [site.eqn.primitive.name for site in report.sites] == ["div"]
+    assert [site.eqn.primitive for site in report.sites] == [P.div_p]
     np.testing.assert_array_equal(jax.grad(nan_safe(f))(x, False), jnp.exp(x))
 
 
@@ -377,4 +378,4 @@ def test_scalar_denominator_keeps_its_shape(s):
 def test_in_domain_literal_is_not_guarded():
     f = lambda x: jnp.where(x > 0, x / 2., 0.)
     x = jnp.array([-1., 2.])
-    assert str(jaxsafe.make_jaxpr(f)(x)) == str(jax.make_jaxpr(f)(x))
+    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))

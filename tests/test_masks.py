@@ -14,6 +14,8 @@ import jaxsafe
 from jaxsafe import _masks as M
 from jaxsafe import nan_safe
 
+P = jax.extend.core.primitives
+Primitive = jax.extend.core.Primitive
 SHAPE = (2, 3, 4)
 RNG = np.random.default_rng(0)
 
@@ -194,11 +196,11 @@ def test_split_columns_reduce_part_by_part():
     np.testing.assert_array_equal(g[0][~rows], 0.)
 
 
-def _bool_ops_of_shape(closed, shape) -> list[str]:
+def _bool_ops_of_shape(closed, shape) -> list[Primitive]:
     """Boolean equations at `shape` other than broadcasts (which XLA fuses into their select)."""
-    return [e.primitive.name for e in closed.jaxpr.eqns for o in e.outvars
+    return [e.primitive for e in closed.jaxpr.eqns for o in e.outvars
             if o.aval.dtype == jnp.bool_ and tuple(o.aval.shape) == shape
-            and e.primitive.name != "broadcast_in_dim"]
+            and e.primitive is not P.broadcast_in_dim_p]
 
 
 def test_row_masks_of_attention_stay_at_row_size():

@@ -54,7 +54,7 @@ import jax.scipy.linalg as jsl
 import jax.scipy.special as sp
 import numpy as np
 import pytest
-from helpers import assert_bitwise, assert_close
+from helpers import assert_bitwise, assert_close, structure
 from jax import lax, nn
 from transparency_cases import ALL, CASES, WRAPPED, batched, inputs
 
@@ -269,8 +269,8 @@ def _eager(cid, dtype):
 @functools.cache
 def _traced(cid, dtype):
     fn, args = BY_ID[cid].fn, _args(BY_ID[cid].kind, dtype)
-    return (str(jaxsafe.make_jaxpr(fn)(*args)),
-            str(jaxsafe.make_jaxpr(lambda *a: fn(*a))(*args)))
+    return (structure(jaxsafe.make_jaxpr(fn)(*args)),
+            structure(jaxsafe.make_jaxpr(lambda *a: fn(*a))(*args)))
 
 
 @_per_case(WPAIRS, kind_of=lambda wid: "unary")
