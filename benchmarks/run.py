@@ -3,7 +3,9 @@
     make bench                       # the full run: prints the table, writes docs/benchmarks.md,
                                      # docs/img/*.png and benchmarks/out/results.json
     make bench BENCH_ARGS=--quick    # small sizes and few rounds: a smoke run (< 1 minute)
+    make bench BENCH_ARGS="--base REV"   # also the rewrite's cost against commit REV
     .venv/bin/python benchmarks/run.py [--quick] [--out DIR] [--only NAME] [--note TEXT]
+                                       [--skip SECTIONS] [--base REV]
 
 Every row is timed under `jax.jit`: each variant is lowered and compiled first (compile time is
 measured there), run once to check it against the others, warmed up, then run for R rounds, each
@@ -12,7 +14,8 @@ and the ratio nan_safe / hand computed per round (median, and min-max over the r
 
 `--out DIR` puts results.json, benchmarks.md and img/*.png in DIR (default benchmarks/out, or
 benchmarks/out/quick with --quick; git ignores both), so that a run on another machine can be
-collected. A full run also writes
+collected. `--base REV` adds a section "Against REV": REV's rewrite against the current tree's, in
+the same run (benchmarks/compare.py). A full run also writes
 docs/benchmarks.md and docs/img/ (not with --quick or --no-docs, so smoke runs leave the published
 figures alone; --docs forces it).
 """
@@ -27,6 +30,7 @@ import platform
 import random
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 import traceback
@@ -38,6 +42,7 @@ for _p in (str(ROOT), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import compare
 import cost
 import jax
 import jaxlib
@@ -58,7 +63,19 @@ class Config:
         self.compile_rounds = 1 if quick else 7  # one compile varies by 10-30% here: 7 rounds
         # generated program sizes (equations) and the repeats at each size
         self.scaling = [(200, 2), (1000, 2), (2000, 1)] if quick else \
-            [(1000, 5), (10000, 3), (50000, 2)]
+            [(1000, 5), (10000, 3), (50000, 2), (100000, 2)]
+        # deep chains: steps (two equations each) and repeats
+        self.chain = [(100, 2), (300, 2), (1000, 1)] if quick else \
+            [(1000, 5), (5000, 3), (10000, 2)]
+        # the collector during the rewrite: (family, size), rounds
+        self.collector = [(cost.GENERATED, 2000), (cost.CHAIN, 1000)] if quick else \
+            [(cost.GENERATED, 50000), (cost.CHAIN, 10000)]
+        self.collector_rounds = 3 if quick else 5
+        # --base REV: sizes (generated: equations, chain: steps), seconds per measurement, rounds
+        self.base_generated = [200, 1000, 2000] if quick else [1000, 10000, 50000]
+        self.base_chain = [1000, 10000]
+        self.base_budget_s = 0.5 if quick else 2.0
+        self.base_rounds = (3, 3) if quick else (5, 11)
         self.dispatch_rounds = 5 if quick else 15
         self.dispatch_calls = 100 if quick else 400
 
@@ -224,17 +241,27 @@ def targets(res: dict) -> list[dict]:
     sc = res["scaling"]
     if sc:
         worst = max(sc, key=lambda r: r["ratio"]["median"])
-        out.append({"target": f"rewrite time <= {TARGETS['rewrite']}x make_jaxpr",
+        out.append({"target": f"rewrite time <= {TARGETS['rewrite']}x make_jaxpr (generated "
+                              "programs)",
                     "met": worst["ratio"]["median"] <= TARGETS["rewrite"],
                     "figure": ", ".join(f"{r['ratio']['median']:.2f}x at {r['eqns']} eqns"
                                         for r in sc)})
-        slope = res["scaling_slope"]
+    ch = res["chain"]
+    if ch:
+        out.append({"target": "deep chains: rewrite time / make_jaxpr (reported, no target)",
+                    "met": None,
+                    "figure": ", ".join(f"{r['ratio']['median']:.2f}x at {r['eqns']} eqns"
+                                        for r in ch)})
+    for rows, slope, family in ((sc, res["scaling_slope"], "generated programs"),
+                                (ch, res["chain_slope"], "deep chains")):
+        if not rows:
+            continue
         # Linear means: it grows as tracing itself does. make_jaxpr is linear, yet its measured
         # slope is above 1 on a busy machine (memory and GC costs grow with the heap), so the
         # rewrite's slope is compared with it, measured in the same run; quadratic would be 2.
         limit = min(slope["trace"] + TARGETS["slope_over_trace"], TARGETS["slope"])
-        out.append({"target": f"rewrite time linear in program size (log-log slope within "
-                              f"{TARGETS['slope_over_trace']} of make_jaxpr's and <= "
+        out.append({"target": f"rewrite time linear in program size, {family} (log-log slope "
+                              f"within {TARGETS['slope_over_trace']} of make_jaxpr's and <= "
                               f"{TARGETS['slope']})",
                     "met": slope["rewrite"] <= limit,
                     "figure": f"slope {slope['rewrite']:.2f} (make_jaxpr: "
@@ -307,19 +334,25 @@ def plots(res: dict, img: Path) -> list[tuple[str, str]]:
                "Run time: jaxsafe.nn / jax.nn", None, "nn_ratio.png",
                "jaxsafe.nn relative to jax.nn")
 
-    sc = res["scaling"]
-    if sc:
+    sc, ch = res["scaling"], res["chain"]
+    if sc or ch:
         import numpy as np
-        n = np.array([r["eqns"] for r in sc], float)
-        fig, ax = plt.subplots(figsize=(6, 4.2))
-        for key, label, color in (("trace_s", "jax.make_jaxpr", "tab:blue"),
-                                  ("rewrite_s", "jaxsafe rewrite", "tab:orange")):
-            t = np.array([r[key] for r in sc])
-            slope = cost.loglog_slope(n, t)
-            ax.loglog(n, t, "o-", color=color, label=f"{label} (slope {slope:.2f})")
-        ref = np.array([r["trace_s"] for r in sc])
-        ax.loglog(n, TARGETS["rewrite"] * ref, ":", color="gray",
-                  label=f"{TARGETS['rewrite']}x make_jaxpr")
+        fig, ax = plt.subplots(figsize=(6.4, 4.6))
+        for rows, family, style in ((sc, "generated", "o-"), (ch, "deep chain", "s--")):
+            if not rows:
+                continue
+            n = np.array([r["eqns"] for r in rows], float)
+            for key, label, color in (("trace_s", "jax.make_jaxpr", "tab:blue"),
+                                      ("rewrite_s", "jaxsafe rewrite", "tab:orange")):
+                t = np.array([r[key] for r in rows])
+                slope = cost.loglog_slope(n, t)
+                ax.loglog(n, t, style, color=color,
+                          label=f"{label}, {family} (slope {slope:.2f})")
+        if sc:
+            n = np.array([r["eqns"] for r in sc], float)
+            ref = np.array([r["trace_s"] for r in sc])
+            ax.loglog(n, TARGETS["rewrite"] * ref, ":", color="gray",
+                      label=f"{TARGETS['rewrite']}x make_jaxpr (generated)")
         ax.set_xlabel("equations in the program")
         ax.set_ylabel("seconds")
         ax.set_title("Rewrite time against trace time", fontsize=10)
@@ -396,22 +429,8 @@ def markdown(res: dict, images: list[tuple[str, str]]) -> str:
                    "compile time over the original program's, per round."), "",
                   md_table(head, rows), ""]
         lines += [f"![{alt}]({path})" for alt, path in images if "compile" in path] + [""]
-    if res["scaling"]:
-        sl = res["scaling_slope"]
-        head = ["equations", "after rewrite", "guards", "make_jaxpr s", "rewrite s",
-                "rewrite/make_jaxpr", "min-max"]
-        rows = [[str(r["eqns"]), str(r["eqns_rewritten"]), str(r["guards"]),
-                 f"{r['trace_s']:.3f}", f"{r['rewrite_s']:.3f}", *fmt_ratio(r["ratio"])]
-                for r in res["scaling"]]
-        lines += ["### Rewrite time against trace time", "",
-                  ("Generated chains of elementwise blocks (a third of them a hazard under a "
-                   "`where`); equations counted with the inner jaxprs of `jnp.where`. The rewrite "
-                   "(`jaxsafe._rewrite.rewrite_with_report`: inlining, liveness, emission, DCE) "
-                   "is timed against `jax.make_jaxpr(f)` on the same program, interleaved."), "",
-                  md_table(head, rows), "",
-                  (f"Log-log slope: rewrite {sl['rewrite']:.2f}, make_jaxpr {sl['trace']:.2f} "
-                   "(1 is linear, 2 quadratic)."), ""]
-        lines += [f"![{alt}]({path})" for alt, path in images if "scaling" in path] + [""]
+    lines += scaling_markdown(res, images)
+    lines += collector_markdown(res["collector"])
     if res["dispatch"]:
         head = ["case", "nan_safe us/call", "jax.jit us/call", "ratio", "min-max"]
         rows = [[r["case"], f"{r['nan_safe_us']:.1f}", f"{r['jit_us']:.1f}",
@@ -420,17 +439,120 @@ def markdown(res: dict, images: list[tuple[str, str]]) -> str:
                   ("Microseconds per call on `f32[8]`, cached, each call blocked on "
                    f"({res['dispatch'][0]['calls']} calls per round, "
                    f"{res['dispatch'][0]['rounds']} rounds)."), "", md_table(head, rows), ""]
+    lines += against_markdown(res["against"])
     lines += ["## Targets", ""]
     if res["quick"]:
         lines += [("*Quick run: sizes are scaled down, so these verdicts are not the published "
                    "ones.*"), ""]
     lines += [md_table(["target", "met", "measured"],
-                       [[t["target"], "met" if t["met"] else "**not met**", t["figure"]]
+                       [[t["target"], verdict(t["met"], "met", "**not met**"), t["figure"]]
                         for t in res["targets"]]), ""]
     analysis = HERE / "analysis.md"  # written by hand: why a target is missed, what was done
     if analysis.exists() and not res["quick"]:
         lines += [analysis.read_text().rstrip(), ""]
     return "\n".join(lines)
+
+
+def verdict(met: bool | None, yes: str, no: str) -> str:
+    return "reported" if met is None else yes if met else no
+
+
+SCALING_HEAD = ["equations", "after rewrite", "guards", "make_jaxpr s", "rewrite s",
+                "rewrite/make_jaxpr", "min-max"]
+
+
+def scaling_cells(r: dict) -> list[str]:
+    first = [str(r["eqns"])] if "steps" not in r else [str(r["steps"]), str(r["eqns"])]
+    return [*first, str(r["eqns_rewritten"]), str(r["guards"]), f"{r['trace_s']:.3f}",
+            f"{r['rewrite_s']:.3f}", *fmt_ratio(r["ratio"])]
+
+
+def scaling_markdown(res: dict, images: list[tuple[str, str]]) -> list[str]:
+    if not (res["scaling"] or res["chain"]):
+        return []
+    lines = ["### Rewrite time against trace time", "",
+             ("The rewrite (`jaxsafe._rewrite.rewrite_with_report`: inlining, liveness, "
+              "emission, DCE) is timed against `jax.make_jaxpr(f)` on the same program, "
+              "interleaved (medians over the repeats; the ratio per repeat). Each timed call "
+              "starts after a full collection and ends with a young one (`gc.collect(0)`), so "
+              "the collections that the rewrite's raised thresholds put off are counted "
+              "against it. Equations are counted with the inner jaxprs of `jnp.where`."), ""]
+    if res["scaling"]:
+        sl = res["scaling_slope"]
+        lines += [("**Generated programs**: chains of elementwise blocks, a third of them a "
+                   "hazard under a `where`."), "",
+                  md_table(SCALING_HEAD, [scaling_cells(r) for r in res["scaling"]]), "",
+                  (f"Log-log slope: rewrite {sl['rewrite']:.2f}, make_jaxpr {sl['trace']:.2f} "
+                   "(1 is linear, 2 quadratic)."), ""]
+    if res["chain"]:
+        sl = res["chain_slope"]
+        lines += [("**Deep chains**: an unrolled explicit-Euler-like loop on a float32 scalar, "
+                   "`y = jnp.sqrt(x)`, then N steps of `y = y * 1.0001 + 0.5`, then "
+                   "`jnp.where(x > 0, jnp.log(y), 0.)`: one guard, and every value depends on "
+                   "the one before, so the dataflow is as deep as the program is long. Its "
+                   "ratio is reported, with no target (the 2x target is judged on the generated "
+                   "programs); its slope is judged as theirs."), "",
+                  md_table(["steps", *SCALING_HEAD], [scaling_cells(r) for r in res["chain"]]),
+                  "",
+                  (f"Log-log slope: rewrite {sl['rewrite']:.2f}, make_jaxpr {sl['trace']:.2f}."),
+                  ""]
+    lines += [f"![{alt}]({path})" for alt, path in images if "scaling" in path] + [""]
+    return lines
+
+
+COLLECTOR_HEAD = ["program", "equations", "scoped thresholds s", "collector as is s",
+                  "scoped/as is", "min-max", "collections scoped", "collections as is",
+                  "rounds"]
+
+
+def collector_cells(r: dict) -> list[str]:
+    size = f"{r['size']} steps" if r["family"] == cost.CHAIN else f"{r['size']} eqns (target)"
+    return [f"{r['family']}, {size}", str(r["eqns"]), f"{r['median_s']['scoped']:.3f}",
+            f"{r['median_s']['as_is']:.3f}", *fmt_ratio(r["ratio"]),
+            cost.fmt_collections(r["collections"]["scoped"]),
+            cost.fmt_collections(r["collections"]["as_is"]), str(r["rounds"])]
+
+
+def collector_markdown(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    thresholds = ", ".join(map(str, rows[0]["thresholds"]))
+    return ["### Collector during the rewrite", "",
+            ("The rewrite with jaxsafe's scoped collector thresholds (`rewrite_with_report`, "
+             "which raises them for its duration: jaxsafe/_collector.py) against the same "
+             "rewrite with the collector left as it is (thresholds "
+             f"{thresholds}; `jaxsafe._rewrite._rewrite(closed, Sweeps())`, which skips the "
+             "context manager), in interleaved rounds (shuffled order), timed as above (the "
+             "young collection put off to the end is counted). Collections: automatic ones "
+             "during the call, generations 0/1/2, medians."), "",
+            md_table(COLLECTOR_HEAD, [collector_cells(r) for r in rows]), ""]
+
+
+def against_markdown(ag: dict | None) -> list[str]:
+    if not ag:
+        return []
+    current = f"the working tree at {ag['head']}" + (
+        " with uncommitted changes to jaxsafe/" if ag["dirty"] else "")
+    rows = ag["rows"]
+    same = [r for r in rows if r["same_program"]]
+    return [f"## Against {ag['rev']}", "",
+            (f"The base is `{ag['rev']}` ({ag['sha']}), checked out in a temporary git "
+             f"worktree; the current tree is {current}. Each tree's jaxsafe runs in its own "
+             "worker process (benchmarks/compare_child.py, `PYTHONPATH` at that tree) on the "
+             "same programs and workloads (this tree's benchmarks/). Per measurement, both "
+             "prepare it (trace, one warm-up run), then run it in alternating rounds (base, "
+             "current; the first swapped every round); current/base is the ratio per round "
+             "(median, min-max). *rewrite* rows time `rewrite_with_report` of the traced "
+             "program (generated programs of the scaling rows, same seeds; deep chains); "
+             "*trace+rewrite* rows time `jax.jit(fn).lower(*args)` of a fresh nan_safe "
+             "variant of each runtime workload, as the compile rows do. *same program*: the "
+             "rewritten jaxpr's text (rewrite rows) or the lowered module's text "
+             "(trace+rewrite rows) hash the same in both trees (each hashed twice per tree, at "
+             "warm-up and in the last round); the same program means that run time and compile "
+             "time cannot differ. A tree whose rewrite raises is shown as *fails*."), "",
+            md_table(compare.HEAD, [compare.row_cells(r) for r in rows]), "",
+            (f"{len(same)} of {len(rows)} measurements emit the same program in both trees; "
+             f"the comparison took {ag['wall_s']:.0f} s."), ""]
 
 
 def fmt_load(load) -> str:
@@ -454,15 +576,23 @@ def main(argv=None) -> int:
                         help="run only the workloads whose name contains this (skips the "
                              "other sections)")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: "
-                        "runtime, nn, scaling, dispatch")
+                        "runtime, nn, scaling, collector, dispatch")
+    parser.add_argument("--base", default=None, metavar="REV",
+                        help="also compare the rewrite's cost with commit REV, in the same run "
+                             "(a temporary git worktree; section 'Against REV')")
     parser.add_argument("--note", default=None, help="a note printed in the report header")
     parser.add_argument("--seed", type=int, default=0)
     opts = parser.parse_args(argv)
     cfg = Config(opts.quick)
     skip = set(filter(None, opts.skip.split(",")))
     if opts.only:
-        skip |= {"nn", "scaling", "dispatch"}
+        skip |= {"nn", "scaling", "collector", "dispatch"}
     write_docs = (not opts.quick) if opts.docs is None else opts.docs
+    if opts.base:
+        try:   # fail now, not after the other sections
+            compare.git("rev-parse", "--verify", f"{opts.base}^{{commit}}")
+        except subprocess.CalledProcessError:
+            parser.error(f"--base {opts.base}: not a commit of this repository")
     if opts.only and opts.docs is None:
         write_docs = False
 
@@ -472,7 +602,7 @@ def main(argv=None) -> int:
     env = environment(cmd)
     res = {"quick": opts.quick, "note": opts.note, "env": env, "targets_def": TARGETS,
            "runtime": [], "nn": [], "nn_note": None, "scaling": [], "scaling_slope": None,
-           "dispatch": []}
+           "chain": [], "chain_slope": None, "collector": [], "dispatch": [], "against": None}
     log(f"jax {env['jax']} / jaxlib {env['jaxlib']}, {env['device_kind']} ({env['platform']}), "
         f"{env['cpu_count']} CPUs, load {fmt_load(env['load_avg_start'])}"
         + (", QUICK" if opts.quick else ""))
@@ -500,16 +630,33 @@ def main(argv=None) -> int:
         res["nn"], res["nn_note"] = run_nn(cfg, opts.seed + 1000)
     if "scaling" not in skip:
         log("\n== rewrite time vs make_jaxpr ==")
-        res["scaling"] = cost.rewrite_scaling(cfg.scaling, log=log)
-        n = [r["eqns"] for r in res["scaling"]]
-        res["scaling_slope"] = {
-            "rewrite": cost.loglog_slope(n, [r["rewrite_s"] for r in res["scaling"]]),
-            "trace": cost.loglog_slope(n, [r["trace_s"] for r in res["scaling"]])}
-        log(f"  log-log slope: rewrite {res['scaling_slope']['rewrite']:.2f}, "
-            f"make_jaxpr {res['scaling_slope']['trace']:.2f}")
+        for key, family, sizes in (("scaling", cost.GENERATED, cfg.scaling),
+                                   ("chain", cost.CHAIN, cfg.chain)):
+            res[key] = cost.rewrite_scaling(sizes, family, log=log)
+            slope = res[f"{key}_slope"] = cost.scaling_slope(res[key])
+            log(f"  {family}: log-log slope: rewrite {slope['rewrite']:.2f}, "
+                f"make_jaxpr {slope['trace']:.2f}")
+    if "collector" not in skip:
+        log("\n== collector during the rewrite: scoped thresholds vs as is ==")
+        res["collector"] = cost.collector_cost(cfg.collector, cfg.collector_rounds,
+                                               seed=opts.seed, log=log)
     if "dispatch" not in skip:
         log("\n== cached-call overhead ==")
         res["dispatch"] = cost.dispatch(cfg.dispatch_rounds, cfg.dispatch_calls, log=log)
+    if opts.base:
+        log(f"\n== against {opts.base}: current/base ==")
+        try:
+            res["against"] = compare.against(
+                opts.base, opts.quick, cfg.base_generated, cfg.base_chain, cfg.base_budget_s,
+                *cfg.base_rounds, log=log)
+        except Exception:  # noqa: BLE001 - report it, keep the other sections' results
+            failures += 1
+            log(f"  FAILED: the comparison with {opts.base}\n{traceback.format_exc()}")
+        else:
+            failed = [r["label"] for r in res["against"]["rows"] if r["current"]["error"]]
+            failures += len(failed)
+            log(f"  {res['against']['wall_s']:.0f} s"
+                + (f"; the current tree fails: {', '.join(failed)}" if failed else ""))
 
     res["targets"] = targets(res)
     env["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
@@ -534,9 +681,21 @@ def main(argv=None) -> int:
     if res["nn"]:
         log("")
         print_table(NN_HEAD, [nn_cells(r) for r in res["nn"]])
+    if res["scaling"]:
+        log("\nrewrite time vs make_jaxpr, generated programs")
+        print_table(SCALING_HEAD, [scaling_cells(r) for r in res["scaling"]])
+    if res["chain"]:
+        log("\nrewrite time vs make_jaxpr, deep chains")
+        print_table(["steps", *SCALING_HEAD], [scaling_cells(r) for r in res["chain"]])
+    if res["collector"]:
+        log("\ncollector during the rewrite")
+        print_table(COLLECTOR_HEAD, [collector_cells(r) for r in res["collector"]])
+    if res["against"]:
+        log(f"\nagainst {res['against']['rev']} ({res['against']['sha']})")
+        print_table(compare.HEAD, [compare.row_cells(r) for r in res["against"]["rows"]])
     log("")
     for t in res["targets"]:
-        log(f"  [{'met' if t['met'] else 'NOT MET'}] {t['target']}: {t['figure']}")
+        log(f"  [{verdict(t['met'], 'met', 'NOT MET')}] {t['target']}: {t['figure']}")
     log(f"\nwrote {out / 'results.json'}, {out / 'benchmarks.md'}"
         + (", docs/benchmarks.md, docs/img/" if write_docs else "")
         + f"; total {res['wall_s']:.0f} s")
