@@ -28,13 +28,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from ._walk import demand
 
 Mask = jax.Array | None
 """A boolean array of the value's shape, or None for "every lane live"."""
@@ -277,10 +279,32 @@ def not_mask(mask) -> jax.Array:
 
 
 def reduce_any(mask, axes: Sequence[int], keepdims: bool = False) -> jax.Array:
-    """Any-reduction along `axes`: on the core's own axes only, the others are dropped."""
+    """Any-reduction along `axes`: on the core's own axes only, the others are dropped. A
+    concatenation along a reduced axis is the or of its parts' reductions (parts of parts too,
+    walked without recursion: a program can split a value again and again)."""
     axes = tuple(sorted({int(a) for a in axes}))
     if not axes:
         return mask
+    by_id = {id(mask): mask}  # keeps every part alive while its id is a key
+
+    def rule(key: int) -> Generator[int, jax.Array, jax.Array]:
+        m = by_id[key]
+        fact = _fact(m)
+        if fact is None or fact.parts is None or fact.concat_axis not in axes or \
+                known_false(m) or any(_shape(m)[a] == 0 for a in axes):
+            return _reduce_core(m, axes, keepdims)
+        reduced = []
+        for part in fact.parts:
+            by_id[id(part)] = part
+            reduced.append((yield id(part)))
+        out = any_of(reduced)
+        assert out is not None  # the parts are arrays
+        return out
+
+    return demand(id(mask), {}, rule)
+
+
+def _reduce_core(mask, axes: tuple[int, ...], keepdims: bool) -> jax.Array:
     shape = _shape(mask)
     kept_axes = [a for a in range(len(shape)) if a not in axes]
     if keepdims:
@@ -291,11 +315,6 @@ def reduce_any(mask, axes: Sequence[int], keepdims: bool = False) -> jax.Array:
         place = {a: i for i, a in enumerate(kept_axes)}
     if known_false(mask) or any(shape[a] == 0 for a in axes):
         return zeros(out_shape)
-    fact = _fact(mask)
-    if fact is not None and fact.parts is not None and fact.concat_axis in axes:
-        out = any_of([reduce_any(p, axes, keepdims) for p in fact.parts])
-        assert out is not None  # the parts are arrays
-        return out
     core, core_axes = factor(mask)
     inside = tuple(i for i, a in enumerate(core_axes) if a in axes)
     if inside:
