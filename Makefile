@@ -11,7 +11,7 @@ STAMP = $(VENV)/.installed
 help:
 	@echo "Targets:"
 	@echo "  make demo    build $(VENV) and run examples/quickstart.py"
-	@echo "  make test    build $(VENV), run the house checks (make lint) and the test suite (not slow)"
+	@echo "  make test    build $(VENV), run the house checks (make lint), the test suite (not slow) and the docs examples"
 	@echo "  make lint    ruff and pyright on the package"
 	@echo "  make fuzz    run the slow (property/fuzz) tests"
 	@echo "  make bench   run benchmarks/run.py (BENCH_ARGS=...)"
@@ -34,6 +34,7 @@ test: lint
 	if [ -f tests/test_x64.py ]; then \
 		JAX_ENABLE_X64=1 $(PY) -m pytest -n auto -m "not slow" tests/test_x64.py; \
 	fi
+	$(PY) docs/check_examples.py
 
 # The house checks: ruff (pyproject.toml [tool.ruff]) and pyright on jaxsafe/ ([tool.pyright]).
 lint: $(STAMP)

@@ -16,6 +16,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FILES = ["README.md", "docs/index.md", "docs/how-it-works.md", "docs/api.md", "docs/nn.md"]
@@ -43,9 +44,11 @@ def main(update: bool) -> int:
             continue
         text = path.read_text()
         pieces, last = [], 0
-        for m in BLOCK.finditer(text):
+        blocks = list(BLOCK.finditer(text))
+        with ThreadPoolExecutor(os.cpu_count()) as pool:  # each block is its own process
+            outputs = list(pool.map(run, [m.group(1) for m in blocks]))
+        for m, actual in zip(blocks, outputs, strict=True):
             code, expected = m.group(1), m.group(3)
-            actual = run(code)
             if expected is None:
                 if actual:
                     print(f"{name}: a block without a ```text block printed:\n{actual}")

@@ -1,0 +1,335 @@
+"""The rewrite's architecture: iterative passes, one table of primitive facts, no global state.
+
+- Deep programs: a 10,000-step unrolled chain (about 20,000 equations) and a program of 100,000
+  equations rewrite at the default recursion limit, and the rewritten program does not depend on
+  the interpreter's stack (the same structure at recursion limits 1,000 and 20,000).
+- The table: only jaxsafe/_primitives.py names particular primitives; every row is consistent;
+  `register_guard` describes a user primitive in one row.
+- Failures inside a pass name the pass, the equation and the user's source line.
+- No global side effects: the collector is never off and the user's thresholds come back; no
+  jaxpr outlives its rewrite.
+"""
+
+import ast
+import gc
+import pathlib
+import sys
+import threading
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_bitwise, assert_close, structure
+from jax.interpreters import ad, mlir
+
+import jaxsafe
+from jaxsafe import _collector, _rules
+from jaxsafe._compat import ClosedJaxpr
+from jaxsafe._rewrite import assert_same_signature, rewrite_with_report
+
+P = jax.extend.core.primitives
+PACKAGE = pathlib.Path(jaxsafe.__file__).parent
+
+
+def euler(steps: int):
+    """The issue's integrator: a hazard, `steps` unrolled steps, a `where`-guarded log."""
+    def f(x):
+        y = jnp.sqrt(x)
+        for _ in range(steps):
+            y = y * 1.0001 + .5
+        return jnp.where(x > 0, jnp.log(y), 0.)
+    return f
+
+
+def euler_hand(steps: int):
+    """The same integrator with the double where written by hand."""
+    def f(x):
+        y = jnp.sqrt(jnp.where(x > 0, x, 1.))
+        for _ in range(steps):
+            y = y * 1.0001 + .5
+        return jnp.where(x > 0, jnp.log(y), 0.)
+    return f
+
+
+class recursion_limit:
+    def __init__(self, limit: int):
+        self.limit = limit
+
+    def __enter__(self):
+        self.saved = sys.getrecursionlimit()
+        sys.setrecursionlimit(self.limit)
+
+    def __exit__(self, *exc):
+        sys.setrecursionlimit(self.saved)
+
+
+# --------------------------------------------------------------------------- deep programs
+
+@pytest.mark.no_leak_check
+def test_an_unrolled_chain_of_300_steps_has_the_hand_fix_gradient():
+    """The issue's example: `jax.grad(nan_safe(f))` raised RecursionError at 300 steps."""
+    f, hand = euler(300), euler_hand(300)
+    xs = jnp.array([-1., 0., 0.5, 2.])
+    g = jax.jit(jax.vmap(jax.grad(jaxsafe.nan_safe(f))))(xs)
+    assert_close(g, jax.jit(jax.vmap(jax.grad(hand)))(xs))
+    assert np.isnan(jax.jit(jax.vmap(jax.grad(f)))(xs)).any()  # the bug it fixes
+    assert_bitwise(jaxsafe.nan_safe(f)(xs), jax.jit(f)(xs))
+
+
+@pytest.mark.no_leak_check
+def test_a_chain_of_10000_steps_rewrites_the_same_at_recursion_limits_1000_and_20000():
+    f = euler(10_000)
+    with recursion_limit(1_000):
+        closed = jax.make_jaxpr(f)(2.)
+        low, low_report = rewrite_with_report(closed)
+    with recursion_limit(20_000):
+        high, high_report = rewrite_with_report(closed)
+    assert len(closed.jaxpr.eqns) > 20_000
+    assert structure(low) == structure(high)
+    # the hand fix: the sqrt's operand is guarded; the log's is known to be in its domain
+    assert [s.eqn.primitive for s in low_report.sites] == [P.sqrt_p]
+    assert [s.eqn.primitive for s in high_report.sites] == [P.sqrt_p]
+    selects = [e for e in low.jaxpr.eqns if e.primitive is P.select_n_p]
+    assert len(selects) == 2  # the guard and the program's own where
+
+
+@pytest.mark.no_leak_check
+def test_a_program_of_100000_equations_rewrites_at_the_default_recursion_limit():
+    def f(x):
+        for _ in range(20_000):
+            x = jnp.where(x > .5, jnp.sqrt(x), x * .5) + .25
+        return x
+
+    with recursion_limit(1_000):
+        closed = jax.make_jaxpr(f)(jnp.ones(3))
+        flat_eqns = sum(1 + sum(len(getattr(p, "jaxpr", p).eqns) for p in e.params.values()
+                                if hasattr(getattr(p, "jaxpr", p), "eqns"))
+                        for e in closed.jaxpr.eqns)
+        new, report = rewrite_with_report(closed)
+    assert flat_eqns >= 100_000
+    assert len(report.sites) == 20_000
+    assert all(s.eqn.primitive is P.sqrt_p for s in report.sites)
+    assert sum(e.primitive is P.sqrt_p for e in new.jaxpr.eqns) == 20_000
+
+
+# --------------------------------------------------------------------------- the table
+
+def _named_primitives(path: pathlib.Path) -> list[str]:
+    """`<module>.<name>_p` attribute reads in a module's code (docstrings and comments aside)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr.endswith("_p"):
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_table_names_particular_primitives():
+    """No pass, rule or helper tests for a particular primitive: each primitive's facts are in
+    its row (jaxsafe/_primitives.py). jaxsafe/nn.py builds programs, it does not analyse them."""
+    offenders = [hit for path in sorted(PACKAGE.glob("*.py"))
+                 if path.name not in ("_primitives.py", "nn.py")
+                 for hit in _named_primitives(path)]
+    assert offenders == []
+
+
+def _self_calls(path: pathlib.Path) -> list[str]:
+    """Functions that call themselves by name (`f(...)` or `self.f(...)`)."""
+    found = []
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            direct = isinstance(f, ast.Name) and f.id == fn.name
+            method = (isinstance(f, ast.Attribute) and f.attr == fn.name
+                      and isinstance(f.value, ast.Name) and f.value.id == "self")
+            if direct or method:
+                found.append(f"{path.name}:{fn.name}")
+    return found
+
+
+def test_no_analysis_function_recurses_except_into_nested_bodies():
+    """Recursion depth may grow with the nesting of bodies (a scan in a cond in a checkpoint),
+    never with the length of a program: walks over producers go through `_walk.demand`."""
+    recursive = sorted({hit for path in sorted(PACKAGE.glob("*.py")) for hit in _self_calls(path)})
+    assert recursive == ["_explain.py:format_report", "_rewrite.py:_rewrite_param"]
+
+
+def test_every_row_is_consistent():
+    for prim, rule in _rules.RULES.items():
+        where = f"{prim}: {rule}"
+        if rule.static is not None or rule.align is not None:
+            assert rule.masks is not None, where  # a static rule has its run-time twin
+        if rule.selection is not None:
+            assert rule.drops(None) and rule.masks is not None and rule.linear, where
+        if rule.masked_body is not None:
+            assert rule.nested_params, where
+        if rule.kinds is not None:
+            assert rule.masks is not None and rule.align is None, where
+        if rule.decreasing:
+            assert rule.guard is not None and 0 in rule.guard.safe, where
+        if rule.elementwise:
+            assert rule.align is not None and rule.static is not None, where
+        assert rule.known, where
+        for k in rule.no_derivative:
+            assert isinstance(k, int) and k >= 0, where
+
+
+def test_a_primitive_without_a_row_takes_the_explicit_default():
+    foreign = jax.extend.core.Primitive("jaxsafe_test_foreign")
+    assert _rules.rule_for(foreign) is _rules.UNKNOWN
+    assert not _rules.UNKNOWN.known and _rules.UNKNOWN.masks is None
+    assert _rules.rule_for(P.sort_p) is _rules.CONSERVATIVE  # JAX's own: known, no facts
+    assert _rules.CONSERVATIVE.known and _rules.CONSERVATIVE.guard is None
+
+
+def _user_sqrt(name: str):
+    prim = jax.extend.core.Primitive(name)
+    prim.def_impl(lambda x: jnp.sqrt(x))
+    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+    mlir.register_lowering(prim, mlir.lower_fun(jnp.sqrt, multiple_results=False))
+    ad.defjvp(prim, lambda t, x: t * 0.5 / prim.bind(x))
+    return prim
+
+
+@pytest.fixture
+def table():
+    """The rows as shipped, put back after the test."""
+    saved = dict(_rules.RULES)
+    yield _rules.RULES
+    _rules.RULES.clear()
+    _rules.RULES.update(saved)
+
+
+def test_register_guard_describes_a_user_primitive_in_one_row(table):
+    prim = _user_sqrt("jaxsafe_test_user_sqrt")
+    f = lambda x: jnp.where(x > 0, prim.bind(x), 0.)
+    assert "unknown primitive jaxsafe_test_user_sqrt" in jaxsafe.explain(f)(1.)
+    jaxsafe.register_guard(prim, 1.0)
+    row = table[prim]
+    assert row.guard is not None and dict(row.guard.safe) == {0: 1.0}
+    assert row.elementwise and row.known and not row.foldable  # not run on the host to plan
+    assert "guarded jaxsafe_test_user_sqrt" in jaxsafe.explain(f)(1.)
+    assert jax.grad(jaxsafe.nan_safe(f))(0.) == 0.
+
+
+def test_register_guard_on_a_known_primitive_changes_its_guard_and_keeps_its_other_facts(table):
+    before = table[P.sqrt_p]
+    jaxsafe.register_guard(P.sqrt_p, {0: 4.0})
+    after = table[P.sqrt_p]
+    assert dict(after.guard.safe) == {0: 4.0}
+    assert (after.masks, after.bound, after.decreasing, after.align) == (
+        before.masks, before.bound, before.decreasing, before.align)
+
+
+# --------------------------------------------------------------------------- failures
+
+def test_a_failure_inside_a_pass_names_the_pass_the_equation_and_the_source_line(table):
+    prim = _user_sqrt("jaxsafe_test_failing_rule")
+
+    def broken_static_rule(eqn, out_syms, ctx):
+        raise RuntimeError("a rule that fails")
+
+    _rules.register(prim, masks=lambda *a: [None], static=broken_static_rule)
+    f = lambda x: jnp.where(x > 0, prim.bind(x), 0.)  # the line the note must name
+    with pytest.raises(RuntimeError, match="a rule that fails") as info:
+        jaxsafe.make_jaxpr(f)(1.)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "liveness pass" in notes and "jaxsafe_test_failing_rule" in notes
+    assert "test_architecture.py" in notes and "bug in jaxsafe" in notes
+
+
+def test_a_rewritten_body_that_changed_its_signature_is_an_assertion_naming_the_equation():
+    closed = jax.make_jaxpr(lambda x: jax.lax.scan(lambda c, x: (c + x, x), 0., x))(
+        jnp.ones(3))
+    eqn = next(e for e in closed.jaxpr.eqns if e.primitive is P.scan_p)
+    body = eqn.params["jaxpr"]
+    other = jax.make_jaxpr(lambda c, x: (c + x, x))(jnp.ones(2), 1.)
+    assert_same_signature(eqn, body, body)
+    with pytest.raises(AssertionError, match="scan .*changed its signature"):
+        assert_same_signature(eqn, body, other)
+
+
+# --------------------------------------------------------------------------- global state
+
+def _guarded(x):
+    return jnp.where(x > 0, jnp.sqrt(x), 0.)
+
+
+def test_the_collector_stays_on_with_fewer_collections_and_the_user_thresholds_come_back(table):
+    seen, fail = [], []
+    prim = _user_sqrt("jaxsafe_test_collector_probe")
+
+    def probe(eqn, out_syms, ctx):  # runs inside the rewrite's liveness pass
+        seen.append((gc.isenabled(), gc.get_threshold()))
+        if fail:
+            raise RuntimeError("probe")
+        return [out_syms[0]]
+
+    _rules.register(prim, masks=lambda eqn, outs, invals, ctx: [outs[0]], static=probe,
+                    align=lambda eqn, k: [])
+    user = (555, 7, 9)
+    saved = gc.get_threshold()
+    gc.set_threshold(*user)
+    try:
+        closed = jax.make_jaxpr(lambda x: _guarded(prim.bind(x)))(1.)
+        rewrite_with_report(closed)
+        assert seen and all(enabled and threshold == _collector.THRESHOLDS
+                            for enabled, threshold in seen)
+        assert gc.get_threshold() == user and gc.isenabled()
+        fail.append(True)
+        with pytest.raises(RuntimeError, match="probe"):  # an error restores them too
+            rewrite_with_report(closed)
+        fail.clear()
+        assert gc.get_threshold() == user
+        gc.disable()  # a user who turned collection off is left alone
+        seen.clear()
+        rewrite_with_report(closed)
+        assert seen and all(not enabled and threshold == user for enabled, threshold in seen)
+    finally:
+        gc.enable()
+        gc.set_threshold(*saved)
+
+
+def test_concurrent_rewrites_leave_the_user_thresholds():
+    saved = gc.get_threshold()
+    closed = jax.make_jaxpr(euler(200))(2.)
+    errors = []
+
+    def work():
+        try:
+            for _ in range(3):
+                rewrite_with_report(closed)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and gc.get_threshold() == saved
+
+
+def test_no_jaxpr_outlives_its_rewrite():
+    """Nothing in jaxsafe keeps a rewritten program, its sweeps or its masks alive (no cache
+    keyed by id() outlives the rewrite)."""
+    closed = jax.make_jaxpr(lambda x: jnp.where(x > 0, jnp.sqrt(jnp.cos(x) * x), 0.))(
+        jnp.ones(3))
+    new, report = rewrite_with_report(closed)
+    assert report.changed
+    refs = [weakref.ref(closed.jaxpr), weakref.ref(new.jaxpr)]
+    del closed, new, report
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+
+def test_an_unchanged_program_is_returned_as_it_is():
+    closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2.)(1.)
+    new, report = rewrite_with_report(closed)
+    assert new is closed and not report.changed
+    assert isinstance(new, ClosedJaxpr)
