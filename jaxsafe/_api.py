@@ -54,6 +54,61 @@ def _normalize_static(fun: Callable, static_argnums, static_argnames, who: str):
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex, Tracer)
 
+FiniteArgs = bool | int | Sequence[int] | Any
+"""`True`/`False`, argument positions, or a pytree prefix of booleans over the positional
+arguments."""
+
+
+def _check_finite_args(finite_args: Any, who: str) -> Any:
+    """Validate `finite_args` once, when the function is wrapped; returns its normal form: a
+    bool, a frozenset of positions, or a tuple prefix of booleans."""
+    if isinstance(finite_args, bool | np.bool_):
+        return bool(finite_args)
+    if isinstance(finite_args, int):
+        return frozenset({finite_args})
+    leaves = jax.tree_util.tree_leaves(finite_args)
+    if isinstance(finite_args, list | tuple) and finite_args and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in finite_args):
+        return frozenset(finite_args)
+    if isinstance(finite_args, list | tuple) and all(isinstance(x, bool) for x in leaves):
+        return tuple(finite_args)
+    raise TypeError(
+        f"{who}: `finite_args` must be True, False, an argument position, a sequence of "
+        f"positions, or a tuple with one boolean (or a pytree of booleans) per positional "
+        f"argument; got {finite_args!r}.")
+
+
+def _finite_leaves(finite_args: Any, args: tuple, static_nums: set[int], kwargs: dict,
+                   who: str) -> list[bool]:
+    """One flag per leaf of the dynamic arguments, in `tree_flatten((dyn_args, kwargs))` order:
+    whether the caller promised it finite. Keyword arguments are finite only with True."""
+    n_kw = len(jax.tree_util.tree_leaves(kwargs))
+    if isinstance(finite_args, bool):
+        n = len(jax.tree_util.tree_leaves(
+            tuple(a for i, a in enumerate(args) if i not in static_nums)))
+        return [finite_args] * (n + n_kw)
+    flags: list[bool] = []
+    for i, arg in enumerate(args):
+        if i in static_nums:
+            continue
+        count = len(jax.tree_util.tree_leaves(arg))
+        if isinstance(finite_args, frozenset):
+            flags.extend([i in finite_args or i - len(args) in finite_args] * count)
+        elif i >= len(finite_args):
+            flags.extend([False] * count)
+        else:
+            try:
+                marked = jax.tree_util.tree_map(
+                    lambda flag, sub: [flag] * len(jax.tree_util.tree_leaves(sub)),
+                    finite_args[i], arg)
+            except ValueError as e:
+                raise ValueError(
+                    f"{who}: `finite_args[{i}]` ({finite_args[i]!r}) is not a pytree prefix of "
+                    f"positional argument {i}: {e}. Give one boolean for the whole argument, "
+                    f"or a pytree of booleans with the argument's structure.") from None
+            flags.extend(jax.tree_util.tree_leaves(marked))
+    return flags + [False] * n_kw
+
 
 def _check_leaf(leaf: Any, where: str, who: str) -> None:
     if isinstance(leaf, _ARRAY_TYPES):
@@ -123,8 +178,9 @@ class NanSafeFunction:
     """`fun` with its dropped lanes made safe to differentiate; see `nan_safe`."""
 
     def __init__(self, fun: Callable, static_argnums, static_argnames, use_jit: bool,
-                 cache_size: int):
+                 cache_size: int, finite_args: Any = False):
         self._fun = fun
+        self._finite_args = _check_finite_args(finite_args, "nan_safe")
         self._static_argnums, self._static_argnames = _normalize_static(
             fun, static_argnums, static_argnames, "nan_safe")
         self._use_jit = bool(use_jit)
@@ -196,7 +252,9 @@ class NanSafeFunction:
                 return hit, leaves
         closed, out_shape = jax.make_jaxpr(
             self._flat_fun(static_pos, static_kw, in_tree), return_shape=True)(*avals)
-        new, report = rewrite_with_report(closed)
+        finite = _finite_leaves(self._finite_args, args, {i for i, _ in static_pos},
+                                dyn_kwargs, "nan_safe")
+        new, report = rewrite_with_report(closed, finite)
         traced = _Traced(closed, new, report, jax.tree_util.tree_structure(out_shape),
                          self._use_jit)
         if not traced.closes_over_tracers and self._cache_size:
@@ -254,7 +312,7 @@ class NanSafeFunction:
 
 def nan_safe(fun: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
              static_argnames: str | Sequence[str] = (), jit: bool = True,
-             cache_size: int = DEFAULT_CACHE_SIZE):
+             cache_size: int = DEFAULT_CACHE_SIZE, finite_args: FiniteArgs = False):
     """Make the dropped lanes of `fun` contribute exactly zero to every derivative.
 
     `fun` is traced with `jax.make_jaxpr` once per call signature; every NaN-prone primitive
@@ -269,6 +327,11 @@ def nan_safe(fun: Callable | None = None, *, static_argnums: int | Sequence[int]
     - `jit`: run the rewritten program compiled by XLA (default). `jit=False` evaluates it
       equation by equation, for `jax_debug_nans` or pdb.
     - `cache_size`: how many signatures to remember (LRU); 0 disables the cache.
+    - `finite_args`: arguments you promise hold no inf or NaN, so that nothing guards them
+      (speed, not correctness): `True` (all), a position or a sequence of positions, or a tuple
+      with a boolean (or a pytree of booleans) per positional argument. By default every
+      argument may be non-finite in any lane. A broken promise makes the gradient NaN where
+      such a lane is dropped; live lanes are never wrong.
 
     **Returns:** a callable with `fun`'s name and docstring, composable with `jax.jit`,
     `jax.grad`, `jax.vmap` and the rest of JAX.
@@ -282,19 +345,22 @@ def nan_safe(fun: Callable | None = None, *, static_argnums: int | Sequence[int]
         ```
     """
     if fun is None:
+        _check_finite_args(finite_args, "nan_safe")
         return functools.partial(nan_safe, static_argnums=static_argnums,
-                                 static_argnames=static_argnames, jit=jit, cache_size=cache_size)
+                                 static_argnames=static_argnames, jit=jit, cache_size=cache_size,
+                                 finite_args=finite_args)
     if not callable(fun):
         raise TypeError(f"nan_safe: `fun` must be callable, got {type(fun).__name__}: {fun!r}.")
     if inspect.isgeneratorfunction(fun) or inspect.isasyncgenfunction(fun) \
             or inspect.iscoroutinefunction(fun):
         raise TypeError(f"nan_safe: `fun` ({getattr(fun, '__qualname__', fun)!r}) is a generator "
                         f"or coroutine function; it must return arrays (a pytree of arrays).")
-    return NanSafeFunction(fun, static_argnums, static_argnames, jit, cache_size)
+    return NanSafeFunction(fun, static_argnums, static_argnames, jit, cache_size, finite_args)
 
 
 def make_jaxpr(fun: Callable, *, static_argnums: int | Sequence[int] = (),
-               static_argnames: str | Sequence[str] = ()) -> Callable[..., ClosedJaxpr]:
+               static_argnames: str | Sequence[str] = (),
+               finite_args: FiniteArgs = False) -> Callable[..., ClosedJaxpr]:
     """Like `jax.make_jaxpr`, but returns the jaxpr that `nan_safe(fun)` runs.
 
     Read it to see what was guarded: each guard is a `select_n(live, safe, x)` in front of a
@@ -302,7 +368,7 @@ def make_jaxpr(fun: Callable, *, static_argnums: int | Sequence[int] = (),
     """
     if not callable(fun):
         raise TypeError(f"make_jaxpr: `fun` must be callable, got {type(fun).__name__}: {fun!r}.")
-    safe_fun = NanSafeFunction(fun, static_argnums, static_argnames, True, 0)
+    safe_fun = NanSafeFunction(fun, static_argnums, static_argnames, True, 0, finite_args)
 
     def make(*args, **kwargs) -> ClosedJaxpr:
         return safe_fun.trace(*args, **kwargs)[0]

@@ -108,7 +108,7 @@ def _plan_equation(i: int, eqn: JaxprEqn, sweep: Sweep, sites: Mapping[int, Site
     """Whether `eqn` is emitted again, and how it reads changed values."""
     rule = rule_for(eqn.primitive)
     diff = sweep.diff[i]
-    read_differentiably = any(sweep.kind(o) != Kind.DEAD for o in eqn.outvars)
+    read_differentiably = any(sweep.reached_by_derivative(o) for o in eqn.outvars)
     safe_read = False
     if not eqn.effects and not rule.has_body:
         safe_read = _plan_decision(i, eqn, diff, read_differentiably, i in sites, lanes, out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from ._compat import source_summary
 from ._report import Report
@@ -25,7 +26,7 @@ def format_report(report: Report, indent: str = "") -> str:
                      f"(treated as live, outputs treated as possibly non-finite)  at "
                      f"{source_summary(eqn)}")
     for eqn, reason in report.skipped:
-        lines.append(f"{indent}left {eqn.primitive.name} unchanged: {reason}  at "
+        lines.append(f"{indent}left {eqn.primitive.name} {reason}  at "
                      f"{source_summary(eqn)}")
     for eqn, sub in report.nested:
         lines.append(f"{indent}inside {eqn.primitive.name} at {source_summary(eqn)}:")
@@ -36,13 +37,14 @@ def format_report(report: Report, indent: str = "") -> str:
 
 
 def explain(fun: Callable, *, static_argnums: int | Sequence[int] = (),
-            static_argnames: str | Sequence[str] = ()) -> Callable[..., str]:
+            static_argnames: str | Sequence[str] = (),
+            finite_args: Any = False) -> Callable[..., str]:
     """`explain(f)(*args)`: a readable list of what `nan_safe(f)` guards for these arguments,
     each line naming the user's source line."""
     from ._api import NanSafeFunction
     if not callable(fun):
         raise TypeError(f"explain: `fun` must be callable, got {type(fun).__name__}: {fun!r}.")
-    safe_fun = NanSafeFunction(fun, static_argnums, static_argnames, True, 0)
+    safe_fun = NanSafeFunction(fun, static_argnums, static_argnames, True, 0, finite_args)
 
     def run(*args, **kwargs) -> str:
         return format_report(safe_fun.trace(*args, **kwargs)[1])

@@ -178,6 +178,7 @@ class Sweep:
         self.producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
         self._constants: dict = {}
         self._from_literals: set | None = None
+        self._dropped_whole: set | None = None
         self.syms = self._static_liveness(out_kinds)
         self.kinds = {v: kind_of_sym(m) for v, m in self.syms.items()}
         self.consumers: dict[Any, list[tuple[int, int]]] = {}
@@ -288,6 +289,23 @@ class Sweep:
         if isinstance(atom, Literal):
             return Kind.DEAD
         return self.kinds.get(atom, Kind.DEAD)
+
+    def reached_by_derivative(self, atom: Any) -> bool:
+        """Whether derivatives of the outputs reach `atom`: it has a live lane, or it is dropped
+        in every lane by an equation JAX still differentiates, which hands it a zero cotangent
+        (the unselected side of `lax.select(False, b * x, 1.)`)."""
+        if self.kind(atom) != Kind.DEAD:
+            return True
+        if self._dropped_whole is None:  # one backward pass, the first time it is asked
+            found: set = set()
+            for i in range(len(self.jaxpr.eqns) - 1, -1, -1):
+                eqn = self.jaxpr.eqns[i]
+                if all(self.kind(o) == Kind.DEAD and o not in found for o in eqn.outvars):
+                    continue
+                found.update(v for v, d in zip(eqn.invars, self.diff[i], strict=True)
+                             if d and self.kind(v) == Kind.DEAD)
+            self._dropped_whole = found
+        return atom in self._dropped_whole
 
     def note_broadcasts(self, env: Any, atom: Any) -> None:
         """Tell the mask algebra that a predicate the program broadcasts is a smaller core."""

@@ -64,7 +64,14 @@ from ._liveness_rules import (
     winner_masks,
 )
 from ._rules import Guard, Selection, register
-from ._taint import compared_with_nonfinite, every_operand
+from ._taint import (
+    compared_with_nonfinite,
+    cond_body_inputs,
+    direct_body_inputs,
+    every_operand,
+    scan_body_inputs,
+    while_body_inputs,
+)
 
 
 def _always(eqn: JaxprEqn) -> bool:
@@ -113,7 +120,8 @@ register_elementwise(prims.sqrt_p, guard=ONE, decreasing=True,
                      bound=bounds.non_negative_if_bounded)
 register_elementwise(prims.rsqrt_p, prims.cbrt_p, prims.log_p, guard=ONE, decreasing=True)
 register_elementwise(prims.log1p_p, guard=ZERO)                      # singular at -1
-register_elementwise(prims.div_p, guard=Guard({1: 1.0}), bound=bounds.quotient)
+register_elementwise(prims.div_p, guard=Guard({1: 1.0}), bound=bounds.quotient,
+                     derivative_reads=(frozenset({1}), frozenset({0, 1})))
 register_elementwise(prims.rem_p, guard=Guard({1: 1.0}))
 register_elementwise(prims.pow_p, guard=ONE)          # x ** y: singular at 0 for y < 1, NaN below
 register_elementwise(prims.integer_pow_p, guard=Guard({0: 1.0}, _negative_exponent),
@@ -140,7 +148,8 @@ register_elementwise(prims.regularized_incomplete_beta_p,
 register_elementwise(prims.add_p, linear=True, bound=bounds.of_all(max))
 register_elementwise(prims.sub_p, prims.neg_p, prims.add_jaxvals_p, prims.real_p, prims.imag_p,
                      prims.complex_p, prims.conj_p, linear=True)
-register_elementwise(prims.mul_p, bound=bounds.product)
+BILINEAR = (frozenset({1}), frozenset({0}))  # each operand's derivative is the other operand
+register_elementwise(prims.mul_p, bound=bounds.product, derivative_reads=BILINEAR)
 register_elementwise(prims.square_p, bound=bounds.non_negative)
 register_elementwise(prims.convert_element_type_p, linear=True, bound=bounds.converted)
 register_elementwise(prims.reduce_precision_p, linear=True,
@@ -206,15 +215,16 @@ register(prims.cumsum_p, masks=cumulative_masks, linear=True, foldable=True)
 register(prims.cumprod_p, prims.cummax_p, prims.cummin_p, prims.cumlogsumexp_p,
          masks=cumulative_masks, foldable=True)
 register(prims.dot_general_p, masks=dot_general_masks, align=dot_general_alignment,
-         static=aligned_syms, foldable=True)
+         static=aligned_syms, foldable=True, derivative_reads=BILINEAR)
 
 # --------------------------------------------------------------------------- bodies
 register(prims.jit_p, prims.closed_call_p, masks=call_masks, kinds=call_kinds, inline=True)
 register(prims.remat_p, masks=opaque_call_masks, kinds=opaque_call_kinds,
-         nested_params=("jaxpr",), masked_body=RematBody())
+         nested_params=("jaxpr",), masked_body=RematBody(), body_inputs=direct_body_inputs)
 register(prims.custom_jvp_call_p, prims.custom_vjp_call_p, masks=opaque_call_masks,
          kinds=opaque_call_kinds, custom_rule=True)
 register(prims.cond_p, masks=cond_masks, kinds=cond_kinds, nested_params=("branches",),
-         masked_body=CondBody())
-register(prims.scan_p, nested_params=("jaxpr",), masked_body=ScanBody())
-register(prims.while_p, nested_params=("body_jaxpr",))
+         masked_body=CondBody(), body_inputs=cond_body_inputs)
+register(prims.scan_p, nested_params=("jaxpr",), masked_body=ScanBody(),
+         body_inputs=scan_body_inputs)
+register(prims.while_p, nested_params=("body_jaxpr",), body_inputs=while_body_inputs)

@@ -28,7 +28,8 @@ class Report:
     - `unknown`: equations of primitives jaxsafe knows nothing about (the guard pass);
     - `nested`: the reports of rewritten bodies, with their equations (the nested-body pass and
       the masked-body pass);
-    - `skipped`: equations left unchanged although they could use a guard, with the reason.
+    - `skipped`: equations (or operands) left unguarded although they could use a guard, with
+      what was left and why (the guard pass and the nested-body pass).
     """
 
     sites: list[Site] = dataclasses.field(default_factory=list)

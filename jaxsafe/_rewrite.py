@@ -1,14 +1,16 @@
 """The rewrite: a program whose dropped lanes are safe to differentiate, as named passes.
 
-    flatten -> dce -> liveness -> nested bodies -> taint seeds -> guards -> masked bodies
+    flatten -> dce -> liveness -> taint seeds -> nested bodies -> guards -> masked bodies
             -> decisions -> emission -> dce
 
 1. `flatten` (`_flatten.py`): inline `jit` and `closed_call`.
 2. `dce`: drop unused results, so a guard only they would need is not planned.
 3. liveness (`_liveness.py`): the static liveness of every value (`Sweep`).
-4. nested bodies (`rewrite_nested_bodies`, here): `scan`, `while`, `cond`, `remat` bodies are
+4. taint seeds (`_taint.py`): values that may be non-finite without any NaN-prone primitive
+   (arguments not promised finite, constants, values the program tests), and what a body
+   receives that may be non-finite in any lane.
+5. nested bodies (`rewrite_nested_bodies`, here): `scan`, `while`, `cond`, `remat` bodies are
    rewritten on their own, all their outputs live, keeping their signatures.
-5. taint seeds (`_taint.py`): values that may be non-finite without any NaN-prone primitive.
 6. guards (`_sites.py`): which operands take a safe value (or are cut) in dropped lanes.
 7. masked bodies (`plan_masked_bodies`, here): bodies whose outputs the program around them
    drops in places are planned again with those output masks.
@@ -24,12 +26,12 @@ When nothing needs a guard, the original ClosedJaxpr is returned as it is.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from functools import partial
 
-from ._atoms import dtype_of, is_float, shape_of
+from ._atoms import dtype_of, is_float, is_nonfinite_literal, shape_of
 from ._collector import fewer_collections
-from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, dce, source_summary, trace_to_jaxpr
+from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Var, dce, source_summary, trace_to_jaxpr
 from ._decisions import plan_decisions
 from ._emit import emit
 from ._flatten import flatten
@@ -38,33 +40,45 @@ from ._plan import Plan
 from ._report import Report, note_failure
 from ._rules import Kind, rule_for
 from ._sites import place_guards
-from ._taint import nonfinite_seeds
+from ._taint import nonfinite_anywhere, nonfinite_seeds
 
 
-def rewrite_with_report(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, Report]:
-    """Rewrite `closed`; returns it unchanged (the same object) when nothing needs a guard."""
+def rewrite_with_report(closed: ClosedJaxpr, finite_invars: Sequence[bool] | None = None
+                        ) -> tuple[ClosedJaxpr, Report]:
+    """Rewrite `closed`; returns it unchanged (the same object) when nothing needs a guard.
+    `finite_invars`: the arguments the caller promises are finite (default: none)."""
+    if finite_invars is None:
+        finite_invars = [False] * len(closed.jaxpr.invars)
+    assert len(finite_invars) == len(closed.jaxpr.invars)
     with fewer_collections():
-        return _rewrite(closed, Sweeps())
+        return _rewrite(closed, Sweeps(), finite_invars)
 
 
-def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps) -> tuple[ClosedJaxpr, Report]:
+def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps, finite_invars: Sequence[bool] | None = None
+             ) -> tuple[ClosedJaxpr, Report]:
+    """A body's arguments come from the program around it: possibly non-finite."""
     flat = dce(flatten(closed))
-    plan = plan_program(flat, [Kind.LIVE] * len(flat.jaxpr.outvars), sweeps)
+    plan = plan_program(flat, [Kind.LIVE] * len(flat.jaxpr.outvars), sweeps, finite_invars)
     if not plan.report.changed:
         return closed, plan.report
     avals = [v.aval for v in closed.jaxpr.invars]
     return dce(trace_to_jaxpr(partial(emit, plan), avals)), plan.report
 
 
-def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps) -> Plan:
+def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
+                 finite_invars: Sequence[bool] | None = None) -> Plan:
     """The planning passes on a flattened program. `out_kinds`: the static liveness of its
-    outputs (all LIVE at the top; MAYBE for a body the program around it drops in places)."""
+    outputs (all LIVE at the top; MAYBE for a body the program around it drops in places).
+    `finite_invars`: the arguments promised finite (None: none is)."""
     report = Report()
     sweep = sweeps.get(closed.jaxpr, out_kinds, False)
-    nested = rewrite_nested_bodies(closed, sweep, report, sweeps)
-    seeds = nonfinite_seeds(closed, sweep)
+    if finite_invars is None:
+        finite_invars = [False] * len(closed.jaxpr.invars)
+    seeds = nonfinite_seeds(closed, sweep, finite_invars)
+    anywhere = nonfinite_anywhere(closed, seeds)
+    nested = rewrite_nested_bodies(closed, sweep, report, sweeps, anywhere)
     sites = place_guards(closed, sweep, seeds, report)
-    masked = plan_masked_bodies(closed, sweep, report, sweeps)
+    masked = plan_masked_bodies(closed, sweep, report, sweeps, anywhere)
     decisions = plan_decisions(closed, sweep, sites, masked, report)
     return Plan(closed, sweep, nested, sites, masked, decisions, report)
 
@@ -73,19 +87,24 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps)
 
 
 def rewrite_nested_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
-                          sweeps: Sweeps) -> dict[int, dict]:
+                          sweeps: Sweeps, nonfinite: Set) -> dict[int, dict]:
     """The nested-body pass: equation index -> its parameters with every body rewritten on its
     own (all its outputs live), for the equations whose bodies changed. Bodies nothing
-    differentiates (read by comparisons only, say) are left as they are."""
+    differentiates (read by comparisons only, say) are left as they are. `nonfinite`: the
+    values that may hold NaN or inf in any lane; a body's inputs are judged by them
+    (`PrimitiveRule.body_inputs`; without that rule, every input may)."""
     nested: dict[int, dict] = {}
     for i, eqn in enumerate(closed.jaxpr.eqns):
-        names = rule_for(eqn.primitive).nested_params
+        rule = rule_for(eqn.primitive)
+        names = rule.nested_params
         if not names or all(sweep.kind(o) == Kind.DEAD for o in eqn.outvars):
             continue
         new_params = dict(eqn.params)
         try:
+            finite = _finite_body_inputs(eqn, nonfinite)
             for name in names:
-                new_params[name] = _rewrite_param(eqn, eqn.params[name], report, sweeps)
+                new_params[name] = _rewrite_param(eqn, eqn.params[name], report, sweeps,
+                                                  finite)
         except Exception as e:
             note_failure(e, eqn, "nested-body")
             raise
@@ -94,20 +113,39 @@ def rewrite_nested_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
     return nested
 
 
-def _rewrite_param(eqn: JaxprEqn, value: object, report: Report, sweeps: Sweeps) -> object:
+def _finite_body_inputs(eqn: JaxprEqn, nonfinite: Set) -> dict[int, list[bool]]:
+    """id(body jaxpr) -> which of its inputs are finite in every lane, for the bodies of `eqn`
+    its row knows how to judge (`PrimitiveRule.body_inputs`); the others are absent: every
+    input may be non-finite."""
+    rule = rule_for(eqn.primitive)
+    if rule.body_inputs is None:
+        return {}
+    per_param = rule.body_inputs(eqn, [v in nonfinite if isinstance(v, Var)
+                                       else is_nonfinite_literal(v) for v in eqn.invars])
+    finite: dict[int, list[bool]] = {}
+    for name, flags in per_param.items():
+        value = eqn.params[name]
+        for body in value if isinstance(value, tuple) else (value,):
+            jaxpr = body.jaxpr if isinstance(body, ClosedJaxpr) else body
+            finite[id(jaxpr)] = [not t for t in flags]
+    return finite
+
+
+def _rewrite_param(eqn: JaxprEqn, value: object, report: Report, sweeps: Sweeps,
+                   finite: dict[int, list[bool]]) -> object:
     """One body parameter, rewritten: a ClosedJaxpr, a tuple of them (branches), or an open
-    Jaxpr (remat's, which can take no constants)."""
+    Jaxpr (remat's, which can take no constants). `finite`: see `_finite_body_inputs`."""
     if isinstance(value, tuple):
-        return tuple(_rewrite_param(eqn, branch, report, sweeps) for branch in value)
+        return tuple(_rewrite_param(eqn, branch, report, sweeps, finite) for branch in value)
     if isinstance(value, Jaxpr):
-        new, sub = _rewrite(ClosedJaxpr(value, ()), sweeps)
+        new, sub = _rewrite(ClosedJaxpr(value, ()), sweeps, finite.get(id(value)))
         if sub.changed and new.consts:
-            report.skipped.append((eqn, "rewritten body needs constants"))
+            report.skipped.append((eqn, "unchanged: its rewritten body needs constants"))
             return value
         _record_nested(eqn, ClosedJaxpr(value, ()), new, sub, report)
         return new.jaxpr
     assert isinstance(value, ClosedJaxpr), (eqn.primitive, type(value))
-    new, sub = _rewrite(value, sweeps)
+    new, sub = _rewrite(value, sweeps, finite.get(id(value.jaxpr)))
     _record_nested(eqn, value, new, sub, report)
     return new
 
@@ -135,11 +173,14 @@ def assert_same_signature(eqn: JaxprEqn, old: ClosedJaxpr, new: ClosedJaxpr) -> 
 
 
 def plan_masked_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
-                       sweeps: Sweeps) -> dict[int, list]:
+                       sweeps: Sweeps, nonfinite: Set) -> dict[int, list]:
     """The masked-body pass: equation index -> the plans of its bodies, for the equations with
-    a body (`PrimitiveRule.masked_body`) whose outputs the program drops in places."""
+    a body (`PrimitiveRule.masked_body`) whose outputs the program drops in places.
+    `nonfinite`: as for `rewrite_nested_bodies`."""
+    finite: dict[int, list[bool]] = {}
+
     def plan_body(body: ClosedJaxpr, out_kinds: list[Kind]) -> Plan | None:
-        plan = plan_program(flatten(body), out_kinds, sweeps)
+        plan = plan_program(flatten(body), out_kinds, sweeps, finite.get(id(body.jaxpr)))
         return plan if plan.report.changed else None
 
     masked: dict[int, list] = {}
@@ -152,6 +193,7 @@ def plan_masked_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
                    for k, o in zip(out_kinds, eqn.outvars, strict=True)):
             continue
         try:
+            finite = _finite_body_inputs(eqn, nonfinite)
             plans = handler.plan(eqn, out_kinds, plan_body)
         except Exception as e:
             note_failure(e, eqn, "masked-body")

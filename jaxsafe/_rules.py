@@ -89,6 +89,9 @@ determines the output and its derivative, 0 where several do (ties, NaN)."""
 BoundRule = Callable[[JaxprEqn, list, list], "float | None"]
 """(equation, operand lower bounds, operand constant values) -> lower bound of the output."""
 
+BodyInputs = Callable[[JaxprEqn, list], "dict[str, list[bool]]"]
+"""(equation, which operands may be non-finite) -> body parameter -> which of its inputs may."""
+
 ScalarMove = Callable[[JaxprEqn, np.ndarray], "np.ndarray | None"]
 """(equation, the one scalar its operand holds in dropped lanes) -> the scalar the output holds
 in its dropped lanes, or None when unknown."""
@@ -171,6 +174,11 @@ class PrimitiveRule:
     linear: bool = False
     """A zero cotangent never meets an operand's value in a product, so a non-finite operand in
     a dropped lane cannot leak into another operand's derivative."""
+    derivative_reads: tuple[frozenset[int], ...] | None = None
+    """For each operand, the operands whose values its derivative reads (`mul`: the other one;
+    `div`: the divisor, or both). None: every operand's derivative may read every operand. A
+    possibly non-finite operand is a hazard only where a differentiated operand's derivative
+    reads it."""
     selection: Selection | None = None
     guard: Guard | None = None
     """NaN-prone: the in-domain value each listed operand takes in dropped lanes."""
@@ -199,6 +207,9 @@ class PrimitiveRule:
     """A call that changes no value (`jit`): inlined before the analysis."""
     nested_params: tuple[str, ...] = ()
     """Parameters holding bodies that are rewritten on their own, keeping their signature."""
+    body_inputs: BodyInputs | None = None
+    """Given which operands may be non-finite, which inputs of each body in `nested_params`
+    may be. None: all of them."""
     masked_body: MaskedBody | None = None
     custom_rule: bool = False
     """A call whose derivative is the user's rule (`custom_jvp`, `custom_vjp`): not rewritten;

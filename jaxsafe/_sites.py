@@ -6,7 +6,13 @@ An equation is guarded when its output has dropped lanes (static liveness says M
 - its row has a guard (`sqrt`, `log`, `div`, ...): each listed operand that reaches the hazard
   takes the safe value, unless it is known to be in the domain there already (`_dropped.py`) or
   bounded into it for every finite input (`_bounds.py`);
-- or it is not linear and an operand may be non-finite there (`_taint.py`): that operand takes 0;
+- or an operand may be non-finite there (`_taint.py`: an argument, a constant, ...) and the
+  derivative of a differentiated operand reads it (`PrimitiveRule.derivative_reads`: `b` in
+  `a * b`): that operand takes the table's safe value, else 0. Only where the guard needs no
+  run-time reduction the program does not compute: every operand lane feeds output lanes that
+  are dropped together, or the liveness is the same along the axes it would reduce (a padded
+  row, a masked key's column). Otherwise (a weight that only a ReLU drops, row by row) it is
+  left, and reported;
 - or it calls a custom derivative rule whose body is NaN-prone: its dropped input lanes are cut
   from differentiation (`select_n(live, stop_gradient(x), x)`), since no safe value is known for
   the user's rule.
@@ -24,7 +30,7 @@ from collections.abc import Set
 
 import numpy as np
 
-from ._atoms import dtype_of, is_float
+from ._atoms import dtype_of, is_float, shape_of
 from ._bodies import sub_jaxprs
 from ._bounds import Bounds
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
@@ -32,7 +38,8 @@ from ._constants import finite_with_derivatives
 from ._dropped import DroppedValues
 from ._liveness import Sweep, operand_kinds
 from ._report import Report, Site, note_failure
-from ._rules import Kind, PrimitiveRule, guard_for, rule_for
+from ._rules import Kind, PrimitiveRule, alignment, guard_for, rule_for
+from ._symbolic import backward_mapping, runs_only_along
 from ._taint import contains_hazard, literal_taints
 
 
@@ -51,7 +58,7 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report) 
             rule = rule_for(eqn.primitive)
             if not rule.known:
                 report.unknown.append(eqn)
-            site = _site(i, eqn, rule, sweep, tainted, dropped, bounds)
+            site = _site(i, eqn, rule, sweep, tainted, dropped, bounds, report)
             if site is not None:
                 sites[i] = site
                 report.sites.append(site)
@@ -64,23 +71,28 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report) 
 
 
 def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set,
-          dropped: DroppedValues, bounds: Bounds) -> Site | None:
+          dropped: DroppedValues, bounds: Bounds, report: Report) -> Site | None:
     out_kinds = [sweep.kind(o) for o in eqn.outvars]
-    has_dropped = any(k == Kind.MAYBE and is_float(o)
+    has_dropped = any(is_float(o) and (k == Kind.MAYBE or k == Kind.DEAD and
+                                       sweep.reached_by_derivative(o))
                       for k, o in zip(out_kinds, eqn.outvars, strict=True))
     if not has_dropped or eqn.effects:
         return None
     diff = sweep.diff[i]
     guarded = [k != Kind.LIVE for k in operand_kinds(eqn, out_kinds, sweep)]
     replace, reasons = _value_guards(eqn, rule, diff, guarded, tainted, dropped, bounds)
-    if not rule.linear:
-        for k, v in enumerate(eqn.invars):
-            if diff[k] and v in tainted and k not in replace and guarded[k]:
-                replace[k], reasons[k] = 0.0, "may be non-finite"
+    guard = guard_for(eqn)
+    for k in _nonfinite_operands(eqn, rule, diff, guarded, tainted, sweep, report):
+        if k not in replace:
+            safe = guard.safe.get(k, 0.0) if guard is not None else 0.0
+            replace[k], reasons[k] = safe, "may be non-finite"
     cut: set[int] = set()
-    if rule.custom_rule and any(contains_hazard(sub) for sub in sub_jaxprs(eqn)):
-        # The user's derivative rule may be singular in dropped lanes, and no safe value is
-        # known for it: cut those lanes from differentiation instead.
+    if rule.custom_rule and (
+            any(_may_be_nonfinite(eqn, v, tainted) for v in eqn.invars)
+            or any(contains_hazard(sub) for sub in sub_jaxprs(eqn))):
+        # The user's derivative rule may be singular in dropped lanes (its body is NaN-prone,
+        # or an operand may be non-finite there), and no safe value is known for it: cut those
+        # lanes from differentiation instead.
         for k in range(len(eqn.invars)):
             if diff[k] and k not in replace and guarded[k]:
                 cut.add(k)
@@ -88,6 +100,55 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
     if not replace and not cut:
         return None
     return Site(eqn, replace, reasons, frozenset(cut))
+
+
+def _nonfinite_operands(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool],
+                        guarded: list[bool], tainted: set, sweep: Sweep,
+                        report: Report) -> list[int]:
+    """Operands that may be non-finite in dropped lanes where a differentiated operand's
+    derivative reads them (a zero cotangent times NaN), and that a guard can reach cheaply."""
+    if rule.linear or rule.zero_derivative or rule.custom_rule:  # a custom rule: cut instead
+        return []
+    found = []
+    for k, v in enumerate(eqn.invars):
+        if not guarded[k] or not _may_be_nonfinite(eqn, v, tainted):
+            continue
+        if not any(d and j not in rule.no_derivative and
+                   (rule.derivative_reads is None or k in rule.derivative_reads[j])
+                   for j, d in enumerate(diff)):
+            continue
+        if isinstance(v, Literal) and not (rule.elementwise and len(eqn.outvars) == 1):
+            continue
+        if not _guard_needs_no_reduction(eqn, k, sweep):
+            report.skipped.append((eqn, f"operand {k} unguarded: it may be non-finite, but a "
+                                        f"guard would need a run-time reduction of the liveness"))
+            continue
+        found.append(k)
+    return found
+
+
+def _may_be_nonfinite(eqn: JaxprEqn, atom: object, tainted: set) -> bool:
+    if isinstance(atom, Literal):
+        return literal_taints(eqn, atom)
+    return atom in tainted
+
+
+def _guard_needs_no_reduction(eqn: JaxprEqn, k: int, sweep: Sweep) -> bool:
+    """Whether operand k's liveness follows from its output's without an OR over output lanes
+    whose liveness differs: each operand lane feeds one output lane (elementwise, a reduction's
+    operand, a transpose), or the output's liveness is the same along the axes the operand
+    does not run along (a key padding mask and the query axis of `q @ k.T`)."""
+    rule = rule_for(eqn.primitive)
+    if rule.elementwise and len(eqn.outvars) == 1 and \
+            shape_of(eqn.invars[k]) == shape_of(eqn.outvars[0]):
+        return True
+    align = alignment(eqn, k)
+    if align is None or len(eqn.outvars) != 1:
+        return False
+    along = backward_mapping(align)  # output axis -> the operand axis running along it
+    if set(along) >= set(range(len(shape_of(eqn.outvars[0])))):
+        return True
+    return runs_only_along(sweep.sym(eqn.outvars[0]), along)
 
 
 def _value_guards(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool], guarded: list[bool],

@@ -128,6 +128,14 @@ def implies(a: Sym, b: Sym) -> bool:
     return all(any(tb <= ta for tb in b) for ta in a)
 
 
+def runs_only_along(sym: Sym, axes: Iterable[int]) -> bool:
+    """Whether every literal of `sym` runs along `axes` only: the mask is the same along every
+    other axis, so an OR over those axes costs nothing at run time."""
+    axes = set(axes)
+    return all(embed is not None and all(e is None or e in axes for e in embed)
+               for term in sym for _, _, embed in term)
+
+
 # --------------------------------------------------------------------------- moving masks
 
 _MISSING = object()

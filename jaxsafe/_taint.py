@@ -4,7 +4,11 @@ A value guard protects a primitive from its own singularities. A value that alre
 inf in a dropped lane is a second hazard: a non-linear equation (`mul`, `pow`, ...) multiplies
 the zero cotangent of that lane by it. Such values are *tainted*:
 
-- NaN/inf literals and constants (except as the identity of their primitive, `max(-inf, x)`);
+- the program's arguments (a padded batch, a sensor's inf sentinel, missing observations as
+  NaN), unless the user declared them finite (`nan_safe(f, finite_args=...)`); a body's
+  arguments always (they come from the program around it);
+- NaN/inf literals and constants (except as the identity of their primitive, `max(-inf, x)`),
+  and constants whose value is not known (an outer trace's tracers);
 - values the program itself tests for NaN or inf, where the test decides a live selection, and
   the values they are computed from;
 - the outputs of unknown primitives, and of bodies that contain a NaN-prone primitive;
@@ -15,6 +19,7 @@ carries the taint forward, since a guard cleans it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -56,17 +61,22 @@ def literal_taints(eqn: JaxprEqn, atom: Any) -> bool:
 
 
 def may_be_nonfinite_const(value: Any) -> bool:
-    """Whether a constant of the program holds NaN or inf (a tracer closed over: unknown,
-    treated like an argument)."""
+    """Whether a constant of the program may hold NaN or inf: known values are checked; a
+    tracer closed over is unknown, so it may, like an argument."""
     if isinstance(value, Tracer):
-        return False
+        return is_float_dtype(value.dtype)
     dtype = getattr(value, "dtype", None)
     if dtype is None:
         value = np.asarray(value)
         dtype = value.dtype
-    if not jnp.issubdtype(dtype, jnp.inexact):  # PRNG keys and other extended dtypes too
+    if not is_float_dtype(dtype):
         return False
     return not bool(np.all(np.isfinite(np.asarray(value))))
+
+
+def is_float_dtype(dtype: Any) -> bool:
+    """Floating or complex (PRNG keys and other extended dtypes are not)."""
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
 def contains_hazard(closed: ClosedJaxpr) -> bool:
@@ -104,9 +114,10 @@ def _reach_live_selections(sweep: Sweep) -> set:
     return reach
 
 
-def nonfinite_seeds(closed: ClosedJaxpr, sweep: Sweep) -> set:
-    """The taint pass's seeds: non-finite constants, and values the program tests for NaN/inf
-    where the test decides a live selection, with the values they are computed from.
+def nonfinite_seeds(closed: ClosedJaxpr, sweep: Sweep, finite_invars: Sequence[bool]) -> set:
+    """The taint pass's seeds: the arguments not declared finite (`finite_invars`), non-finite
+    constants, and values the program tests for NaN/inf where the test decides a live
+    selection, with the values they are computed from.
 
     `logsumexp` tests its max with isfinite only to feed stop_gradient: that says nothing about
     which values may be non-finite where it matters.
@@ -114,6 +125,8 @@ def nonfinite_seeds(closed: ClosedJaxpr, sweep: Sweep) -> set:
     jaxpr = closed.jaxpr
     tainted = {v for v, c in zip(jaxpr.constvars, closed.consts, strict=True)
                if may_be_nonfinite_const(c)}
+    tainted.update(v for v, finite in zip(jaxpr.invars, finite_invars, strict=True)
+                   if not finite and is_float(v))
     reach = None
     stack: list = []
     for eqn in jaxpr.eqns:
@@ -133,3 +146,76 @@ def nonfinite_seeds(closed: ClosedJaxpr, sweep: Sweep) -> set:
         if producer is not None:
             stack.extend(u for u in producer.invars if isinstance(u, Var))
     return tainted
+
+
+# --------------------------------------------------------------------------- bodies' inputs
+
+def may_produce_nonfinite(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` can make NaN or inf from finite operands, in any lane (a NaN-prone
+    primitive, an unknown one, a non-finite literal, a body with any of these)."""
+    rule = rule_for(eqn.primitive)
+    if rule.guard is not None or not rule.known:
+        return True
+    if any(literal_taints(eqn, v) for v in eqn.invars):
+        return True
+    return any(contains_hazard(s) for s in sub_jaxprs(eqn))  # inlined calls too
+
+
+def nonfinite_anywhere(closed: ClosedJaxpr, seeds: set) -> set:
+    """Every value that may hold NaN or inf in some lane, live or dropped, from `seeds` forward
+    (no guard is counted: a guard cleans dropped lanes only). What a body receives from the
+    program around it is judged by this."""
+    tainted = set(seeds)
+    for eqn in closed.jaxpr.eqns:
+        if may_produce_nonfinite(eqn) or any(isinstance(v, Var) and v in tainted
+                                             for v in eqn.invars):
+            tainted.update(o for o in eqn.outvars if is_float(o))
+    return tainted
+
+
+def outputs_nonfinite(closed: ClosedJaxpr, inputs: Sequence[bool]) -> list[bool]:
+    """Which outputs of a body may be non-finite, given which of its inputs may be."""
+    jaxpr = closed.jaxpr
+    seeds = {v for v, c in zip(jaxpr.constvars, closed.consts, strict=True)
+             if may_be_nonfinite_const(c)}
+    seeds.update(v for v, t in zip(jaxpr.invars, inputs, strict=True) if t)
+    tainted = nonfinite_anywhere(closed, seeds)
+    return [isinstance(v, Var) and v in tainted for v in jaxpr.outvars]
+
+
+def _carried(body: ClosedJaxpr, fixed: list[bool], carry: list[bool], tail: list[bool],
+             carry_out: slice) -> list[bool]:
+    """A loop's carry inputs that may be non-finite at some iteration: the initial ones, and
+    those the body makes so (a fixpoint; each round adds at least one, or stops)."""
+    carry = list(carry)
+    while True:
+        outs = outputs_nonfinite(body, fixed + carry + tail)[carry_out]
+        grown = [c or o for c, o in zip(carry, outs, strict=True)]
+        if grown == carry:
+            return carry
+        carry = grown
+
+
+def direct_body_inputs(eqn: JaxprEqn, operands: list[bool]) -> dict[str, list[bool]]:
+    """A call (`remat`): its body's inputs are its operands."""
+    return {"jaxpr": operands}
+
+
+def cond_body_inputs(eqn: JaxprEqn, operands: list[bool]) -> dict[str, list[bool]]:
+    """Every branch reads the operands after the index."""
+    return {"branches": operands[1:]}
+
+
+def scan_body_inputs(eqn: JaxprEqn, operands: list[bool]) -> dict[str, list[bool]]:
+    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    consts, carry = operands[:n_consts], operands[n_consts:n_consts + n_carry]
+    xs = operands[n_consts + n_carry:]
+    carry = _carried(eqn.params["jaxpr"], consts, carry, xs, slice(0, n_carry))
+    return {"jaxpr": consts + carry + xs}
+
+
+def while_body_inputs(eqn: JaxprEqn, operands: list[bool]) -> dict[str, list[bool]]:
+    n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    consts, carry = operands[n_cond:n_cond + n_body], operands[n_cond + n_body:]
+    carry = _carried(eqn.params["body_jaxpr"], consts, carry, [], slice(0, len(carry)))
+    return {"body_jaxpr": consts + carry}

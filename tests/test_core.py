@@ -149,11 +149,15 @@ def test_masked_softmax_rows_match_the_valid_rows_alone():
 
 
 def test_nothing_to_guard_is_the_original_program():
-    for f, args in [(lambda x: jnp.where(x > 0, x * x, 0.), (1.,)),
-                    (lambda x: jnp.sum(jnp.sin(x)[1:]), (jnp.ones(3),)),
-                    (lambda x: jnp.sqrt(x) * 2., (1.,))]:
+    # (f, args, finite_args): a dropped lane of x * x or sin(x) needs a guard only if the
+    # argument may be non-finite (test_nonfinite_data.py); promised finite, nothing does
+    for f, args, finite in [(lambda x: jnp.where(x > 0, x * x, 0.), (1.,), True),
+                            (lambda x: jnp.sum(jnp.sin(x)[1:]), (jnp.ones(3),), True),
+                            (lambda x: jnp.where(x > 0, x * 2., 0.), (1.,), False),
+                            (lambda x: jnp.sum(x[1:] * 2. + 1.), (jnp.ones(3),), False),
+                            (lambda x: jnp.sqrt(x) * 2., (1.,), False)]:
         orig = jax.make_jaxpr(f)(*args)
-        new = jaxsafe.make_jaxpr(f)(*args)
+        new = jaxsafe.make_jaxpr(f, finite_args=finite)(*args)
         assert [e.primitive for e in new.eqns] == [e.primitive for e in orig.eqns]
         assert structure(new) == structure(orig)
 
@@ -214,7 +218,8 @@ def test_logsumexp_isfinite_test_does_not_taint_the_program():
     exp is guarded; the log is not: where it is dropped, every exp lane is (the sum is a
     reduction), so it reads the sum of exp(0) = 1, three lanes: log(3)."""
     f = lambda w, x: jnp.sum(jnp.where(x > 0, (w * x) * jax.nn.logsumexp(x), 0.))
-    _, report = jaxsafe.nan_safe(f).trace(1., jnp.ones(3))
+    # finite arguments: the products would be guarded for non-finite ones (test_nonfinite_data)
+    _, report = jaxsafe.nan_safe(f, finite_args=True).trace(1., jnp.ones(3))
     assert [site.eqn.primitive for site in report.sites] == [P.exp_p]
     assert all(reason == "table" for site in report.sites for reason in site.reasons.values())
 
@@ -287,7 +292,9 @@ def test_layer_norm_rsqrt_is_not_guarded():
     f = lambda x, keep: _layer_norm_rows(x, keep, 1e-5)
     x = jnp.array([[1., 2., 4.], [3., 3., 3.]])   # row 1: variance 0
     keep = jnp.array([[True], [False]])
-    assert structure(jaxsafe.make_jaxpr(f)(x, keep)) == structure(jax.make_jaxpr(f)(x, keep))
+    # finite x (non-finite x would guard the products, test_nonfinite_data.py)
+    assert structure(jaxsafe.make_jaxpr(f, finite_args=True)(x, keep)) == \
+        structure(jax.make_jaxpr(f)(x, keep))
     assert_finite(jax.grad(f)(x, keep))            # plain JAX is fine already
 
 

@@ -1,0 +1,310 @@
+"""Non-finite data: inf and NaN that arrive in arguments, constants and literals, not from a
+NaN-prone primitive (issue 12).
+
+Each case is compared with the hand-written double where (the reference), first and second
+order, eager, under jit and under vmap; forward values bitwise equal to `jax.jit(f)`.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_bitwise, assert_close, structure
+from jax import lax
+
+import jaxsafe
+
+nan, inf = np.nan, np.inf
+DATA = jnp.array([1., nan, 2., inf])
+VALID = jnp.array([True, False, True, False])
+VALID_NP = np.array([True, False, True, False])
+
+
+def _clean(data, valid):
+    return jnp.where(valid, data, 0.)
+
+
+# (name, f(b, data), hand(b, data)): the mask is an argument-independent constant of f, or
+# passed through a closure over an argument below.
+CONSTANT_MASKS = [
+    ("closed-over numpy mask",
+     lambda b, d: jnp.where(VALID_NP, b * d, 0.).sum(),
+     lambda b, d: jnp.where(VALID_NP, b * _clean(d, VALID_NP), 0.).sum()),
+    ("tril mask",
+     lambda b, d: jnp.where(jnp.tril(jnp.ones((2, 2), bool)).ravel(), b * d, 0.).sum(),
+     lambda b, d: jnp.where(jnp.tril(jnp.ones((2, 2), bool)).ravel(),
+                            b * _clean(d, jnp.tril(jnp.ones((2, 2), bool)).ravel()), 0.).sum()),
+    ("iota mask",
+     lambda b, d: jnp.where(jnp.arange(4) % 2 == 0, b * d, 0.).sum(),
+     lambda b, d: jnp.where(jnp.arange(4) % 2 == 0,
+                            b * _clean(d, jnp.arange(4) % 2 == 0), 0.).sum()),
+    ("literal predicate",
+     lambda b, d: lax.select(False, b * d, jnp.ones_like(d)).sum() * b,
+     lambda b, d: lax.select(False, b * jnp.zeros_like(d), jnp.ones_like(d)).sum() * b),
+]
+
+
+def _check_all_orders(f, hand, args, argnums=0):
+    """Forward bitwise; grad, grad of grad, under jit; hand fix as the reference."""
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(*args), jax.jit(f)(*args))
+    g = jax.grad(safe, argnums)(*args)
+    assert_close(g, jax.grad(hand, argnums)(*args))
+    assert_close(jax.jit(jax.grad(safe, argnums))(*args), jax.jit(jax.grad(hand, argnums))(*args))
+    gg = jax.grad(jax.grad(safe, argnums), argnums)
+    hh = jax.grad(jax.grad(hand, argnums), argnums)
+    assert_close(gg(*args), hh(*args))
+    return g
+
+
+def test_a_padded_batch_with_its_validity_mask_as_an_argument():
+    def loss(b, data, valid):
+        return jnp.where(valid, b * data, 0.).sum()
+
+    def hand(b, data, valid):
+        return jnp.where(valid, b * _clean(data, valid), 0.).sum()
+
+    args = (2., DATA, VALID)
+    assert np.isnan(jax.grad(loss)(*args))  # the bug
+    g = _check_all_orders(loss, hand, args)
+    assert g == 3.0
+    # the data's own gradient: b where valid, 0 in the padding
+    assert_close(jax.grad(jaxsafe.nan_safe(loss), 1)(*args), jnp.array([2., 0., 2., 0.]))
+    # a batch of such rows under vmap
+    datas = jnp.stack([DATA, DATA[::-1]])
+    valids = jnp.stack([VALID, VALID[::-1]])
+    vg = jax.vmap(jax.grad(jaxsafe.nan_safe(loss)), (None, 0, 0))(2., datas, valids)
+    assert_close(vg, jax.vmap(jax.grad(hand), (None, 0, 0))(2., datas, valids))
+    assert_close(vg, jnp.array([3., 3.]))
+
+
+@pytest.mark.parametrize("name, f, hand", CONSTANT_MASKS, ids=[c[0] for c in CONSTANT_MASKS])
+def test_a_constant_mask_over_non_finite_data(name, f, hand):
+    args = (2., DATA)
+    assert not np.isfinite(jax.grad(f)(*args))  # the bug
+    _check_all_orders(f, hand, args)  # the tril mask keeps the inf lane: a real inf
+    vg = jax.vmap(jax.grad(jaxsafe.nan_safe(f)))(jnp.array([1., 2.]), jnp.stack([DATA, DATA]))
+    assert_close(vg, jax.vmap(jax.grad(hand))(jnp.array([1., 2.]), jnp.stack([DATA, DATA])))
+
+
+UNARY = [
+    ("x * x", lambda x: x * x),
+    ("x ** 3", lambda x: x ** 3),
+    ("square", jnp.square),
+    ("sin", jnp.sin),
+    ("tanh", jnp.tanh),
+    ("cos", jnp.cos),
+    ("sinc", jnp.sinc),
+    ("x * exp(x)", lambda x: x * jnp.exp(x)),
+]
+
+
+@pytest.mark.parametrize("name, op", UNARY, ids=[c[0] for c in UNARY])
+def test_non_finite_inputs_in_the_dropped_lanes_of_ops_safe_for_finite_inputs(name, op):
+    def f(x):
+        return jnp.where(x > 0, op(x), 0.)
+
+    def hand(x):
+        return jnp.where(x > 0, op(jnp.where(x > 0, x, 0.5)), 0.)
+
+    xs = jnp.array([-inf, nan, -1., 0.5, 2.])
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(xs), jax.jit(f)(xs))
+    for fn, ref in [(jax.grad(lambda x: safe(x).sum()), jax.grad(lambda x: hand(x).sum())),
+                    (jax.vmap(jax.grad(safe)), jax.vmap(jax.grad(hand))),
+                    (jax.vmap(jax.grad(jax.grad(safe))), jax.vmap(jax.grad(jax.grad(hand)))),
+                    (jax.jacfwd(safe), jax.jacfwd(hand))]:
+        assert_close(fn(xs), ref(xs), rtol=1e-5)
+        assert_close(jax.jit(fn)(xs), jax.jit(ref)(xs), rtol=1e-5)
+
+
+def test_live_lanes_keep_their_derivative_within_the_hand_fix_rounding():
+    """Where `jax.grad(f)` is finite, nan_safe's gradient differs from it by no more than the
+    hand fix's does, plus one rounding: the guards touch dropped lanes only, but XLA may fuse
+    (and so round) the guarded program differently, as it does the hand-fixed one."""
+    def f(w, x, valid):
+        return jnp.where(valid, jnp.tanh(w * x) * x, 0.).sum()
+
+    def hand(w, x, valid):
+        return f(w, jnp.where(valid, x, 0.), valid)
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=64).astype(np.float32))
+    valid = jnp.asarray(rng.random(64) > .3)
+    for w in [0.3, 1.7, -2.1]:
+        plain = jax.jit(jax.grad(f, (0, 1)))(w, x, valid)
+        safe = jax.jit(jax.grad(jaxsafe.nan_safe(f), (0, 1)))(w, x, valid)
+        by_hand = jax.jit(jax.grad(hand, (0, 1)))(w, x, valid)
+        for p, s, h in zip(plain, safe, by_hand, strict=True):
+            p, s, h = (np.asarray(a, np.float64) for a in (p, s, h))
+            ulp = np.spacing(np.abs(p).astype(np.float32)).astype(np.float64)
+            assert np.all(np.abs(s - p) <= np.abs(h - p) + ulp), (s - p, h - p)
+
+
+def test_key_padding_in_attention_is_guarded_by_column():
+    """NaN in the padded keys and values: q @ k.T drops the padded columns for every query, so
+    k's padded rows are guarded with the key mask alone (no reduction over queries)."""
+    def attention(q, k, v, key_valid):
+        s = q @ k.T
+        s = jnp.where(key_valid[None, :], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        return jnp.sum(jnp.sin(p @ jnp.where(key_valid[:, None], v, 0.)))
+
+    def hand(q, k, v, key_valid):
+        return attention(q, jnp.where(key_valid[:, None], k, 0.), v, key_valid)
+
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.normal(size=(5, 4)).astype(np.float32)) for _ in range(3))
+    key_valid = jnp.array([True, True, False, True, False])
+    k = k.at[2].set(nan).at[4].set(inf)
+    v = v.at[2].set(nan)
+    assert np.isnan(jax.grad(attention)(q, k, v, key_valid)).any()  # the bug
+    for argnum in (0, 1, 2):
+        got = jax.grad(jaxsafe.nan_safe(attention), argnum)(q, k, v, key_valid)
+        assert_close(got, jax.grad(hand, argnum)(q, k, v, key_valid), rtol=1e-5)
+
+
+def test_a_relu_mlp_with_no_padding_pays_nothing():
+    """A weight that only ReLU drops, row by row, would need a run-time reduction per layer:
+    left unguarded, reported, and the program is the original."""
+    def mlp(params, x):
+        for w in params[:-1]:
+            x = jnp.maximum(x @ w, 0.)
+        return (x @ params[-1]).sum()
+
+    rng = np.random.default_rng(2)
+    params = [jnp.asarray(rng.normal(size=s).astype(np.float32))
+              for s in [(8, 16), (16, 16), (16, 1)]]
+    x = jnp.asarray(rng.normal(size=(4, 8)).astype(np.float32))
+    closed, report = jaxsafe.nan_safe(mlp).trace(params, x)
+    assert structure(closed) == structure(jax.make_jaxpr(mlp)(params, x))
+    assert not report.changed and report.skipped
+
+
+def test_finite_args_drops_the_data_guards():
+    def loss(b, data, valid):
+        return jnp.where(valid, b * data, 0.).sum()
+
+    args = (2., DATA, VALID)
+    plain = jax.make_jaxpr(loss)(*args)
+    assert structure(jaxsafe.make_jaxpr(loss)(*args)) != structure(plain)
+    for finite in (True, (1,), 1, (True, True, False), (False, True)):
+        traced = jaxsafe.make_jaxpr(loss, finite_args=finite)(*args)
+        assert structure(traced) == structure(plain), finite
+    # a broken promise: NaN in the dropped lanes' derivative, never a wrong live value
+    g = jax.grad(jaxsafe.nan_safe(loss, finite_args=True))(*args)
+    assert np.isnan(g)
+    clean = jnp.array([1., 5., 2., 7.])
+    assert_close(jax.grad(jaxsafe.nan_safe(loss, finite_args=True))(2., clean, VALID), 3.)
+
+
+def test_finite_args_as_a_pytree_prefix():
+    def loss(p, valid):
+        return jnp.where(valid, p["w"] * p["data"], 0.).sum()
+
+    p = {"w": 2., "data": DATA}
+    g = jax.grad(jaxsafe.nan_safe(loss, finite_args=({"w": True, "data": False}, False)))(
+        p, VALID)
+    assert g["w"] == 3.0
+    g = jax.grad(jaxsafe.nan_safe(loss, finite_args=({"w": False, "data": True},)))(p, VALID)
+    assert np.isnan(g["w"])  # the promise about data is broken
+
+
+@pytest.mark.parametrize("bad", ["yes", 1.5, [0.5], ({"w": "x"},), None])
+def test_finite_args_rejects_what_it_cannot_read(bad):
+    with pytest.raises(TypeError, match="finite_args"):
+        jaxsafe.nan_safe(lambda x: x, finite_args=bad)
+
+
+def test_finite_args_prefix_mismatch_names_the_argument():
+    f = jaxsafe.nan_safe(lambda p: p["a"] * 2., finite_args=({"b": True},))
+    with pytest.raises(ValueError, match=r"finite_args\[0\]"):
+        f({"a": 1.})
+
+
+def test_a_literal_predicate_makes_the_unselected_side_dead():
+    """jax-ml/jax#20601: `lax.select(False, beta * x, 1.)` with x NaN."""
+    def f(beta, x):
+        return lax.select(False, beta * x, 1.)
+
+    assert np.isnan(jax.grad(f)(2., nan))
+    assert jax.grad(jaxsafe.nan_safe(f))(2., nan) == 0.
+    assert jax.grad(jaxsafe.nan_safe(f), 1)(2., nan) == 0.
+    # and a NaN-prone primitive on the dead side is guarded the same way
+    g = jax.grad(jaxsafe.nan_safe(lambda x: lax.select(False, jnp.sqrt(x), 1.)))(-1.)
+    assert g == 0.
+
+
+def test_a_non_finite_constant_is_checked_not_assumed():
+    table = np.array([1., nan, 3., inf], np.float32)
+
+    def f(b):
+        return jnp.where(VALID_NP, b * table, 0.).sum()
+
+    assert np.isnan(jax.grad(f)(2.))
+    assert jax.grad(jaxsafe.nan_safe(f))(2.) == 4.0
+    finite_table = np.array([1., 2., 3., 4.], np.float32)
+    g = lambda b: jnp.where(VALID_NP, b * finite_table, 0.).sum()  # noqa: E731
+    closed = jaxsafe.make_jaxpr(g, finite_args=True)(2.)
+    assert structure(closed) == structure(jax.make_jaxpr(g)(2.))
+
+
+def test_a_real_singularity_of_the_taken_branch_stays():
+    def f(b, data, valid):
+        return jnp.where(valid, b * data, 0.).sum()
+
+    data = jnp.array([1., nan, 2., inf])
+    valid = jnp.array([True, True, True, False])  # the NaN is in a live lane
+    assert np.isnan(jax.grad(jaxsafe.nan_safe(f))(2., data, valid))
+    assert np.isnan(jaxsafe.nan_safe(f)(2., data, valid))
+
+
+def _scan_program(guard_by_hand: bool):
+    def f(x):
+        def body(c, _):
+            safe_c = jnp.where(c >= 0, 0., c) if guard_by_hand else c
+            return c + jnp.where(c >= 0, c, jnp.sin(safe_c)), c
+        return lax.scan(body, x, None, length=3)[1].sum()
+    return f
+
+
+def test_a_body_input_that_may_be_non_finite_is_guarded_inside_the_body():
+    """+inf in a scan's carry: the body's `where` drops `sin(c)`, whose derivative at inf is NaN."""
+    f, hand = _scan_program(False), _scan_program(True)
+    xs = jnp.array([inf, -1., 2.])
+    assert np.isnan(jax.vmap(jax.grad(f))(xs)).any()
+    got = jax.vmap(jax.grad(jaxsafe.nan_safe(f)))(xs)
+    assert_close(got, jax.vmap(jax.grad(hand))(xs))
+    assert np.isfinite(got).all()
+    assert_bitwise(jaxsafe.nan_safe(f)(xs[0]), jax.jit(f)(xs[0]))
+
+
+def test_a_body_input_computed_from_finite_arguments_is_finite():
+    """What a body receives is judged from the program around it: promised-finite arguments
+    through finite-preserving primitives leave the body unchanged, in a scan (carry fixpoint),
+    a cond and a while loop."""
+    def cond_program(x, s):
+        return lax.cond(s > 0, lambda u: u, lambda u: jnp.where(u >= 0, u, jnp.sin(u)), x * 2.)
+
+    def while_program(x):
+        def body(c):
+            i, v = c
+            return i + 1, v + jnp.where(v >= 0, v, jnp.sin(v))
+        return lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
+
+    for f, args in [(_scan_program(False), (1.,)), (cond_program, (1., 1.)),
+                    (while_program, (1.,))]:
+        closed = jaxsafe.make_jaxpr(f, finite_args=True)(*args)
+        assert structure(closed) == structure(jax.make_jaxpr(f)(*args))
+        assert structure(jaxsafe.make_jaxpr(f)(*args)) != structure(closed)
+
+
+def test_a_hazard_before_a_body_makes_its_input_possibly_non_finite():
+    """log(x) of a promised-finite x is NaN at x < 0 in a lane the scan's body then drops."""
+    def f(x):
+        def body(c, _):
+            return jnp.where(c >= 0, c, jnp.sin(c)) + 1., c
+        return lax.scan(body, jnp.log(x), None, length=2)[0]
+
+    closed = jaxsafe.make_jaxpr(f, finite_args=True)(1.)
+    assert structure(closed) != structure(jax.make_jaxpr(f)(1.))
