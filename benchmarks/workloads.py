@@ -29,7 +29,9 @@ import numpy as np
 
 import jaxsafe
 
-VARIANTS = ("nan_safe", "hand", "unguarded")
+VARIANTS = ("nan_safe", "hand", "unguarded", "finite_args")
+"""nan_safe(f) (arguments possibly non-finite, the default), the hand fix, f itself, and
+nan_safe(f, finite_args=True) (arguments promised finite)."""
 FORWARD, BACKWARD = "forward", "forward+backward"
 
 
@@ -49,6 +51,8 @@ class Workload:
             return self.hand
         if variant == "nan_safe":
             return jaxsafe.nan_safe(self.f)   # a fresh wrapper: nothing cached
+        if variant == "finite_args":
+            return jaxsafe.nan_safe(self.f, finite_args=True)
         return self.f
 
 
@@ -356,7 +360,7 @@ def _leaves(tree: Any) -> list[np.ndarray]:
 def check(outputs: dict[str, Any]) -> dict:
     """nan_safe against the hand fix: same result up to rounding, and NaN-free where the hand fix
     is; and whether the unguarded program's result has NaN (the bug being fixed)."""
-    ns, hand, raw = (_leaves(outputs[v]) for v in VARIANTS)
+    ns, hand, raw = (_leaves(outputs[v]) for v in ("nan_safe", "hand", "unguarded"))
     finite_ns = all(np.isfinite(a).all() for a in ns)
     finite_hand = all(np.isfinite(a).all() for a in hand)
     err = 0.
