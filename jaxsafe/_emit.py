@@ -134,8 +134,13 @@ class _Emitter:
         eqn = site.eqn
         in_masks = operand_masks(eqn, [self.mask_of(o) for o in eqn.outvars],
                                  LazyOperands(self.orig, eqn.invars), self.plan.sweep)
+        made: dict[tuple, tuple] = {}  # one guard for one operand read twice (`x * x`)
         for k, value in site.replace.items():
             live, operand = in_masks[k], invals[k]
+            key = (eqn.invars[k], value) if isinstance(eqn.invars[k], Var) else None
+            if key in made and made[key][0] is live:
+                invals[k] = made[key][1]
+                continue
             out_shape = shape_of(eqn.outvars[0])
             if isinstance(eqn.invars[k], Literal) and np.shape(operand) != out_shape \
                     and rule_for(eqn.primitive).elementwise and len(eqn.outvars) == 1:
@@ -148,6 +153,8 @@ class _Emitter:
                     operand = broadcast(operand, out_shape)
             if live is not None:
                 invals[k] = lax.select_n(live, lax.full_like(operand, value), operand)
+                if key is not None:
+                    made[key] = (in_masks[k], invals[k])
         for k in site.cut:
             live = in_masks[k]
             if live is not None:
