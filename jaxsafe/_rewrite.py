@@ -47,9 +47,7 @@ def rewrite_with_report(closed: ClosedJaxpr, finite_invars: Sequence[bool] | Non
                         ) -> tuple[ClosedJaxpr, Report]:
     """Rewrite `closed`; returns it unchanged (the same object) when nothing needs a guard.
     `finite_invars`: the arguments the caller promises are finite (default: none)."""
-    if finite_invars is None:
-        finite_invars = [False] * len(closed.jaxpr.invars)
-    assert len(finite_invars) == len(closed.jaxpr.invars)
+    assert finite_invars is None or len(finite_invars) == len(closed.jaxpr.invars)
     with fewer_collections():
         return _rewrite(closed, Sweeps(), finite_invars)
 
@@ -75,7 +73,9 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
     if finite_invars is None:
         finite_invars = [False] * len(closed.jaxpr.invars)
     seeds = nonfinite_seeds(closed, sweep, finite_invars)
-    anywhere = nonfinite_anywhere(closed, seeds)
+    # what bodies receive: only asked for where a row can judge its bodies' inputs
+    anywhere = nonfinite_anywhere(closed, seeds) if any(
+        rule_for(e.primitive).body_inputs is not None for e in closed.jaxpr.eqns) else set()
     nested = rewrite_nested_bodies(closed, sweep, report, sweeps, anywhere)
     sites = place_guards(closed, sweep, seeds, report)
     masked = plan_masked_bodies(closed, sweep, report, sweeps, anywhere)

@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from ._atoms import is_float, is_nonfinite_literal
@@ -63,20 +62,16 @@ def literal_taints(eqn: JaxprEqn, atom: Any) -> bool:
 def may_be_nonfinite_const(value: Any) -> bool:
     """Whether a constant of the program may hold NaN or inf: known values are checked; a
     tracer closed over is unknown, so it may, like an argument."""
-    if isinstance(value, Tracer):
-        return is_float_dtype(value.dtype)
-    dtype = getattr(value, "dtype", None)
-    if dtype is None:
-        value = np.asarray(value)
-        dtype = value.dtype
-    if not is_float_dtype(dtype):
+    if not is_float(value):  # PRNG keys and other extended dtypes too
         return False
-    return not bool(np.all(np.isfinite(np.asarray(value))))
+    return isinstance(value, Tracer) or not bool(np.all(np.isfinite(np.asarray(value))))
 
 
-def is_float_dtype(dtype: Any) -> bool:
-    """Floating or complex (PRNG keys and other extended dtypes are not)."""
-    return bool(jnp.issubdtype(dtype, jnp.inexact))
+def _makes_nonfinite_itself(eqn: JaxprEqn) -> bool:
+    """A NaN-prone primitive, an unknown one, or a non-finite literal operand (its body aside)."""
+    rule = rule_for(eqn.primitive)
+    return rule.guard is not None or not rule.known or \
+        any(literal_taints(eqn, v) for v in eqn.invars)
 
 
 def contains_hazard(closed: ClosedJaxpr) -> bool:
@@ -84,10 +79,7 @@ def contains_hazard(closed: ClosedJaxpr) -> bool:
     stack = [closed]
     while stack:
         for eqn in stack.pop().jaxpr.eqns:
-            rule = rule_for(eqn.primitive)
-            if rule.guard is not None or not rule.known:
-                return True
-            if any(literal_taints(eqn, v) for v in eqn.invars):
+            if _makes_nonfinite_itself(eqn):
                 return True
             stack.extend(sub_jaxprs(eqn))
     return False
@@ -153,12 +145,7 @@ def nonfinite_seeds(closed: ClosedJaxpr, sweep: Sweep, finite_invars: Sequence[b
 def may_produce_nonfinite(eqn: JaxprEqn) -> bool:
     """Whether `eqn` can make NaN or inf from finite operands, in any lane (a NaN-prone
     primitive, an unknown one, a non-finite literal, a body with any of these)."""
-    rule = rule_for(eqn.primitive)
-    if rule.guard is not None or not rule.known:
-        return True
-    if any(literal_taints(eqn, v) for v in eqn.invars):
-        return True
-    return any(contains_hazard(s) for s in sub_jaxprs(eqn))  # inlined calls too
+    return _makes_nonfinite_itself(eqn) or any(contains_hazard(s) for s in sub_jaxprs(eqn))
 
 
 def nonfinite_anywhere(closed: ClosedJaxpr, seeds: set) -> set:
