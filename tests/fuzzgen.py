@@ -1,14 +1,17 @@
 """Random programs for differential fuzzing of `jaxsafe.nan_safe`, and their hand-guarded twins.
 
-A program is data: a tuple of output expressions over four inputs of fixed shape,
+A program is data: a tuple of output expressions over four float inputs of fixed shape and a
+mask (a validity mask from a data loader),
 
-    x: f32[4]   y: f32[4]   m: f32[3, 4]   s: f32[]
+    x: f32[4]   y: f32[4]   m: f32[3, 4]   s: f32[]   k: bool[3, 4]
 
-built from NaN-prone operations (HAZARDS), selections that drop lanes (`jnp.where`, a where whose
-predicate is computed from the selected value itself, `jnp.maximum`/`jnp.minimum`, `jnp.clip`,
-slicing and indexing), shape changes (broadcasts, reductions, dot products) and control flow (a
-`lax.scan` and a `lax.cond` whose bodies contain selections and hazards). Every expression is a
-tree: no intermediate value is shared, except where the grammar says so (the predicate of
+built from NaN-prone operations (HAZARDS), selections that drop lanes (`jnp.where`, a where
+whose predicate is computed from the selected value itself, a where on a mask that reads no
+value: the argument `k`, a closed-over NumPy array, one built from iota, or a literal as in
+`lax.select(False, a, b)`; `jnp.maximum`/`jnp.minimum`, `jnp.clip`, slicing and indexing),
+shape changes (broadcasts, reductions, dot products) and control flow (a `lax.scan` and a
+`lax.cond` whose bodies contain selections and hazards). Every expression is a tree: no
+intermediate value is shared, except where the grammar says so (the predicate of
 `swhere` reads the value it selects), so the liveness of every lane is unambiguous.
 
 `emit(program, guarded)` writes it as Python source, and `build` executes that source:
@@ -20,6 +23,11 @@ tree: no intermediate value is shared, except where the grammar says so (the pre
   decision of max/min/clip on the original values, the lanes a slice keeps, ...). Predicates and
   decisions always read the original values. Max/min/clip whose operand was guarded are written
   as a select on the original decision (a guarded operand must not turn a loss into a tie).
+
+The arguments hold inf and NaN as data does (`inputs`): most often in the lanes that line up
+with a False of `k`, sometimes anywhere. jaxsafe treats every argument as possibly non-finite
+(docs/how-it-works.md, "Operands that may be non-finite"), and so does the twin: it replaces such
+an operand of a non-linear operation by 0 in the operation's dropped lanes.
 
 The liveness rules of the twin are those of docs/how-it-works.md: reductions and dot products keep
 a whole row (every lane that meets a live output), a broadcast source lane is live if any copy
@@ -47,8 +55,23 @@ from jax import lax
 # --------------------------------------------------------------------------- vocabulary
 
 SHAPES = {"S": (), "R": (3,), "V": (4,), "M": (3, 4)}
-INPUTS = {"x": "V", "y": "V", "m": "M", "s": "S"}
-ARGS = ("x", "y", "m", "s")
+INPUTS = {"x": "V", "y": "V", "m": "M", "s": "S"}  # the float arguments (leaves of programs)
+MASK_ARG = "k"  # a bool[3, 4] argument: a validity mask from the data loader, never a leaf
+ARGS = ("x", "y", "m", "s", MASK_ARG)
+# The lanes of the mask argument that a predicate of each shape reads, and the lanes of each
+# float argument that line up with them (where `inputs` puts inf and NaN most often).
+MASK_ARG_SRC = {"M": "k", "V": "k[0]", "R": "k[:, 0]", "S": "k[0, 0]"}
+MASK_LANES = {"x": (0, slice(None)), "y": (0, slice(None)), "m": (slice(None), slice(None)),
+              "s": (0, 0)}
+# Masks that are constants of the function: built from iota (JAX folds nothing, the rewrite
+# evaluates them), by shape.
+IOTA_MASKS = {
+    "V": ("jnp.arange(4) % 2 == 0", "jnp.arange(4) < 2", "jnp.arange(4) != 3"),
+    "R": ("jnp.arange(3) % 2 == 0", "jnp.arange(3) > 0"),
+    "M": ("jnp.tril(jnp.ones((3, 4), bool))", "(jnp.arange(3)[:, None] + jnp.arange(4)) % 2 == 0",
+          "jnp.arange(4)[None, :] < jnp.arange(1, 4)[:, None]"),
+}
+NONFINITE = (float("inf"), float("-inf"), float("nan"))
 
 # NaN-prone unary operations: source template and the safe value of the guard table.
 HAZARDS = {
@@ -191,7 +214,9 @@ def walk(node):
     """Every node of a tree, predicates and bodies included."""
     yield node
     k = node[0]
-    if k == "cmp":
+    if k == "mask":
+        kids = []
+    elif k == "cmp":
         kids = [node[2]]
     elif k == "isnan":
         kids = [node[1]]
@@ -238,13 +263,31 @@ class Gen:
     def pred(self, shape: str, env: dict, top: bool, depth: int):
         """A predicate of `shape`, or a scalar one (broadcast by jnp.where)."""
         pshape = shape if shape == "S" or not self.draw(st.booleans()) else "S"
-        kinds = ["cmp", "cmp", "cmp"] + (["isnan"] if top else [])
+        kinds = ["cmp", "cmp", "cmp", "mask", "mask"] + (["isnan"] if top else [])
         kind = self.pick(kinds)
+        if kind == "mask":  # lanes chosen by data the values do not decide
+            return self.mask(pshape, top)
         if kind == "isnan":  # a NaN test on a hazard computed separately
             return ("isnan", ("haz", self.pick(sorted(HAZARDS)),
                               self.expr(pshape, env, top, depth - 1, False)))
         a = self.expr(pshape, env, top, min(depth - 1, 1), False)
         return ("cmp", self.pick(sorted(CMPS)), a, self.const())
+
+    def mask(self, pshape: str, top: bool):
+        """A predicate that reads no value: the mask argument (top level only: bodies do not
+        see it), a closed-over NumPy array, one built from iota, or a literal."""
+        kinds = ["np", "lit"] + (["arg", "arg"] if top else []) + (["iota"] if pshape != "S"
+                                                                  else [])
+        kind = self.pick(kinds)
+        if kind == "arg":
+            return ("mask", "arg", pshape, None)
+        if kind == "lit":
+            return ("mask", "lit", "S", self.draw(st.booleans()))
+        if kind == "iota":
+            return ("mask", "iota", pshape, self.draw(st.integers(0, len(IOTA_MASKS[pshape]) - 1)))
+        n = int(np.prod(SHAPES[pshape], dtype=int))
+        return ("mask", "np", pshape, tuple(self.draw(st.lists(st.booleans(), min_size=n,
+                                                                max_size=n))))
 
     # -- expressions ---------------------------------------------------------------------
     def expr(self, shape: str, env: dict, top: bool, depth: int, under_drop: bool):
@@ -403,13 +446,44 @@ def _element():
 
 
 @st.composite
-def inputs(draw):
-    """Arguments (x, y, m, s) as float32 numpy arrays."""
-    def arr(shape):
-        n = int(np.prod(shape, dtype=int))
-        vals = draw(st.lists(_element(), min_size=n, max_size=n))
+def inputs(draw, nonfinite: bool = True):
+    """Arguments (x, y, m, s) as float32 numpy arrays and the mask k as a bool array.
+
+    With `nonfinite`, inf and NaN arrive in the arguments as data does (padding, sentinels,
+    missing observations): mostly in the lanes that line up with a False of the mask argument
+    (MASK_LANES), sometimes anywhere (a NaN a live lane then reads is a real one)."""
+    k = np.asarray(draw(st.lists(st.booleans(), min_size=12, max_size=12)), bool).reshape(3, 4)
+    # out of 8: how often a lane under a False of the mask, and any other lane, is non-finite
+    masked, anywhere = (draw(st.sampled_from([0, 4, 8])), draw(st.sampled_from([0, 0, 1]))) \
+        if nonfinite else (0, 0)
+
+    def arr(name):
+        shape = SHAPES[INPUTS[name]]
+        under = ~np.broadcast_to(k[MASK_LANES[name]], shape)
+        vals = []
+        for i in range(int(np.prod(shape, dtype=int))):
+            rate = masked if under.flat[i] else anywhere
+            if rate and draw(st.integers(0, 7)) < rate:
+                vals.append(draw(st.sampled_from(NONFINITE)))
+            else:
+                vals.append(draw(_element()))
         return np.asarray(vals, np.float32).reshape(shape)
-    return tuple(arr(SHAPES[INPUTS[a]]) for a in ARGS)
+    return (*(arr(a) for a in INPUTS), k)
+
+
+def features(program: Program, args) -> set:
+    """What a fuzz example holds that issue 12 asks for, to count in tests/.fuzz-counts.json:
+    each kind of value-free mask, and inf/NaN in the arguments (anywhere, and in the lanes that
+    line up with a False of the mask argument)."""
+    found = {f"mask_{n[1]}" for o in program.outputs for n in walk(o) if n[0] == "mask"}
+    k = np.asarray(args[-1])
+    for name, a in zip(INPUTS, args, strict=False):
+        bad = ~np.isfinite(np.asarray(a))
+        if bad.any():
+            found.add("nonfinite_args")
+        if (bad & ~np.broadcast_to(k[MASK_LANES[name]], bad.shape)).any():
+            found.add("nonfinite_under_false_mask_lanes")
+    return found
 
 
 # --------------------------------------------------------------------------- hazard-free
@@ -462,6 +536,8 @@ def defang(program: Program) -> Program:
         raise ValueError(node)
 
     def pred(p, body: bool):
+        if p[0] == "mask":
+            return p
         if p[0] == "isnan":
             p = ("cmp", "gt", p[1], 0.0)
         if body:  # a hazard in a body, even in a predicate, taints the loop's outputs
@@ -531,6 +607,9 @@ class _Emitter:
             a = ev(node[2])
             return self.let(f"{a} {BINOPS[node[1]]} {ev(node[3])}")
         if k == "where":
+            if node[1][:2] == ("mask", "lit"):  # jax-ml/jax#20601's shape
+                a = ev(node[2])
+                return self.let(f"lax.select({node[1][3]!r}, {a}, {ev(node[3])})")
             p = self.pred(node[1], names)
             a = ev(node[2])
             return self.let(f"jnp.where({p}, {a}, {ev(node[3])})")
@@ -574,6 +653,16 @@ class _Emitter:
         return f"jnp.isnan({h})" if cmp == "isnan" else f"{h} {CMPS[cmp]} {c!r}"
 
     def pred(self, p, names) -> str:
+        if p[0] == "mask":
+            _, kind, shape, payload = p
+            if kind == "arg":
+                return self.let(MASK_ARG_SRC[shape], "p")
+            if kind == "lit":  # as the twin's masks read it; `ev` writes the literal itself
+                return self.let(f"jnp.asarray({payload!r})", "p")
+            if kind == "iota":
+                return self.let(IOTA_MASKS[shape][payload], "p")
+            vals = np.asarray(payload, bool).reshape(SHAPES[shape]).tolist()
+            return self.let(f"np.array({vals!r}, bool)", "p")  # closed over by the function
         if p[0] == "cmp":
             return self.let(f"{self.ev(p[2], names)} {CMPS[p[1]]} {p[3]!r}", "p")
         if p[0] == "isnan":
@@ -649,6 +738,8 @@ class _Emitter:
         return self.let(f"jnp.any({m})", "k")
 
     def pred_shape(self, p) -> str:
+        if p[0] == "mask":
+            return p[2]
         return shape_of(p[2] if p[0] == "cmp" else p[1], self.env)
 
     def child_masks(self, node, env2, m) -> list:
@@ -967,48 +1058,6 @@ def _body_has_hazard(node) -> bool:
     return any(n[0] in ("haz", "div") for n in walk(node))
 
 
-def _tested_inputs(program: Program) -> set:
-    """Inputs that jaxsafe treats as possibly non-finite: those a NaN test reads through a
-    differentiable path, when the test picks the lanes of a selection that is differentiated
-    (not one inside a predicate)."""
-    def closure(node, out):
-        k = node[0]
-        if k == "in":
-            out.add(node[1])
-            return
-        kids = (node[1], node[2]) if k == "scan" else (node[2],) if k == "cond" else \
-            _diff_children(node)
-        for c in kids:
-            closure(c, out)
-
-    names: set = set()
-
-    def visit(node, dead):
-        k = node[0]
-        if k == "cmp":
-            return visit(node[2], True)
-        if k == "isnan":
-            return visit(node[1], True)
-        if not dead and k == "where" and node[1][0] == "isnan":
-            closure(node[1][1], names)
-        if not dead and k == "swhere" and node[1] == "isnan":
-            closure(node[3], names)
-        if k in ("where", "cond"):
-            visit(node[1], True)
-        if k == "scan":  # bodies: no NaN tests there
-            kids = (node[1], node[2])
-        elif k == "cond":
-            kids = (node[2],)
-        else:
-            kids = _diff_children(node)
-        for c in kids:
-            visit(c, dead)
-
-    for o in program.outputs:
-        visit(o, False)
-    return names
-
-
 # Open jaxsafe bugs found by this fuzzer (tests/test_fuzz_regressions.py), by the shape of
 # program that meets them; `known_bugs(program)` says which a program may meet, so that a fuzz
 # run can go on looking for others while they are open (JAXSAFE_FUZZ_AVOID, tests/test_fuzz.py).
@@ -1021,7 +1070,7 @@ KNOWN_BUGS: dict = {
 
 def known_bugs(program: Program) -> set:
     e = _Emitter(itertools.count(), 1, dict(INPUTS))
-    e.taint_inputs = _tested_inputs(program)
+    e.taint_inputs = set(INPUTS)  # arguments may hold inf and NaN
     env2 = {a: (a, a) for a in ARGS}
     for o in program.outputs:
         e.tw(o, env2, None, False, False)
@@ -1033,7 +1082,7 @@ def emit(program: Program, guarded: bool = False) -> str:
     counter = itertools.count()
     e = _Emitter(counter, 1, dict(INPUTS))
     if guarded:
-        e.taint_inputs = _tested_inputs(program)
+        e.taint_inputs = set(INPUTS)  # arguments may hold inf and NaN
         env2 = {a: (a, a) for a in ARGS}
         outs = [e.tw(o, env2, None, False, False)[0] for o in program.outputs]
         name = "twin"
@@ -1052,7 +1101,7 @@ def build(program: Program, guarded: bool = False):
     key = (program, guarded)
     if key not in _BUILT:
         src = emit(program, guarded)
-        scope = {"jnp": jnp, "lax": lax, "jax": jax}
+        scope = {"jnp": jnp, "lax": lax, "jax": jax, "np": np}
         exec(compile(src, f"<fuzz {'twin' if guarded else 'f'}>", "exec"), scope)
         if len(_BUILT) > 64:
             _BUILT.clear()

@@ -1,7 +1,9 @@
 """Differential fuzzing: random programs (tests/fuzzgen.py) against their hand-guarded twins.
 
-Properties, for a random program `f` over (x: f32[4], y: f32[4], m: f32[3, 4], s: f32[]) and
-random inputs that include the edges of every hazard's domain:
+Properties, for a random program `f` over (x: f32[4], y: f32[4], m: f32[3, 4], s: f32[]) and a
+mask k: bool[3, 4], and random inputs that include the edges of every hazard's domain and inf and
+NaN (mostly in the lanes a False of the mask drops), with masks that read no value (the mask
+argument, closed-over NumPy arrays, iota-built masks, literal predicates):
 
 - forward: `nan_safe(f)(*args)` is bit for bit `jax.jit(f)(*args)`, NaN positions included;
 - twin, first and second order: the gradient of a fixed weighting of the outputs, and its
@@ -14,8 +16,11 @@ random inputs that include the edges of every hazard's domain:
   has the equations of `jax.make_jaxpr(f)`.
 
 The twin follows jaxsafe's documented semantics where a careful user would too: it zeroes, in
-dropped lanes, the operands jaxsafe treats as possibly non-finite (values tested with isnan, scan
-and cond outputs), and keeps every decision of a max/min/clip on the original values.
+dropped lanes, the operands jaxsafe treats as possibly non-finite (arguments, values tested with
+isnan, scan and cond outputs, and what is computed from them), and keeps every decision of a
+max/min/clip on the original values. Derivatives are taken in the float arguments; the mask is
+an argument of the jitted function (traced), not differentiated. The fuzz profile counts, per
+property, the examples holding each kind of mask and inf/NaN arguments (`fuzzgen.features`).
 
 Profiles: the unmarked tests run the small, derandomized profile (`make test`); the tests marked
 `slow` run the fuzz profile (`make fuzz`: fixed seed, example database in tests/.hypothesis-fuzz)
@@ -140,10 +145,20 @@ def loss(fn):
 
 
 def derivatives(fn, args):
-    """First order (gradient of the loss in every argument) and second order (its derivative
-    along DIRECTIONS, forward over reverse)."""
-    grad = jax.grad(loss(fn), argnums=tuple(range(len(args))))
-    return jax.jvp(grad, tuple(args), tuple(DIRECTIONS[np.shape(a)] for a in args))
+    """First order (gradient of the loss in every float argument) and second order (its
+    derivative along DIRECTIONS, forward over reverse). A bool argument (the mask) is passed
+    as it is, traced under jit."""
+    floats = [i for i, a in enumerate(args) if jnp.issubdtype(jnp.result_type(a), jnp.floating)]
+
+    def of_floats(*xs):
+        full = list(args)
+        for i, x in zip(floats, xs, strict=True):
+            full[i] = x
+        return fn(*full)
+
+    grad = jax.grad(loss(of_floats), argnums=tuple(range(len(floats))))
+    return jax.jvp(grad, tuple(args[i] for i in floats),
+                   tuple(DIRECTIONS[np.shape(args[i])] for i in floats))
 
 
 def _note_program(program, args):
@@ -175,6 +190,8 @@ def check_forward_bitwise(program, args, profile="small"):
     f = G.build(program)
     assert_bitwise(jaxsafe.nan_safe(f)(*args), jax.jit(f)(*args))
     _count(profile, "forward_bitwise:examples")
+    for feature in G.features(program, args):
+        _count(profile, f"forward_bitwise:{feature}")
 
 
 def _all_derivatives(f, twin):
@@ -254,6 +271,8 @@ def check_derivatives_match_twin(program, args, profile="small"):
     _maybe_clear_caches()
     _note_program(program, args)
     _count(profile, f"{key}:examples")
+    for feature in G.features(program, args):
+        _count(profile, f"{key}:{feature}")
     compare_to_twin(G.build(program), G.build(program, guarded=True), args,
                     lambda k: _count(profile, f"{key}:{k}"))
 

@@ -22,6 +22,7 @@ from jaxsafe import nan_safe
 
 f32 = np.float32
 M0 = np.zeros((3, 4), f32)
+K1 = np.ones((3, 4), bool)  # the generated programs' mask argument (fuzzgen.MASK_ARG)
 
 
 def _check(f, twin, args):
@@ -150,7 +151,7 @@ def test_generated_twin_guards_a_scan_output_that_jax_forwards_out_of_the_scan()
     m[1, 3] = 2.1879179e-17
     args = (np.array([1., 1., 1., -2.5738523], f32), np.array([1., 1., -.5, 1.], f32), m, f32(1.))
     assert "jnp.where" in G.emit(program, guarded=True).split("lax.scan")[0]  # guarded before
-    _check(G.build(program), G.build(program, guarded=True), args)
+    _check(G.build(program), G.build(program, guarded=True), (*args, K1))
 
 
 # --------------------------------------------------------------------------- constant predicate
@@ -195,7 +196,7 @@ def test_ill_conditioned_live_lane_is_settled_equation_by_equation_with_numpy_ar
     # The tiny-denominator case again (m / m at 2.2e-17, jit and eager differ by rounding);
     # the eager re-check crashed on NumPy arguments (NumPy computed `m / m` itself and warned).
     G, program = _scan_forwarding_its_input(("cmp", "lt", ("dot", ("in", "x"), ("in", "y")), 0.))
-    _check(G.build(program), G.build(program, guarded=True), _ARGS_2)
+    _check(G.build(program), G.build(program, guarded=True), (*_ARGS_2, K1))
 
 
 def test_forwarded_scan_output_whose_carry_reads_it_is_guarded_like_the_twin():
@@ -203,7 +204,7 @@ def test_forwarded_scan_output_whose_carry_reads_it_is_guarded_like_the_twin():
     # carry is unused, so the scan is dead code and `m / m` is dropped by the where. The
     # generator's twin kept the scan's operand live because the carry reads it.
     G, program = _scan_forwarding_its_input(("cmp", "lt", ("index", 0, ("in", "y")), 0.))
-    _check(G.build(program), G.build(program, guarded=True), _ARGS_2)
+    _check(G.build(program), G.build(program, guarded=True), (*_ARGS_2, K1))
 
 
 def test_scan_read_only_by_a_comparison_is_unchanged():

@@ -330,16 +330,18 @@ def test_an_operand_read_twice_is_guarded_once():
 
 # Documented limitation (how-it-works.md, "Limitations"): ndtri's polynomials run in a scan,
 # which keeps its operand live (test_transparency's WRAPPED_LIMITATIONS).
-_EDGE_LIMITED = {"sp.ndtri"}
+_EDGE_LIMITED = {"sp.ndtri", "stats.norm.ppf", "stats.norm.isf"}
+# A guard stops an XLA rewrite there, and the taken lane x = tiny gets eager JAX's derivative, not
+# jax.jit's (test_transparency's BLOCKED_XLA_REWRITE, pinned there).
+_BLOCKED_REWRITE_AT_TINY = {"stats.gennorm.cdf"}
 
 
 @functools.cache
 def _edge_ops():
-    from transparency_cases import WRAPPED, inputs
+    from transparency_cases import STATS, WRAPPED, inputs
     x = np.asarray(inputs("unary", jnp.float32)[0])
-    ops = [w for w in WRAPPED if "float32" in w.dtypes and w.id not in _EDGE_LIMITED]
-    branches = jax.jit(lambda v: [jax.vmap(jax.grad(w.op))(v) for w in ops])(jnp.asarray(x))
-    return x, ops, [np.asarray(b) for b in branches]
+    ops = [w for w in WRAPPED + STATS if "float32" in w.dtypes and w.id not in _EDGE_LIMITED]
+    return x, ops
 
 
 @pytest.mark.parametrize("pattern", ["even", "odd", "none"])
@@ -347,8 +349,8 @@ def test_library_functions_with_edge_values_in_lanes_a_constant_mask_drops(patte
     """Every wrapped jax.numpy / jax.nn / jax.scipy.special function of the transparency suite,
     behind a closed-over NumPy mask that drops +-inf, NaN, +-max, 0, -0 and subnormals in turn
     (or every lane): a dropped lane's derivative is exactly the other side's (1), a taken lane's
-    is the function's own where that is finite."""
-    x, ops, branches = _edge_ops()
+    is plain JAX's on the same program where that is finite."""
+    x, ops = _edge_ops()
     n = x.shape[0]
     keep = {"even": np.arange(n) % 2 == 0, "odd": np.arange(n) % 2 == 1,
             "none": np.zeros(n, bool)}[pattern]
@@ -359,13 +361,19 @@ def test_library_functions_with_edge_values_in_lanes_a_constant_mask_drops(patte
     xs = [jnp.asarray(x)] * len(ops)
     loss = lambda fn: lambda xs: sum(jnp.sum(y) for y in fn(xs))  # noqa: E731
     grads = jax.jit(jax.grad(loss(jaxsafe.nan_safe(f))))(xs)
-    for w, g, branch in zip(ops, grads, branches, strict=True):
+    # the reference for taken lanes: the same program without nan_safe, under jit (a program
+    # of another shape, such as vmap of grad of the function alone, fuses differently: at
+    # x = -max, 2 * x overflows in one and not the other)
+    plain = jax.jit(jax.grad(loss(f)))(xs)
+    for w, g, branch in zip(ops, grads, plain, strict=True):
         g = np.asarray(g)
         np.testing.assert_array_equal(g[~keep], 1.0, err_msg=w.id)
-        # taken lanes: where plain JAX's derivative of the function is finite, the same (where it
-        # is not, it may be JAX's own where-bug inside the function: sp.entr at x < 0)
-        branch = branch[keep]
+        # taken lanes: where plain JAX's derivative is finite, the same (where it is not, it may
+        # be JAX's own where-bug inside the function: sp.entr at x < 0)
+        branch = np.asarray(branch)[keep]
         finite = np.isfinite(branch)
+        if w.id in _BLOCKED_REWRITE_AT_TINY:
+            finite &= x[keep] != np.finfo(np.float32).tiny
         # (atol: XLA flushes a subnormal derivative to 0 in one fusion and not in another)
         np.testing.assert_allclose(g[keep][finite], branch[finite], rtol=1e-5,
                                    atol=float(np.finfo(np.float32).tiny), err_msg=w.id)

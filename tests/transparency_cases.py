@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import jax.scipy.special as sp
+import jax.scipy.stats as stats
 import numpy as np
 from jax import lax, nn
 
@@ -313,19 +314,30 @@ CASES: list[Case] = [
 
 # ------------------------------------------------------------------------- unary ops behind a where
 
+def _positive(x):
+    return x > 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Wrapped:
-    """`jnp.where(x > 0, op(x), x)`; `safe` is an in-domain value for the hand-written twin."""
+    """`jnp.where(live(x), op(x), x)`, `live` is `x > 0` unless given (a distribution's
+    support); `safe` is a point where `live` holds, for the hand-written twin. `deriv`, where
+    given, is op's derivative written out, for the lanes where JAX's own gradient of op is not
+    finite because op selects inside (JAX's where-bug in the function itself, which the
+    hand-written twin keeps and nan_safe fixes)."""
     id: str
     op: Callable
     safe: float = 1.0
     dtypes: tuple = ALL
+    live: Callable = _positive
+    deriv: Callable | None = None
 
     def f(self, x):
-        return jnp.where(x > 0, self.op(x), x)
+        return jnp.where(self.live(x), self.op(x), x)
 
     def hand(self, x):
-        return jnp.where(x > 0, self.op(jnp.where(x > 0, x, self.safe)), x)
+        live = self.live(x)
+        return jnp.where(live, self.op(jnp.where(live, x, self.safe)), x)
 
 
 WRAPPED: list[Wrapped] = [
@@ -390,4 +402,88 @@ WRAPPED: list[Wrapped] = [
     Wrapped("nn.elu", nn.elu),
     Wrapped("nn.hard_tanh", nn.hard_tanh, 0.5),
     Wrapped("nn.mish", nn.mish),
+]
+
+
+# ------------------------------------------------------------------ jax.scipy.stats behind a where
+# Each distribution's functions behind a where on its support (the live side), so that the dropped
+# lanes hold the points outside it as well as the edge values (+-inf, NaN, +-max, 0, -0, the
+# subnormals): first in the variable, then in a parameter (a scale, a shape, a probability), as a
+# model fitting the parameter meets them. float32 and float64 only: the half-precision runs of
+# part 2 already cover the primitives these are built from, and a third program per dtype of
+# ~100 functions would cost `make test` a minute.
+
+
+def _between(lo, hi):
+    return lambda x: (x > lo) & (x < hi)
+
+
+_UNIT = _between(0., 1.)
+_ANY = _positive  # support is every real: the where drops x <= 0 as a program's own test would
+
+
+def _s(id, op, live=_ANY, safe=0.5, deriv=None):
+    return Wrapped(f"stats.{id}", op, safe, NO_HALF, live, deriv)
+
+
+STATS: list[Wrapped] = [
+    # the variable, over the support. Not gumbel_r/gumbel_l.ppf: plain `jax.grad` of them raises
+    # in JAX 0.10.2 (xlogy's JVP multiplies a float0 tangent).
+    *(_s(f"norm.{m}", getattr(stats.norm, m))
+      for m in ("logpdf", "pdf", "cdf", "logcdf", "sf", "logsf")),
+    _s("norm.ppf", stats.norm.ppf, _UNIT), _s("norm.isf", stats.norm.isf, _UNIT),
+    *(_s(f"cauchy.{m}", getattr(stats.cauchy, m))
+      for m in ("logpdf", "pdf", "cdf", "logcdf", "sf", "logsf")),
+    _s("cauchy.ppf", stats.cauchy.ppf, _UNIT), _s("cauchy.isf", stats.cauchy.isf, _UNIT),
+    *(_s(f"laplace.{m}", getattr(stats.laplace, m)) for m in ("logpdf", "pdf")),
+    # selects between exp(x) and exp(-x): at x = +inf or +max the dropped exp overflows and
+    # plain JAX's derivative is NaN; the derivative is the density
+    _s("laplace.cdf", stats.laplace.cdf, deriv=stats.laplace.pdf),
+    *(_s(f"logistic.{m}", getattr(stats.logistic, m)) for m in ("logpdf", "pdf", "cdf", "sf")),
+    _s("logistic.ppf", stats.logistic.ppf, _UNIT), _s("logistic.isf", stats.logistic.isf, _UNIT),
+    _s("t.logpdf", lambda x: stats.t.logpdf(x, 3.)), _s("t.pdf", lambda x: stats.t.pdf(x, 3.)),
+    *(_s(f"gennorm.{m}", lambda x, m=m: getattr(stats.gennorm, m)(x, 1.5))
+      for m in ("logpdf", "pdf", "cdf")),
+    *(_s(f"gumbel_r.{m}", getattr(stats.gumbel_r, m))
+      for m in ("logpdf", "pdf", "cdf", "logcdf", "sf", "logsf")),
+    *(_s(f"gumbel_l.{m}", getattr(stats.gumbel_l, m))
+      for m in ("logpdf", "pdf", "cdf", "logcdf", "sf", "logsf")),
+    *(_s(f"expon.{m}", getattr(stats.expon, m))
+      for m in ("logpdf", "pdf", "cdf", "logcdf", "sf", "logsf")),
+    _s("expon.ppf", stats.expon.ppf, _UNIT),
+    *(_s(f"gamma.{m}", lambda x, m=m: getattr(stats.gamma, m)(x, 2.5))
+      for m in ("logpdf", "pdf", "cdf", "logcdf", "sf", "logsf")),
+    *(_s(f"chi2.{m}", lambda x, m=m: getattr(stats.chi2, m)(x, 3.))
+      for m in ("logpdf", "pdf", "cdf", "logcdf", "sf", "logsf")),
+    *(_s(f"beta.{m}", lambda x, m=m: getattr(stats.beta, m)(x, 2., 3.), _UNIT)
+      for m in ("logpdf", "pdf", "cdf", "logcdf", "sf", "logsf")),
+    *(_s(f"pareto.{m}", lambda x, m=m: getattr(stats.pareto, m)(x, 2.), lambda x: x > 1., 1.5)
+      for m in ("logpdf", "pdf", "cdf", "logcdf", "sf", "logsf")),
+    _s("pareto.ppf", lambda q: stats.pareto.ppf(q, 2.), _UNIT),
+    *(_s(f"truncnorm.{m}", lambda x, m=m: getattr(stats.truncnorm, m)(x, -1., 2.),
+         _between(-1., 2.)) for m in ("logpdf", "pdf", "cdf", "logcdf", "sf", "logsf")),
+    *(_s(f"uniform.{m}", getattr(stats.uniform, m), _UNIT) for m in ("logpdf", "pdf", "cdf")),
+    _s("uniform.ppf", stats.uniform.ppf, _UNIT),
+    _s("vonmises.logpdf", lambda x: stats.vonmises.logpdf(x, 2.), _between(-math.pi, math.pi)),
+    _s("wrapcauchy.logpdf", lambda x: stats.wrapcauchy.logpdf(x, 0.5), _between(0., 2 * math.pi),
+       1.),
+    # a parameter, over its domain (the variable fixed inside the support)
+    _s("norm.logpdf-scale", lambda s: stats.norm.logpdf(0.5, 0., s)),
+    _s("norm.cdf-scale", lambda s: stats.norm.cdf(0.5, 0., s)),
+    _s("expon.logpdf-scale", lambda s: stats.expon.logpdf(1.5, scale=s)),
+    _s("gamma.logpdf-a", lambda a: stats.gamma.logpdf(1.5, a)),
+    _s("gamma.cdf-a", lambda a: stats.gamma.cdf(1.5, a)),
+    _s("beta.logpdf-a", lambda a: stats.beta.logpdf(0.3, a, 2.)),
+    _s("t.logpdf-df", lambda df: stats.t.logpdf(0.5, df)),
+    _s("chi2.logpdf-df", lambda df: stats.chi2.logpdf(1.5, df)),
+    _s("pareto.logpdf-b", lambda b: stats.pareto.logpdf(2., b)),
+    _s("gennorm.logpdf-beta", lambda b: stats.gennorm.logpdf(0.5, b)),
+    _s("vonmises.logpdf-kappa", lambda k: stats.vonmises.logpdf(0.5, k)),
+    _s("poisson.logpmf-mu", lambda mu: stats.poisson.logpmf(3., mu)),
+    _s("poisson.pmf-mu", lambda mu: stats.poisson.pmf(3., mu)),
+    _s("bernoulli.logpmf-p", lambda p: stats.bernoulli.logpmf(1., p), _UNIT),
+    _s("binom.logpmf-p", lambda p: stats.binom.logpmf(3., 10., p), _UNIT),
+    _s("geom.logpmf-p", lambda p: stats.geom.logpmf(3., p), _UNIT),
+    _s("nbinom.logpmf-p", lambda p: stats.nbinom.logpmf(3., 5., p), _UNIT),
+    _s("betabinom.logpmf-a", lambda a: stats.betabinom.logpmf(3., 10., a, 2.)),
 ]
