@@ -21,6 +21,10 @@ from ._rules import alignment, rule_for
 from ._symbolic import backward_mapping, forward_mapping, implies, move
 from ._walk import demand
 
+CHAIN_SAFE_VALUES = (1.0, 0.5, 2.0)
+"""What a guard at the start of a dropped chain may take instead of its own safe value, tried in
+order (`DroppedValues.move_chain_guards`)."""
+
 Known = tuple[np.ndarray, bool] | None
 """(value, is_constant): the value a variable holds in its dropped lanes (everywhere, when it
 is a constant), or None when unknown."""
@@ -154,6 +158,103 @@ class DroppedValues:
             else:
                 point.append(np.asarray(safe.get(j, 1.0), dtype_of(a)))
         return finite_with_derivatives(eqn, point)
+
+    # -- one guard at the start of a chain ----------------------------------------------------
+
+    def move_chain_guards(self, eqn: JaxprEqn, k: int, safe: Mapping[int, float]) -> bool:
+        """Whether the guards that start operand k's dropped chain can take another safe value at
+        which every equation of the chain, and `eqn`, are finite with their derivatives; if so,
+        they take it and `eqn` needs no guard of its own.
+
+        The chain is elementwise and read once along the way (`abs -> pow -> igamma` in
+        `gennorm.cdf`): nothing else reads its dropped values, so no earlier decision changes.
+        One guard at its start, as a hand-written double where puts it, instead of one per NaN-prone
+        step, leaves XLA free to rewrite across the chain (`log(x ** 1.5)` to `1.5 * log(x)`),
+        so live lanes keep the original program's last bit.
+        """
+        chain = self._chain(eqn.invars[k])
+        if chain is None:
+            return False
+        order, roots = chain
+        for candidate in CHAIN_SAFE_VALUES:
+            values = self._evaluate_chain(order, roots, candidate)
+            if values is None:
+                continue
+            point = []
+            for j, a in enumerate(eqn.invars):
+                other = self.get(a) if j != k else None
+                if j == k:
+                    point.append(values[a])
+                elif other is not None and other[1]:
+                    point.append(np.asarray(other[0]))
+                else:
+                    point.append(np.asarray(safe.get(j, 1.0), dtype_of(a)))
+            if not finite_with_derivatives(eqn, point):
+                continue
+            for i, j in roots:
+                self.sites[i].replace[j] = candidate
+                self.sites[i].reasons[j] += f" (at {candidate:g}: guards the chain after it)"
+            for i in order:
+                self.memo.pop(self.eqns[i].outvars[0], None)
+            return True
+        return False
+
+    def _chain(self, u: Any) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """The elementwise equations that compute `u`'s dropped value from guarded operands and
+        constants, each output read once; and those guarded operands, (equation, operand)."""
+        if not isinstance(u, Var) or self.reads.get(u, 0) != 1:
+            return None
+        known = self.get(u)
+        if known is None or known[1]:
+            return None
+        order: set[int] = set()
+        roots: list[tuple[int, int]] = []
+        stack = [u]
+        while stack:
+            v = stack.pop()
+            found = self._producer(v)
+            if found is None:
+                return None
+            i, e = found
+            if not self._elementwise(i, e):
+                return None
+            order.add(i)
+            site = self.sites.get(i)
+            for j, a in enumerate(e.invars):
+                if site is not None and j in site.replace:
+                    roots.append((i, j))
+                    continue
+                value = self.get(a)
+                if value is not None and value[1]:
+                    continue  # a constant
+                if not (isinstance(a, Var) and self.reads.get(a, 0) == 1
+                        and shape_of(a) == shape_of(e.outvars[0])):
+                    return None
+                stack.append(a)
+        return (sorted(order), roots) if roots else None
+
+    def _evaluate_chain(self, order: list[int], roots: list[tuple[int, int]],
+                        candidate: float) -> dict[Any, np.ndarray] | None:
+        """The chain's dropped values with its guards at `candidate`, or None where an equation
+        or its derivative is not finite there."""
+        replaced = set(roots)
+        values: dict[Any, np.ndarray] = {}
+        for i in order:
+            e = self.eqns[i]
+            point = []
+            for j, a in enumerate(e.invars):
+                if (i, j) in replaced:
+                    point.append(np.asarray(candidate, dtype_of(a)))
+                elif isinstance(a, Var) and a in values:
+                    point.append(values[a])
+                else:
+                    known = self.get(a)
+                    assert known is not None
+                    point.append(np.asarray(known[0]))
+            if not finite_with_derivatives(e, point):
+                return None
+            values[e.outvars[0]] = fold(e, point)[0]
+        return values
 
 
 # --------------------------------------------------------------------------- scalar moves

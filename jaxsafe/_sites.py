@@ -5,7 +5,9 @@ An equation is guarded when its output has dropped lanes (static liveness says M
 
 - its row has a guard (`sqrt`, `log`, `div`, ...): each listed operand that reaches the hazard
   takes the safe value, unless it is known to be in the domain there already (`_dropped.py`) or
-  bounded into it for every finite input (`_bounds.py`);
+  bounded into it for every finite input (`_bounds.py`), or the guards at the start of its
+  dropped chain can take a safe value that carries the chain into it (`_dropped.py`: one guard
+  where a hand fix puts it, so XLA's rewrites across the chain stay);
 - or an operand may be non-finite there (`_taint.py`: an argument, a constant, ...) and the
   derivative of a differentiated operand reads it (`PrimitiveRule.derivative_reads`: `b` in
   `a * b`): that operand takes the table's safe value, else 0. Only where the guard needs no
@@ -170,6 +172,8 @@ def _value_guards(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool], guarded:
             continue  # e.g. div(_, exp(guarded x)): exp(0) = 1 there already
         if _bounded_into_domain(eqn, k, rule, bounds, tainted):
             continue  # e.g. rsqrt(mean(d ** 2) + 1e-5): in domain for any d
+        if dropped.move_chain_guards(eqn, k, guard.safe):
+            continue  # e.g. igamma(_, abs(guarded x) ** 1.5): the guard of x takes 1, not 0
         replace[k], reasons[k] = value, "table"
     return replace, reasons
 

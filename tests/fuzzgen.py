@@ -68,7 +68,8 @@ MASK_LANES = {"x": (0, slice(None)), "y": (0, slice(None)), "m": (slice(None), s
 IOTA_MASKS = {
     "V": ("jnp.arange(4) % 2 == 0", "jnp.arange(4) < 2", "jnp.arange(4) != 3"),
     "R": ("jnp.arange(3) % 2 == 0", "jnp.arange(3) > 0"),
-    "M": ("jnp.tril(jnp.ones((3, 4), bool))", "(jnp.arange(3)[:, None] + jnp.arange(4)) % 2 == 0",
+    "M": ("jnp.tril(jnp.ones((3, 4), bool))",
+          "(jnp.arange(3)[:, None] + jnp.arange(4)[None, :]) % 2 == 0",
           "jnp.arange(4)[None, :] < jnp.arange(1, 4)[:, None]"),
 }
 NONFINITE = (float("inf"), float("-inf"), float("nan"))
@@ -297,10 +298,10 @@ class Gen:
         self.budget -= 1
         if under_drop:  # below a selection: mostly hazards
             kinds = ["leaf"] * 2 + ["haz"] * 7 + ["div"] * 2 + ["un", "bin", "bin"] + \
-                ["where", "guarded", "swhere", "max", "min", "clip"]
+                ["where", "mwhere", "guarded", "swhere", "max", "min", "clip"]
         else:  # above: mostly selections
             kinds = ["leaf", "haz", "haz", "div", "un", "bin", "bin"] + ["where"] * 3 + \
-                ["guarded"] * 3 + ["swhere"] * 3 + ["max", "min", "clip"]
+                ["mwhere"] * 3 + ["guarded"] * 3 + ["swhere"] * 3 + ["max", "min", "clip"]
         if top:
             kinds += ["shape"] * (2 if under_drop else 4)
             if self.control_flow and shape in ("S", "V", "M"):
@@ -324,6 +325,9 @@ class Gen:
         if kind == "where":
             p = self.pred(shape, env, top, depth)
             return ("where", p, sub(shape, True), sub(shape, True))
+        if kind == "mwhere":  # a where on a mask that reads no value (padding, validity)
+            pshape = shape if shape == "S" or not self.draw(st.booleans()) else "S"
+            return ("where", self.mask(pshape, top), sub(shape, True), sub(shape, True))
         if kind == "guarded":
             # the textbook case: the predicate tests the hazard's own operand (computed again),
             # jnp.where(a > c, sqrt(a), b)

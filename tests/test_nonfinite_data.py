@@ -331,9 +331,6 @@ def test_an_operand_read_twice_is_guarded_once():
 # Documented limitation (how-it-works.md, "Limitations"): ndtri's polynomials run in a scan,
 # which keeps its operand live (test_transparency's WRAPPED_LIMITATIONS).
 _EDGE_LIMITED = {"sp.ndtri", "stats.norm.ppf", "stats.norm.isf"}
-# A guard stops an XLA rewrite there, and the taken lane x = tiny gets eager JAX's derivative, not
-# jax.jit's (test_transparency's BLOCKED_XLA_REWRITE, pinned there).
-_BLOCKED_REWRITE_AT_TINY = {"stats.gennorm.cdf"}
 
 
 @functools.cache
@@ -372,8 +369,6 @@ def test_library_functions_with_edge_values_in_lanes_a_constant_mask_drops(patte
         # be JAX's own where-bug inside the function: sp.entr at x < 0)
         branch = np.asarray(branch)[keep]
         finite = np.isfinite(branch)
-        if w.id in _BLOCKED_REWRITE_AT_TINY:
-            finite &= x[keep] != np.finfo(np.float32).tiny
         # (atol: XLA flushes a subnormal derivative to 0 in one fusion and not in another)
         np.testing.assert_allclose(g[keep][finite], branch[finite], rtol=1e-5,
                                    atol=float(np.finfo(np.float32).tiny), err_msg=w.id)

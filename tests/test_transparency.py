@@ -136,19 +136,15 @@ WRAPPED_LIMITATIONS = {
     "stats.norm.isf": _NDTRI,
 }
 # A guard between two operations stops an algebraic rewrite XLA makes in the original program,
-# and at x = tiny (a power of it underflows, or a log of it is near -745) the live lane's jitted
-# derivative is then what eager JAX computes, equation by equation, not what jax.jit computes:
-# - gennorm.cdf(x, 1.5) = 0.5 * (1 + sign(x) * igamma(2/3, |x| ** 1.5)): igamma's derivative
-#   takes log(|x| ** 1.5), which XLA rewrites to 1.5 * log|x|; the table guard of igamma's
-#   operand sits between the pow and the log. Eager and nan_safe: inf; jax.jit: 0.55.
-# - beta.pdf(x, 2, 3) at float64 tiny: 12.000000000001029 (eager and nan_safe) against
-#   11.999999999999662 (jax.jit), a difference of 1e-13, from exp(... + log x) near -708.
-# The hand-written double where guards the input once, before every rewrite. Pinned by
-# test_where_wrapped_blocked_rewrite_is_eager_jax; guards placed at the start of a dropped
-# chain, as the hand fix does, would remove these.
+# and at x = tiny (a log of it is near -745) the live lane's jitted derivative is then what eager
+# JAX computes, equation by equation, not what jax.jit computes: beta.pdf(x, 2, 3) at float64
+# tiny is 12.000000000001029 (eager and nan_safe) against 11.999999999999662 (jax.jit), 1e-13
+# apart, from exp(... + log x) near -708. The guard of exp's operand cannot move to the start of
+# its chain (`DroppedValues.move_chain_guards`), which passes through xlogy's custom rule and a
+# select on x; the hand-written double where guards x itself, before every rewrite. Pinned by
+# test_where_wrapped_blocked_rewrite_is_eager_jax. (gennorm.cdf was here, inf where jax.jit gives
+# 0.55: its igamma guard now moves to the start of abs -> pow -> igamma.)
 BLOCKED_XLA_REWRITE = {
-    ("stats.gennorm.cdf", "float32"): "inf where jax.jit gives 0.55",
-    ("stats.gennorm.cdf", "float64"): "inf where jax.jit gives 0.55",
     ("stats.beta.pdf", "float64"): "1e-13 from jax.jit's value, at eager JAX's",
 }
 
