@@ -1,4 +1,4 @@
-"""Equations with bodies: reading their jaxprs, and staging them again with masks from outside.
+"""Equations with bodies: staging them again with masks from outside.
 
 A body whose outputs the surrounding program drops in places (a checkpoint, a cond branch, a
 scan's per-step outputs) is rewritten again with those output masks as extra inputs, and staged
@@ -16,7 +16,8 @@ from typing import Any
 import jax
 from jax import lax
 
-from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, eval_jaxpr
+from ._compat import ClosedJaxpr, JaxprEqn, eval_jaxpr
+from ._lanewise import carry_kinds, carry_masks
 from ._rules import Kind, Mask
 
 PlanBody = Callable[[ClosedJaxpr, list[Kind]], Any]
@@ -24,25 +25,6 @@ PlanBody = Callable[[ClosedJaxpr, list[Kind]], Any]
 
 EmitBody = Callable[[Any, Sequence[Mask], Sequence[Any]], list]
 """(plan, output masks, arguments) -> the body's outputs, emitted on the current trace."""
-
-
-def call_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr:
-    """The body of a call-like equation (`jit`, `closed_call`, `remat`, custom rule calls)."""
-    params = eqn.params
-    inner = params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
-    return inner if isinstance(inner, ClosedJaxpr) else ClosedJaxpr(inner, ())
-
-
-def sub_jaxprs(eqn: JaxprEqn) -> list[ClosedJaxpr]:
-    """Every jaxpr in `eqn`'s parameters, closed."""
-    out = []
-    for value in eqn.params.values():
-        for item in (value if isinstance(value, tuple | list) else (value,)):
-            if isinstance(item, ClosedJaxpr):
-                out.append(item)
-            elif isinstance(item, Jaxpr):
-                out.append(ClosedJaxpr(item, ()))
-    return out
 
 
 def _body_out_kinds(kinds: Sequence[Kind]) -> list[Kind]:
@@ -87,12 +69,14 @@ class CondBody:
 
 
 class ScanBody:
-    """`scan`: the masks of the stacked outputs are scanned over with the inputs; the carries
-    stay live (their liveness would need a fixed point across iterations)."""
+    """`scan`: the masks of the stacked outputs are scanned over with the inputs. The carries
+    stay live (their liveness would need a fixed point across iterations), except in a body that
+    computes lane by lane, where a carry's mask is the scan's lane mask at every step
+    (`_lanewise.py`)."""
 
     def plan(self, eqn: JaxprEqn, out_kinds: Sequence[Kind], plan_body: PlanBody) -> list | None:
         n_carry = eqn.params["num_carry"]
-        kinds = [Kind.LIVE] * n_carry + _body_out_kinds(out_kinds)[n_carry:]
+        kinds = carry_kinds(eqn, out_kinds) + _body_out_kinds(out_kinds)[n_carry:]
         if all(k == Kind.LIVE for k in kinds):
             return None
         return _any_plan([plan_body(eqn.params["jaxpr"], kinds)])
@@ -103,10 +87,11 @@ class ScanBody:
         consts, init, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
                             invals[n_consts + n_carry:])
         fn = _body_fn(plans[0], params["jaxpr"], emit_body)
+        carried = carry_masks(eqn, out_masks)
 
         def body(carry, x_and_masks):
             x, masks = x_and_masks
-            outs = fn([*consts, *carry, *x], [None] * n_carry + list(masks))
+            outs = fn([*consts, *carry, *x], [*carried, *masks])
             return outs[:n_carry], outs[n_carry:]
 
         carry, ys = lax.scan(body, list(init), (list(xs), list(out_masks[n_carry:])),

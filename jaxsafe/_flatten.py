@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._bodies import call_jaxpr
 from ._compat import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Var
+from ._nested import call_jaxpr
 from ._rules import rule_for
 
 

@@ -24,7 +24,6 @@ import numpy as np
 from jax import lax
 
 from ._atoms import dtype_of, is_float, shape_of
-from ._bodies import call_jaxpr
 from ._compat import JaxprEqn, Literal, bind_eqn
 from ._masks import (
     all_of,
@@ -44,6 +43,7 @@ from ._masks import (
     within,
     zeros,
 )
+from ._nested import call_jaxpr
 from ._rules import Context, Kind, Mask, rule_for
 from ._symbolic import (
     FALSE,

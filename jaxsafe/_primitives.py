@@ -26,6 +26,7 @@ from ._bodies import CondBody, RematBody, ScanBody
 from ._compat import JaxprEqn, Primitive
 from ._compat import primitives as prims
 from ._dropped import chosen_scalar, reshaped_scalar, same_scalar, summed_scalar
+from ._lanewise import scan_kinds, scan_masks
 from ._liveness_rules import (
     aligned_syms,
     broadcast_in_dim_alignment,
@@ -225,6 +226,7 @@ register(prims.custom_jvp_call_p, prims.custom_vjp_call_p, masks=opaque_call_mas
          kinds=opaque_call_kinds, custom_rule=True)
 register(prims.cond_p, masks=cond_masks, kinds=cond_kinds, nested_params=("branches",),
          masked_body=CondBody(), body_inputs=cond_body_inputs)
-register(prims.scan_p, nested_params=("jaxpr",), masked_body=ScanBody(),
+register(prims.scan_p, masks=scan_masks, kinds=scan_kinds, nested_params=("jaxpr",),
+         masked_body=ScanBody(),
          body_inputs=scan_body_inputs)
 register(prims.while_p, nested_params=("body_jaxpr",), body_inputs=while_body_inputs)

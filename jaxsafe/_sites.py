@@ -33,12 +33,12 @@ from collections.abc import Set
 import numpy as np
 
 from ._atoms import dtype_of, is_float, shape_of
-from ._bodies import sub_jaxprs
 from ._bounds import Bounds
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._constants import finite_with_derivatives
 from ._dropped import DroppedValues
 from ._liveness import Sweep, operand_kinds
+from ._nested import sub_jaxprs
 from ._report import Report, Site, note_failure
 from ._rules import Kind, PrimitiveRule, alignment, guard_for, rule_for
 from ._symbolic import backward_mapping, runs_only_along
@@ -84,7 +84,12 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
     guarded = [k != Kind.LIVE for k in operand_kinds(eqn, out_kinds, sweep)]
     replace, reasons = _value_guards(eqn, rule, diff, guarded, tainted, dropped, bounds)
     guard = guard_for(eqn)
-    for k in _nonfinite_operands(eqn, rule, diff, guarded, tainted, sweep, report):
+    # a body rewritten with its output masks guards its own reads of non-finite inputs
+    body_guards_itself = rule.masked_body is not None and any(
+        k == Kind.MAYBE and is_float(o) for k, o in zip(out_kinds, eqn.outvars, strict=True))
+    nonfinite = [] if body_guards_itself else _nonfinite_operands(
+        eqn, rule, diff, guarded, tainted, sweep, report)
+    for k in nonfinite:
         if k not in replace:
             safe = guard.safe.get(k, 0.0) if guard is not None else 0.0
             replace[k], reasons[k] = safe, "may be non-finite"

@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from ._atoms import is_float, is_nonfinite_literal
-from ._bodies import sub_jaxprs
 from ._compat import ClosedJaxpr, JaxprEqn, Tracer, Var
 from ._liveness import Sweep
+from ._nested import sub_jaxprs
 from ._rules import Kind, rule_for
 
 

@@ -229,6 +229,16 @@ def walk(node):
         yield from walk(c)
 
 
+def lanewise(node, env: dict) -> bool:
+    """Whether a scan's body computes lane by lane (jaxsafe's `_lanewise.lane_shape`): its
+    carry is a vector (not a scalar) and every operation in it is elementwise; the only
+    non-elementwise operation a body can hold is an iota-built mask."""
+    _, xs, _, t, y, _ = node
+    if shape_of(xs, env) != "M":
+        return False
+    return not any(n[0] == "mask" and n[1] == "iota" for b in (t, y) for n in walk(b))
+
+
 # --------------------------------------------------------------------------- generation
 
 
@@ -401,14 +411,15 @@ class Gen:
 
     def scan(self, shape, env, d, under_drop):
         self.control_flow -= 1
-        # Output: the stacked per-step outputs ("ys") or the final carry. A carry is never
-        # placed under a selection: liveness does not flow into scan carries from outside
-        # (docs/how-it-works.md, Limitations, "Liveness does not flow into while loops or scan
-        # carries from outside"), so a hazard dropped only through a carry is not guarded.
+        # Output: the stacked per-step outputs ("ys") or the final carry. A carry is placed
+        # under a selection only when the body computes lane by lane (`lanewise`): liveness
+        # flows into such a scan's carries from outside; into any other scan's it does not
+        # (docs/how-it-works.md, Limitations), so a hazard dropped only through its carry is
+        # not guarded.
         outs = []
         if shape in ("V", "M"):
             outs.append(("ys", shape))
-        if shape in ("S", "V") and not under_drop:
+        if shape == "V" or shape == "S" and not under_drop:
             outs.append(("carry", {"S": "V", "V": "M"}[shape]))
         if not outs:
             self.control_flow += 1
@@ -420,7 +431,11 @@ class Gen:
         init = self.expr(elem, env, True, min(d, 1), under_drop)
         t = self.body_expr(elem, benv, 2)
         y = self.body_expr(elem, benv, 2)
-        return ("scan", xs, init, t, y, out)
+        node = ("scan", xs, init, t, y, out)
+        if out == "carry" and under_drop and not lanewise(node, env):
+            self.control_flow += 1
+            return self.leaf(shape, env, True)
+        return node
 
     def cond(self, shape, env, d, under_drop):
         self.control_flow -= 1
@@ -954,26 +969,41 @@ class _Emitter:
                          f"{hi!r}, jnp.minimum({hi!r}, {mx})))"), tainted, maybe)
 
     def tw_scan(self, node, env2, m, maybe, tested):
-        # The operands of a scan are live as soon as any output is (jaxsafe's static rule for
-        # primitives without a liveness rule), its carries are live, and the per-step outputs
-        # take the mask from outside, step by step.
-        # One exception: a per-step output that is the step's input itself (`y = xi`) is moved
-        # out of the scan by JAX (`lax.scan` forwards it), so the stacked output is the operand
-        # and takes the mask from outside; the scan itself is then unused (its carry is not the
-        # output) and jaxsafe plans without it.
+        # The operands of a scan are live as soon as any output is (jaxsafe's conservative
+        # rule), its carries are live, and the per-step outputs take the mask from outside,
+        # step by step. A body that computes lane by lane (`lanewise`) is the exception: there
+        # lane j of the init, of every step's input and of the carry at every step is live
+        # where lane j of the output is, at some step.
+        # Another exception: a per-step output that is the step's input itself (`y = xi`) is
+        # moved out of the scan by JAX (`lax.scan` forwards it), so the stacked output is the
+        # operand and takes the mask from outside; the scan itself is then unused (its carry is
+        # not the output) and jaxsafe plans without it.
         _, xs, init, t, y, out = node
         xs_o, init_o = self.orig(xs, env2), self.orig(init, env2)
         forwarded = out == "ys" and y == ("in", "xi")
+        lane = None
+        if m is not None and not forwarded and lanewise(node, self.env):
+            lane = self.let(f"jnp.any({m}, axis=0)", "k") if out == "ys" else m
         xs_m = m if forwarded else None
+        if lane is not None:
+            xs_m = self.let(f"jnp.broadcast_to({lane}, {SHAPES['M']!r})", "k")
         xs_g, xs_t, xs_c = self.tw(xs, env2, xs_m, xs_m is not None, tested)
-        init_g, init_t, init_c = self.tw(init, env2, None, False, tested)
+        init_g, init_t, init_c = self.tw(init, env2, lane, lane is not None, tested)
         elem = {"V": "S", "M": "V"}[shape_of(xs, self.env)]
         ym = m if out == "ys" else None
         fn = f"body{next(self.counter)}"
         b = self.sub({"c": elem, "xi": elem})
+        # what the body receives may be non-finite as jaxsafe judges a body's inputs: computed
+        # from an argument or a NaN-prone operation, guards not counted; the carry `c + t` from
+        # the init or from what t makes of the rest (the fixpoint, one step for one carry)
+        leaves = set(self.taint_inputs)
+        if tested or _anywhere(xs, leaves):
+            b.taint_inputs.add("xi")
+        if tested or _anywhere(init, leaves) or _anywhere(t, b.taint_inputs):
+            b.taint_inputs.add("c")
         benv = {"c": ("c_o", "c_g"), "xi": ("xi_o", "xi_g")}
         t_o = b.orig(t, benv)
-        t_g = b.tw(t, benv, None, False, False)[0]
+        t_g = b.tw(t, benv, lane, lane is not None, False)[0]
         y_g = b.tw(y, benv, None if ym is None else "my", ym is not None, False)[0]
         b.line(f"return (c_o + {t_o}, c_g + {t_g}), {y_g}")
         self.line(f"def {fn}(carry, inp):")
@@ -983,9 +1013,10 @@ class _Emitter:
         ins = f"({xs_o}, {xs_g}, {ym})" if ym is not None else f"({xs_o}, {xs_g})"
         r = self.let(f"lax.scan({fn}, ({init_o}, {init_g}), {ins})")
         tainted = tested or xs_t or init_t or _body_has_hazard(t) or _body_has_hazard(y)
-        # the operands are live, so a guard inside them changes no lane the scan reads
+        # the operands are live (unless the body is lane by lane), so a guard inside them
+        # changes no lane the scan reads
         changed = (maybe and out == "ys" and (_has_hazard(y) or _has_dropped_hazard(t))) \
-            or (forwarded and xs_c)
+            or (forwarded and xs_c) or lane is not None
         return self.let(f"{r}[0][1]" if out == "carry" else f"{r}[1]"), tainted, changed
 
     def tw_cond(self, node, env2, m, maybe, tested):
@@ -1054,6 +1085,17 @@ def _has_dropped_hazard(node, dropped=False) -> bool:
         return True
     d = dropped or node[0] in DROPS
     return any(_has_dropped_hazard(c, d) for c in _diff_children(node))
+
+
+def _anywhere(node, leaves) -> bool:
+    """Whether a value may hold NaN or inf in some lane, guards not counted (jaxsafe's
+    `nonfinite_anywhere`): computed, through value edges, from one of `leaves` or from a
+    NaN-prone operation."""
+    if node[0] in ("haz", "div"):
+        return True
+    if node[0] == "in":
+        return node[1] in leaves
+    return any(_anywhere(c, leaves) for c in _diff_children(node))
 
 
 def _body_has_hazard(node) -> bool:

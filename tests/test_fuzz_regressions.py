@@ -13,6 +13,7 @@ two bugs below were fixed in 1260ac0.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import assert_bitwise, structure
 from jax import lax
 from test_fuzz import compare_to_twin
@@ -217,3 +218,43 @@ def test_scan_read_only_by_a_comparison_is_unchanged():
         return (jnp.where(v >= 0., m, m),)
     args = (np.ones(4, f32), np.ones(4, f32), np.ones((3, 4), f32), f32(1.))
     assert structure(jaxsafe.make_jaxpr(f)(*args)) == structure(jax.make_jaxpr(f)(*args))
+
+
+# -------------------------------------------------------------------------- scan-body-inputs
+# The twin treated what a scan body receives as finite; jaxsafe (rightly) treats a body input
+# computed from an argument as possibly non-finite, and guards its products in the steps the
+# program drops. With NaN and -inf in the lanes a mask drops, the twin was NaN where jaxsafe was
+# 0 (a generator bug, found while scans that compute lane by lane were added). Programs of the
+# fuzzer's own language, the twin as fuzzgen writes it now.
+
+_NONFINITE_M = np.where(np.arange(4) % 3 == 0, f32(1.5), np.array([np.nan, -np.inf] * 2, f32))
+_ARGS_NONFINITE = (np.array([1., np.nan, -np.inf, 2.], f32), np.ones(4, f32),
+                   np.broadcast_to(_NONFINITE_M, (3, 4)).copy(), f32(1.))
+_K_MIDDLE = np.broadcast_to(np.array([True, False, False, True]), (3, 4)).copy()
+
+
+def _scan_program(xs, init, t, y, out, mask):
+    import fuzzgen as G
+    zero = ("const", 0.0, "M" if out == "ys" else "V")
+    return G, G.Program((("where", mask, ("scan", xs, init, t, y, out), zero),))
+
+
+@pytest.mark.parametrize("case", ["ys-square-of-input", "ys-log-of-product", "carry-sin",
+                                  "carry-sqrt"])
+def test_scan_body_inputs_that_may_be_non_finite(case):
+    xi, c = ("in", "xi"), ("in", "c")
+    arg_mask = ("mask", "arg", "M", None)
+    np_mask = ("mask", "np", "V", (True, False, False, True))
+    G, program = {
+        "ys-square-of-input": lambda: _scan_program(("in", "m"), ("in", "x"), c,
+                                                    ("bin", "mul", xi, xi), "ys", arg_mask),
+        "ys-log-of-product": lambda: _scan_program(("in", "m"), ("in", "x"), xi,
+                                                   ("haz", "log", ("bin", "mul", c, xi)), "ys",
+                                                   arg_mask),
+        "carry-sin": lambda: _scan_program(("in", "m"), ("in", "x"), ("un", "sin", c), xi,
+                                           "carry", np_mask),
+        "carry-sqrt": lambda: _scan_program(("in", "m"), ("in", "x"), ("haz", "sqrt", c), c,
+                                            "carry", ("cmp", "gt", ("in", "x"), 0.0)),
+    }[case]()
+    assert G.lanewise(program.outputs[0][2], G.INPUTS)
+    _check(G.build(program), G.build(program, guarded=True), (*_ARGS_NONFINITE, _K_MIDDLE))

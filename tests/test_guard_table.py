@@ -33,6 +33,11 @@ import jaxsafe
 from jaxsafe import nan_safe
 from jaxsafe._rules import RULES, guard_table
 
+# A sweep of many library functions and dtypes, each compiled a few times: without
+# jax.checking_leaks, which turns JAX's caches off and doubles the time (the other modules check
+# for leaks on every test).
+pytestmark = pytest.mark.no_leak_check
+
 P = jex.primitives
 sg = lax.stop_gradient
 

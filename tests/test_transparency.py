@@ -61,6 +61,11 @@ from transparency_cases import ALL, CASES, STATS, WRAPPED, batched, inputs
 import jaxsafe
 from jaxsafe import nan_safe
 
+# A sweep of many library functions and dtypes, each compiled a few times: without
+# jax.checking_leaks, which turns JAX's caches off and doubles the time (the other modules check
+# for leaks on every test).
+pytestmark = pytest.mark.no_leak_check
+
 X64 = bool(jax.config.jax_enable_x64)
 DTYPES = ("float64",) if X64 else ("float16", "bfloat16", "float32")
 
@@ -126,15 +131,6 @@ def _params(pairs, rotated_only=False):
 pairs = pytest.mark.parametrize("cid,dtype", _params(PAIRS))
 rotated_pairs = pytest.mark.parametrize("cid,dtype", _params(PAIRS, rotated_only=True))
 grad_pairs = pytest.mark.parametrize("cid,dtype", _params(GRAD_PAIRS))
-# Documented limitations (how-it-works.md, "Limitations"), kept as strict xfails: they pass the
-# day the analysis sees through them.
-_NDTRI = ("sp.ndtri evaluates its polynomials with lax.scan (jnp.polyval); a scan's carry is "
-          "treated as live, so the log/sqrt feeding it are not guarded at x <= 0")
-WRAPPED_LIMITATIONS = {
-    "sp.ndtri": _NDTRI,
-    "stats.norm.ppf": _NDTRI,
-    "stats.norm.isf": _NDTRI,
-}
 # A guard between two operations stops an algebraic rewrite XLA makes in the original program,
 # and at x = tiny (a log of it is near -745) the live lane's jitted derivative is then what eager
 # JAX computes, equation by equation, not what jax.jit computes: beta.pdf(x, 2, 3) at float64
@@ -149,17 +145,29 @@ BLOCKED_XLA_REWRITE = {
 }
 
 
+def _half_rotation(index: int, w) -> str | None:
+    halves = [dt for dt in ("float16", "bfloat16") if dt in w.dtypes]
+    return halves[index % len(halves)] if halves else None
+
+
+# The where checks run every function in float32 (float64 in the x64 session) and in one of the
+# half-precision dtypes, alternating, in `make test`; `make fuzz` runs the rest.
+W_FAST = {(w.id, dt) for i, w in enumerate(WHERE_CASES) for dt in DTYPES
+          if dt in w.dtypes and (dt in ("float32", "float64") or dt == _half_rotation(i, w))}
+
+
 def _wparams(pairs, blocked_rewrite_fails=lambda reason: True):
     def marks(a, b):
-        reason = WRAPPED_LIMITATIONS.get(a)
+        slow = [] if (a, b) in W_FAST else [pytest.mark.slow]
         blocked = BLOCKED_XLA_REWRITE.get((a, b))
-        if reason is None and blocked is not None and blocked_rewrite_fails(blocked):
-            reason = f"a guard stops an XLA rewrite at x = tiny: {blocked}"
-        return [] if reason is None else [pytest.mark.xfail(reason=reason, strict=True)]
+        if blocked is None or not blocked_rewrite_fails(blocked):
+            return slow
+        reason = f"a guard stops an XLA rewrite at x = tiny: {blocked}"
+        return [*slow, pytest.mark.xfail(reason=reason, strict=True)]
     return [pytest.param(a, b, id=f"{a}-{b}", marks=marks(a, b)) for a, b in pairs]
 
 
-wpairs = pytest.mark.parametrize("wid,dtype", _params(WPAIRS))
+wpairs = pytest.mark.parametrize("wid,dtype", _wparams(WPAIRS, lambda reason: False))
 wpairs_limited = pytest.mark.parametrize("wid,dtype", _wparams(WPAIRS))
 # a live lane that stays finite under the blocked rewrite passes the finiteness check
 wpairs_limited_finite = pytest.mark.parametrize(
@@ -193,11 +201,16 @@ class _Failed:
         self.error = error
 
 
+# Cases per compiled program: XLA's compile time grows faster than the program, and one program
+# of 166 functions takes about 15 times as long as chunks of 24 do.
+_GROUP = 24
+
+
 def _per_case(pairs, kind_of=lambda cid: BY_ID[cid].kind):
-    """`compute(cids, dtype) -> list`, run once for each (kind, dtype) group of `pairs` and read
-    per case. If a group fails as a whole, it is split in halves, recursively, so that a failing
-    case raises its own error (computed alone) and costs its group a few more compiles, not one
-    compile per case."""
+    """`compute(cids, dtype) -> list`, run once for each chunk of `_GROUP` cases of a
+    (kind, dtype) group of `pairs` and read per case. If a chunk fails as a whole, it is split
+    in halves, recursively, so that a failing case raises its own error (computed alone) and
+    costs its chunk a few more compiles, not one compile per case."""
     def wrap(compute):
         results: dict = {}
 
@@ -216,7 +229,9 @@ def _per_case(pairs, kind_of=lambda cid: BY_ID[cid].kind):
         def get(cid, dtype):
             if (cid, dtype) not in results:
                 kind = kind_of(cid)
-                solve(tuple(c for c, dt in pairs if dt == dtype and kind_of(c) == kind), dtype)
+                group = tuple(c for c, dt in pairs if dt == dtype and kind_of(c) == kind)
+                start = group.index(cid) // _GROUP * _GROUP
+                solve(group[start:start + _GROUP], dtype)
             out = results[cid, dtype]
             if isinstance(out, _Failed):
                 raise out.error
@@ -278,8 +293,11 @@ def _traced(cid, dtype):
             structure(jaxsafe.make_jaxpr(lambda *a: fn(*a))(*args)))
 
 
-@_per_case(WPAIRS, kind_of=lambda wid: "unary")
-def _wrapped(wids, dtype):
+def _wrapped(wid, dtype):
+    return (_wrapped_fast if (wid, dtype) in W_FAST else _wrapped_slow)(wid, dtype)
+
+
+def _wrapped_values(wids, dtype):
     """Per op: x, its `live(x)` as JAX sees it (subnormals are flushed to zero on CPU), the jit
     and nan_safe forward values, and the nan_safe, hand-written and plain gradients. Where
     `live(x)`, the hand-written gradient is the taken branch's derivative op'(x) itself."""
@@ -296,6 +314,12 @@ def _wrapped(wids, dtype):
                                         *(grad(g)(xs) for g in (safe, hand, f))))(xs)
     forward = zip(jax.jit(f)(xs), safe(xs), strict=True)
     return [(x, t, fw, *g) for t, fw, *g in zip(taken, forward, *grads, strict=True)]
+
+
+_wrapped_fast = _per_case([p for p in WPAIRS if p in W_FAST],
+                          kind_of=lambda wid: "unary")(_wrapped_values)
+_wrapped_slow = _per_case([p for p in WPAIRS if p not in W_FAST],
+                          kind_of=lambda wid: "unary")(_wrapped_values)
 
 
 @functools.cache
@@ -522,26 +546,29 @@ def test_where_wrapped_op_gradient_equals_the_hand_written_double_where(wid, dty
                  rtol=_tol(dtype), atol=_tol(dtype))
 
 
-@pytest.mark.parametrize("wid,dtype", [p for p in BLOCKED_XLA_REWRITE if p[1] in DTYPES])
-def test_where_wrapped_blocked_rewrite_is_eager_jax(wid, dtype):
-    """BLOCKED_XLA_REWRITE, pinned: evaluated equation by equation (no XLA rewrite), nan_safe
-    and the hand-written double where agree on every lane, the tiny one included; under jit
-    they differ only at tiny."""
-    w = WBY_ID[wid]
-    x = inputs("unary", dtype)[0]
-    tiny = np.asarray(x) == np.finfo(dtype).tiny
+_BLOCKED_HERE = [p for p in BLOCKED_XLA_REWRITE if p[1] in DTYPES]
 
-    def grad(fn):
-        return np.asarray(jax.grad(lambda v: jnp.sum(fn(v)))(x), np.float64)
-    with jax.disable_jit():
-        eager_safe, eager_hand = grad(nan_safe(w.f, jit=False)), grad(w.hand)
-    assert_close(eager_safe, eager_hand, rtol=_tol(dtype), atol=_tol(dtype))
-    jit_safe, jit_hand = (np.asarray(jax.jit(jax.grad(lambda v, fn=fn: jnp.sum(fn(v))))(x),
-                                     np.float64) for fn in (nan_safe(w.f), w.hand))
-    assert_close(jit_safe[~tiny], jit_hand[~tiny], rtol=_tol(dtype), atol=_tol(dtype))
-    assert_close(jit_safe[tiny], eager_safe[tiny], rtol=_tol(dtype), atol=_tol(dtype))
+if _BLOCKED_HERE:  # the pinned cases are float64: defined in the x64 session, which runs them
+    @pytest.mark.parametrize("wid,dtype", _BLOCKED_HERE)
+    def test_where_wrapped_blocked_rewrite_is_eager_jax(wid, dtype):
+        """BLOCKED_XLA_REWRITE, pinned: evaluated equation by equation (no XLA rewrite), nan_safe
+        and the hand-written double where agree on every lane, the tiny one included; under jit
+        they differ only at tiny."""
+        w = WBY_ID[wid]
+        x = inputs("unary", dtype)[0]
+        tiny = np.asarray(x) == np.finfo(dtype).tiny
+
+        def grad(fn):
+            return np.asarray(jax.grad(lambda v: jnp.sum(fn(v)))(x), np.float64)
+        with jax.disable_jit():
+            eager_safe, eager_hand = grad(nan_safe(w.f, jit=False)), grad(w.hand)
+        assert_close(eager_safe, eager_hand, rtol=_tol(dtype), atol=_tol(dtype))
+        jit_safe, jit_hand = (np.asarray(jax.jit(jax.grad(lambda v, fn=fn: jnp.sum(fn(v))))(x),
+                                         np.float64) for fn in (nan_safe(w.f), w.hand))
+        assert_close(jit_safe[~tiny], jit_hand[~tiny], rtol=_tol(dtype), atol=_tol(dtype))
+        assert_close(jit_safe[tiny], eager_safe[tiny], rtol=_tol(dtype), atol=_tol(dtype))
 
 
 __all__ = [name for name in dir() if name.startswith("test_")] + [
-    "transparency_programs_built_before_the_leak_checker"]
+    "transparency_programs_built_before_the_leak_checker", "pytestmark"]
 

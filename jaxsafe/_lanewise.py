@@ -1,0 +1,143 @@
+"""Scans that compute lane by lane: liveness crosses them, carries included.
+
+A scan's carries in general need a fixed point over the iterations to know which of their lanes
+are live, so a scan is treated conservatively (every operand lane live where any output lane is,
+carries live in the body). But many scans compute lane by lane: Horner's rule over a vector
+(`jnp.polyval`, and with it `scipy.special.erfcx`, `dawsn`, `ndtri`), an iterated map over an
+array of states, an explicit integrator of elementwise dynamics. In such a body every value has
+one *lane shape* S (or is a scalar), and every equation is elementwise, so lane i of a carry at
+step t depends only on lane i of the carries, the S-shaped constants and the step's S-shaped
+inputs, and on the scalars. The fixed point is then immediate: lane i of every S-shaped operand is
+live exactly when lane i of some S-shaped output is live, at any step; scalar operands are live
+when anything is.
+
+`lane_shape` recognizes such bodies (anything else: None, and the scan stays conservative);
+`scan_masks` / `scan_kinds` are the scan row's liveness rules; `carry_masks` gives the body's
+carries their masks when the body is rewritten (`_bodies.ScanBody`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ._atoms import shape_of
+from ._compat import ClosedJaxpr, JaxprEqn
+from ._masks import any_of, broadcast, broadcast_mask, reduce_any
+from ._nested import call_jaxpr
+from ._rules import Context, Kind, Mask, rule_for
+
+
+def _lane_to_lane(eqn: JaxprEqn) -> bool:
+    """Elementwise or a per-lane selection, or a scalar broadcast to a lane shape."""
+    rule = rule_for(eqn.primitive)
+    if rule.elementwise or rule.selection is not None:
+        return True
+    return rule.broadcast and all(shape_of(v) == () for v in eqn.invars)
+
+
+def lane_shape(closed: ClosedJaxpr) -> tuple[int, ...] | None:
+    """The one non-scalar shape of every value of a lane-by-lane body, or None when the body is
+    not lane by lane (a reduction, a reshape, a body other than an inlined call, two non-scalar
+    shapes, or only scalars, where there is nothing to gain). Inlined calls (`jnp.where`'s `jit`)
+    are looked into, with a worklist."""
+    shapes: set[tuple[int, ...]] = set()
+    pending = [closed.jaxpr]
+    while pending:
+        jaxpr = pending.pop()
+        shapes.update(shape_of(v) for v in (*jaxpr.constvars, *jaxpr.invars, *jaxpr.outvars))
+        for eqn in jaxpr.eqns:
+            if eqn.effects:
+                return None
+            if rule_for(eqn.primitive).inline:
+                pending.append(call_jaxpr(eqn).jaxpr)
+            elif not _lane_to_lane(eqn):
+                return None
+            shapes.update(shape_of(v) for v in (*eqn.invars, *eqn.outvars))
+    shapes.discard(())
+    if len(shapes) != 1:
+        return None
+    return shapes.pop()
+
+
+def _scan_lane_shape(eqn: JaxprEqn) -> tuple[int, ...] | None:
+    return lane_shape(eqn.params["jaxpr"])
+
+
+def _lane_mask(eqn: JaxprEqn, outs: Sequence[Mask], lanes: tuple[int, ...]) -> Mask:
+    """The lanes live in some output, at some step: final carries, and the per-step outputs
+    reduced over their step axis."""
+    n_carry = eqn.params["num_carry"]
+    per_lane: list[Mask] = []
+    for k, (v, m) in enumerate(zip(eqn.outvars, outs, strict=True)):
+        stacked = k >= n_carry
+        if shape_of(v)[1 if stacked else 0:] != lanes:
+            continue
+        per_lane.append(reduce_any(m, [0]) if stacked and m is not None else m)
+    if not per_lane:
+        return None  # pragma: no cover - a lane-shaped body has a lane-shaped output
+    return any_of(per_lane)
+
+
+def _anything(outs: Sequence[Mask]) -> Mask:
+    """Whether any output lane is live (None: some output is live in every lane)."""
+    return any_of([reduce_any(m, range(m.ndim)) if m is not None else None for m in outs])
+
+
+def scan_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+               ctx: Context) -> list[Mask]:
+    """A lane-by-lane scan: lane i of a lane-shaped operand is live where lane i of some output
+    is (at any step); scalars where anything is. Any other scan: every operand lane is live
+    where any output lane is."""
+    anything = _anything(outs)
+    lanes = _scan_lane_shape(eqn)
+    lane = None if lanes is None else _lane_mask(eqn, outs, lanes)
+    n_lead = eqn.params["num_consts"] + eqn.params["num_carry"]
+    masks: list[Mask] = []
+    for k, v in enumerate(eqn.invars):
+        shape = shape_of(v)
+        per_step = shape[1:] if k >= n_lead else shape
+        if lanes is not None and per_step == lanes:
+            m = lane
+            if m is not None and k >= n_lead:
+                m = broadcast_mask(m, shape, tuple(range(1, len(shape))))
+        else:
+            m = anything if anything is None else broadcast(anything, shape)
+        masks.append(m)
+    return masks
+
+
+def scan_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]:
+    """Lane-shaped operands of a lane-by-lane scan may be dropped where some output is; every
+    other operand is live (the conservative default)."""
+    lanes = _scan_lane_shape(eqn)
+    if lanes is None or all(k == Kind.LIVE for k in out_kinds):
+        return [Kind.LIVE] * len(eqn.invars)
+    n_lead = eqn.params["num_consts"] + eqn.params["num_carry"]
+    kinds = []
+    for k, v in enumerate(eqn.invars):
+        shape = shape_of(v)
+        per_step = shape[1:] if k >= n_lead else shape
+        kinds.append(Kind.MAYBE if per_step == lanes else Kind.LIVE)
+    return kinds
+
+
+def carry_kinds(eqn: JaxprEqn, out_kinds: Sequence[Kind]) -> list[Kind]:
+    """The kinds of the body's carry outputs: MAYBE for a lane-shaped carry of a lane-by-lane
+    scan some of whose output lanes are dropped, LIVE otherwise."""
+    carries = eqn.outvars[:eqn.params["num_carry"]]
+    lanes = _scan_lane_shape(eqn)
+    if lanes is None or all(k == Kind.LIVE for k in out_kinds):
+        return [Kind.LIVE] * len(carries)
+    return [Kind.MAYBE if shape_of(v) == lanes else Kind.LIVE for v in carries]
+
+
+def carry_masks(eqn: JaxprEqn, outs: Sequence[Mask]) -> list[Mask]:
+    """The masks of the body's carry outputs, the same at every step: the scan's lane mask for a
+    lane-shaped carry, live for a scalar one (and for every carry of any other scan)."""
+    n_carry = eqn.params["num_carry"]
+    lanes = _scan_lane_shape(eqn)
+    if lanes is None:
+        return [None] * n_carry
+    lane = _lane_mask(eqn, outs, lanes)
+    return [lane if shape_of(v) == lanes else None for v in eqn.outvars[:n_carry]]

@@ -1,0 +1,24 @@
+"""Reading the jaxprs an equation holds in its parameters (calls, bodies, branches)."""
+
+from __future__ import annotations
+
+from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn
+
+
+def call_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr:
+    """The body of a call-like equation (`jit`, `closed_call`, `remat`, custom rule calls)."""
+    params = eqn.params
+    inner = params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
+    return inner if isinstance(inner, ClosedJaxpr) else ClosedJaxpr(inner, ())
+
+
+def sub_jaxprs(eqn: JaxprEqn) -> list[ClosedJaxpr]:
+    """Every jaxpr in `eqn`'s parameters, closed."""
+    out = []
+    for value in eqn.params.values():
+        for item in (value if isinstance(value, tuple | list) else (value,)):
+            if isinstance(item, ClosedJaxpr):
+                out.append(item)
+            elif isinstance(item, Jaxpr):
+                out.append(ClosedJaxpr(item, ()))
+    return out

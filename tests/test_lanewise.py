@@ -1,0 +1,129 @@
+"""Scans that compute lane by lane (`jaxsafe/_lanewise.py`): liveness crosses them, carries
+included, so a drop outside the scan reaches the hazards inside it.
+
+References: the hand-written double where (the operand cleaned before the scan), and JAX on the
+same program; forward values bitwise equal to `jax.jit(f)`.
+"""
+
+import jax
+import jax.numpy as jnp
+import jax.scipy.special as sp
+import numpy as np
+import pytest
+from helpers import assert_bitwise, assert_close, structure
+from jax import lax
+
+import jaxsafe
+from jaxsafe._lanewise import lane_shape
+
+nan, inf = np.nan, np.inf
+EDGES = jnp.array([0.5, nan, -inf, inf, -2., 0., -0., 3.])
+
+
+def _check(f, hand, x):
+    """Forward bitwise; first and second order, eager, jit and vmap, against the hand fix.
+    nan_safe runs through XLA even when called eagerly, so the reference is the jitted hand fix
+    (eager JAX rounds op by op, a few ulps away in the second order)."""
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(x), jax.jit(f)(x))
+    grad, hessian = jax.jit(jax.grad(hand)), jax.jit(jax.hessian(hand))
+    assert_close(jax.grad(safe)(x), grad(x))
+    assert_close(jax.jit(jax.grad(safe))(x), grad(x))
+    assert_close(jax.hessian(safe)(x), hessian(x))
+    xs = jnp.stack([x, x[::-1]])
+    assert_close(jax.vmap(jax.grad(safe))(xs), jax.jit(jax.vmap(jax.grad(hand)))(xs))
+
+
+# The issue's special functions: each evaluates a polynomial with `lax.scan` (jnp.polyval)
+# inside a custom_jvp, so the custom rule is cut in dropped lanes only if liveness crosses the
+# scan.
+SPECIAL = [("erfcx", sp.erfcx, lambda x: x > 0),
+           ("dawsn", sp.dawsn, lambda x: x > 0),
+           ("ndtri", sp.ndtri, lambda x: (x > 0) & (x < 1))]
+
+
+@pytest.mark.no_leak_check  # library functions: compiled with JAX's caches
+@pytest.mark.parametrize("name,fn,live", SPECIAL, ids=[s[0] for s in SPECIAL])
+def test_scan_based_special_function_behind_a_where_gets_the_hand_fix(name, fn, live):
+    x = EDGES / 4 if name == "ndtri" else EDGES
+
+    def f(x):
+        return jnp.where(live(x), fn(x), 0.).sum()
+
+    def hand(x):
+        return jnp.where(live(x), fn(jnp.where(live(x), x, 0.5)), 0.).sum()
+
+    _check(f, hand, x)
+    assert np.isnan(np.asarray(jax.grad(f)(x))).any()  # plain JAX leaks here
+
+
+def test_carry_under_a_where_outside_the_scan():
+    """How-it-works' former limitation: the drop is outside, on the final carry."""
+    def f(x):
+        c = lax.scan(lambda c, _: (jnp.sqrt(c), None), x, None, length=2)[0]
+        return jnp.sum(jnp.where(x > 0, c, 0.))
+
+    def hand(x):
+        safe = jnp.where(x > 0, x, 1.)
+        c = lax.scan(lambda c, _: (jnp.sqrt(c), None), safe, None, length=2)[0]
+        return jnp.sum(jnp.where(x > 0, c, 0.))
+
+    x = jnp.array([0., 1., 4., -1., nan])
+    _check(f, hand, x)
+    report = jaxsafe.explain(f)(x)
+    assert "sqrt" in str(report)
+
+
+def test_stacked_outputs_and_scalar_inputs_of_a_lanewise_scan():
+    """xs stacked over steps, a scalar constant, a scalar step counter: lane i of the carry and
+    of every step's input is dropped where lane i of every output is."""
+    def body(x, scale):
+        def step(carry, xi):
+            c, n = carry
+            c = c * scale + jnp.log(c * xi)
+            return (c, n + 1.), jnp.sqrt(c)
+        (c, n), ys = lax.scan(step, (x, 0.), jnp.stack([x, 2. * x, x]))
+        return c, ys, n
+
+    def f(x):
+        c, ys, n = body(x, 0.5)
+        keep = x > 0
+        return jnp.where(keep, c, 0.).sum() + jnp.where(keep, ys, 0.).sum() + n
+
+    def hand(x):
+        keep = x > 0
+        c, ys, n = body(jnp.where(keep, x, 1.), 0.5)
+        return jnp.where(keep, c, 0.).sum() + jnp.where(keep, ys, 0.).sum() + n
+
+    _check(f, hand, jnp.array([1., -1., 2., nan, 0., inf]))
+
+
+def test_a_body_that_mixes_lanes_stays_conservative():
+    """A reduction in the body makes every lane of the carry reach every output lane: nothing is
+    dropped, nothing guarded, the program runs unchanged (the NaN is real)."""
+    def f(x):
+        c = lax.scan(lambda c, _: (jnp.sqrt(c) + c.sum(), None), x, None, length=2)[0]
+        return jnp.sum(jnp.where(x > 0, c, 0.))
+
+    x = jnp.array([1., -1., 4.])
+    assert lane_shape(jax.make_jaxpr(lambda c: jnp.sqrt(c) + c.sum())(x)) is None
+    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    assert_close(jax.grad(jaxsafe.nan_safe(f))(x), jax.grad(f)(x))
+
+
+def test_a_scan_whose_every_lane_is_live_is_unchanged():
+    def f(x):
+        c = lax.scan(lambda c, _: (jnp.sqrt(c), None), x, None, length=2)[0]
+        return c.sum()
+
+    x = jnp.array([1., 4.])
+    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+
+
+def test_lane_shape_recognizes_lane_by_lane_bodies_only():
+    v = jnp.ones(3)
+    assert lane_shape(jax.make_jaxpr(lambda c, s: jnp.where(c > s, c * s, 1.))(v, 2.)) == (3,)
+    assert lane_shape(jax.make_jaxpr(lambda c: c[::-1])(v)) is None            # moves lanes
+    assert lane_shape(jax.make_jaxpr(lambda c: c @ c * c)(v)) is None          # contracts
+    assert lane_shape(jax.make_jaxpr(lambda c, m: c + m.sum())(v, jnp.ones((2, 3)))) is None
+    assert lane_shape(jax.make_jaxpr(lambda s: s * 2.)(2.)) is None            # scalars only
