@@ -107,18 +107,28 @@ def scan_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     return masks
 
 
+def _lane_kind(eqn: JaxprEqn, out_kinds: Sequence[Kind], lanes: tuple[int, ...]) -> Kind:
+    """The kind of the lane mask: the union of the lane-shaped outputs' (an output that no lane
+    reaches, such as an unused final carry, adds nothing)."""
+    n_carry = eqn.params["num_carry"]
+    kinds = [k for i, (v, k) in enumerate(zip(eqn.outvars, out_kinds, strict=True))
+             if shape_of(v)[1 if i >= n_carry else 0:] == lanes]
+    return max(kinds, default=Kind.LIVE)
+
+
 def scan_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]:
-    """Lane-shaped operands of a lane-by-lane scan may be dropped where some output is; every
-    other operand is live (the conservative default)."""
+    """Lane-shaped operands of a lane-by-lane scan take the kind of its lane mask; every other
+    operand is live (the conservative default)."""
     lanes = _scan_lane_shape(eqn)
-    if lanes is None or all(k == Kind.LIVE for k in out_kinds):
+    if lanes is None:
         return [Kind.LIVE] * len(eqn.invars)
+    lane = _lane_kind(eqn, out_kinds, lanes)
     n_lead = eqn.params["num_consts"] + eqn.params["num_carry"]
     kinds = []
     for k, v in enumerate(eqn.invars):
         shape = shape_of(v)
         per_step = shape[1:] if k >= n_lead else shape
-        kinds.append(Kind.MAYBE if per_step == lanes else Kind.LIVE)
+        kinds.append(lane if per_step == lanes else Kind.LIVE)
     return kinds
 
 
@@ -127,7 +137,7 @@ def carry_kinds(eqn: JaxprEqn, out_kinds: Sequence[Kind]) -> list[Kind]:
     scan some of whose output lanes are dropped, LIVE otherwise."""
     carries = eqn.outvars[:eqn.params["num_carry"]]
     lanes = _scan_lane_shape(eqn)
-    if lanes is None or all(k == Kind.LIVE for k in out_kinds):
+    if lanes is None or _lane_kind(eqn, out_kinds, lanes) == Kind.LIVE:
         return [Kind.LIVE] * len(carries)
     return [Kind.MAYBE if shape_of(v) == lanes else Kind.LIVE for v in carries]
 

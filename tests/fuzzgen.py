@@ -510,11 +510,11 @@ def features(program: Program, args) -> set:
 
 def defang(program: Program) -> Program:
     """The same program with nothing for jaxsafe to guard: every hazard that sits under a
-    selection (or anywhere in a scan/cond body, or in a cond operand, which a branch may drop)
-    becomes `jnp.sin`, a division there becomes a product, and NaN tests become comparisons (a
-    NaN test, or a body with a hazard, makes jaxsafe treat values as possibly non-finite).
-    Hazards in live positions and in top-level predicates stay: jaxsafe must leave them
-    alone."""
+    selection (or anywhere in a scan/cond body, or in a scan or cond operand, which the body
+    may drop) becomes `jnp.sin`, a division there becomes a product, and NaN tests become
+    comparisons (a NaN test, a body with a hazard, or a body input a hazard computed makes
+    jaxsafe treat values as possibly non-finite). Hazards in other live positions and in
+    top-level predicates stay: jaxsafe must leave them alone."""
     def go(node, dropped: bool, body: bool):
         k = node[0]
         g = lambda n, d=dropped: go(n, d or body, body)  # noqa: E731
@@ -547,7 +547,9 @@ def defang(program: Program) -> Program:
         if k == "bcast":
             return ("bcast", node[1], g(node[2]))
         if k == "scan":
-            return ("scan", g(node[1]), g(node[2]), go(node[3], True, True),
+            # its operands too: what a body receives is possibly non-finite if a NaN-prone
+            # operation computed it, live or not (the body may drop the lane at some step)
+            return ("scan", g(node[1], True), g(node[2], True), go(node[3], True, True),
                     go(node[4], True, True), node[5])
         if k == "cond":
             return ("cond", pred(node[1], body), g(node[2], True), go(node[3], True, True),

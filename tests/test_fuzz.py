@@ -26,7 +26,8 @@ Profiles: the unmarked tests run the small, derandomized profile (`make test`); 
 `slow` run the fuzz profile (`make fuzz`: fixed seed, example database in tests/.hypothesis-fuzz)
 and write the number of examples per property to tests/.fuzz-counts.json. `JAXSAFE_FUZZ=N`
 (N > 1) sets the examples per property of the fuzz profile; `JAXSAFE_FUZZ_SEED=S` another seed
-(new programs, not the recorded run's).
+(new programs, not the recorded run's); `JAXSAFE_FUZZ_COUNTS=path` writes the counts there
+(properties run in separate processes, one per core, each writes its own).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ import jaxsafe
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FUZZ_DB = os.path.join(HERE, ".hypothesis-fuzz")
-COUNTS_FILE = os.path.join(HERE, ".fuzz-counts.json")
+COUNTS_FILE = os.environ.get("JAXSAFE_FUZZ_COUNTS") or os.path.join(HERE, ".fuzz-counts.json")
 FUZZ_SEED = int(os.environ.get("JAXSAFE_FUZZ_SEED", "20240917"))
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -310,9 +311,12 @@ def test_nothing_to_guard_is_unchanged(program, args):
 
 
 # --------------------------------------------------------------------------- fuzz profile
+# Without jax.checking_leaks (conftest): it turns JAX's caches off for the whole run of
+# thousands of examples; the small profile above runs under it.
 
 
 @pytest.mark.slow
+@pytest.mark.no_leak_check
 @seed(FUZZ_SEED)
 @fuzz("forward_bitwise")
 @given(G.programs(), G.inputs())
@@ -321,6 +325,7 @@ def test_fuzz_forward_bitwise(program, args):
 
 
 @pytest.mark.slow
+@pytest.mark.no_leak_check
 @seed(FUZZ_SEED)
 @fuzz("derivatives_match_twin")
 @given(G.programs(), G.inputs())
@@ -329,6 +334,7 @@ def test_fuzz_derivatives_match_twin(program, args):
 
 
 @pytest.mark.slow
+@pytest.mark.no_leak_check
 @seed(FUZZ_SEED)
 @fuzz("nothing_to_guard_is_unchanged")
 @given(G.programs(hazard_free=True), G.inputs())

@@ -258,3 +258,18 @@ def test_scan_body_inputs_that_may_be_non_finite(case):
     }[case]()
     assert G.lanewise(program.outputs[0][2], G.INPUTS)
     _check(G.build(program), G.build(program, guarded=True), (*_ARGS_NONFINITE, _K_MIDDLE))
+
+
+def test_scan_whose_final_carry_is_unused_is_unchanged_when_nothing_is_dropped():
+    # Found by the fuzz profile (nothing to guard): a lane-by-lane scan whose final carry is
+    # unused and whose stacked outputs are live took MAYBE for its operands (an output no lane
+    # reaches counted as a drop), so the live arccos feeding it was "guarded" and the program
+    # re-staged. The lane mask is the union of the lane-shaped outputs'.
+    import fuzzgen as G
+    c = ("in", "c")
+    scan = ("scan", ("in", "m"), ("haz", "arccos", ("in", "x")), c, c, "ys")
+    program = G.Program((("haz", "arccos", ("reduce", "sum", 0, scan)),))
+    args = (np.ones(4, f32), np.ones(4, f32), np.ones((3, 4), f32), f32(1.), K1 & False)
+    f = G.build(program)
+    new = jaxsafe.make_jaxpr(f, finite_args=True)(*args)
+    assert structure(new) == structure(jax.make_jaxpr(f)(*args))

@@ -127,3 +127,15 @@ def test_lane_shape_recognizes_lane_by_lane_bodies_only():
     assert lane_shape(jax.make_jaxpr(lambda c: c @ c * c)(v)) is None          # contracts
     assert lane_shape(jax.make_jaxpr(lambda c, m: c + m.sum())(v, jnp.ones((2, 3)))) is None
     assert lane_shape(jax.make_jaxpr(lambda s: s * 2.)(2.)) is None            # scalars only
+
+
+def test_an_unused_final_carry_drops_nothing():
+    """Found by the fuzzer: the final carry is unused (no lane reaches an output) and the
+    stacked outputs are live in every lane; the lane mask is their union, so every operand lane
+    is live and the program, with its hazard in a live position, runs unchanged."""
+    def f(x, m):
+        ys = lax.scan(lambda c, xi: (c + c, c), jnp.arccos(x), m)[1]
+        return jnp.arccos(jnp.sum(ys, axis=0))
+
+    args = (jnp.ones(4), jnp.ones((3, 4)))
+    assert structure(jaxsafe.make_jaxpr(f)(*args)) == structure(jax.make_jaxpr(f)(*args))

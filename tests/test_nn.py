@@ -19,6 +19,11 @@ from jax.test_util import check_grads
 import jaxsafe
 import jaxsafe.nn as jsnn
 
+# jaxsafe.nn's numerics, many small compiled programs: run without jax.checking_leaks,
+# which turns JAX's caches off and doubles the time (the modules of the rewrite itself check
+# for leaks on every test).
+pytestmark = pytest.mark.no_leak_check
+
 RNG = np.random.default_rng(0)
 
 

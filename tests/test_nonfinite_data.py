@@ -17,6 +17,11 @@ from jax import lax
 import jaxsafe
 
 nan, inf = np.nan, np.inf
+
+# library functions and many small compiled programs: run without jax.checking_leaks,
+# which turns JAX's caches off and doubles the time (the modules of the rewrite itself check
+# for leaks on every test).
+pytestmark = pytest.mark.no_leak_check
 DATA = jnp.array([1., nan, 2., inf])
 VALID = jnp.array([True, False, True, False])
 VALID_NP = np.array([True, False, True, False])
@@ -336,7 +341,6 @@ def _edge_ops():
     return x, ops
 
 
-@pytest.mark.no_leak_check  # 166 library functions: JAX's caches are off while checking leaks
 @pytest.mark.parametrize("pattern", ["even", "odd", "none"])
 def test_library_functions_with_edge_values_in_lanes_a_constant_mask_drops(pattern):
     """Every wrapped jax.numpy / jax.nn / jax.scipy.special function of the transparency suite,
@@ -378,3 +382,4 @@ def _check_edge_chunk(x, keep, ops):
         # (atol: XLA flushes a subnormal derivative to 0 in one fusion and not in another)
         np.testing.assert_allclose(g[keep][finite], branch[finite], rtol=1e-5,
                                    atol=float(np.finfo(np.float32).tiny), err_msg=w.id)
+
