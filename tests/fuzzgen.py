@@ -1042,9 +1042,14 @@ class _Emitter:
         if zeroed:
             u_g = self.zero(u_g, mu)
         fns = []
+        # what a branch receives may be non-finite as jaxsafe judges a body's inputs (see
+        # tw_scan)
+        u_anywhere = tested or _anywhere(u, set(self.taint_inputs))
         for br in (tb, fb):
             fn = f"branch{next(self.counter)}"
             b = self.sub({"u": ushape})
+            if u_anywhere:
+                b.taint_inputs.add("u")
             benv = {"u": ("u_o", "u_g")}
             b.line(f"return {b.tw(br, benv, 'mm' if maybe else None, maybe, False)[0]}")
             self.line(f"def {fn}(ops):")

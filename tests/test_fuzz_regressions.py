@@ -273,3 +273,47 @@ def test_scan_whose_final_carry_is_unused_is_unchanged_when_nothing_is_dropped()
     f = G.build(program)
     new = jaxsafe.make_jaxpr(f, finite_args=True)(*args)
     assert structure(new) == structure(jax.make_jaxpr(f)(*args))
+
+
+# ------------------------------------------------------------------------- fuzz profile 2026-11-26
+# Found by the first fuzz-profile run after the issue-12 work (derivatives, 1,309 examples).
+
+def test_cond_branch_input_that_may_be_non_finite_is_guarded_like_the_twin():
+    # A cond branch receives x[1:] (an argument: possibly inf/NaN); jaxsafe guards `u * u` in
+    # the lanes the branch's own where drops. The twin treated branch inputs as finite (the
+    # same generator bug as for scan bodies), NaN where jaxsafe was finite. Twin fixed.
+    import fuzzgen as G
+    u = ("in", "u")
+    branch = ("where", ("cmp", "le", ("where", ("cmp", "gt", u, 0.0), u, u), 1.0),
+              ("bin", "mul", u, u), ("min", u, u))
+    cond = ("cond", ("cmp", "ge", ("reduce", "sum", None, ("in", "x")), 0.5),
+            ("slice", "tail", ("in", "x")), branch, ("div", u, u))
+    program = G.Program((cond, ("in", "y")))
+    args = (np.array([2., -2., np.inf, np.inf], f32), np.array([-100., .5, -np.inf, np.nan], f32),
+            np.array([[1e30, .25, np.inf, np.inf], [1e30, np.inf, .25, -5.8222815e-02],
+                      [1.9329331e-33, -np.inf, -2.4276497, np.nan]], f32), f32(.5),
+            np.array([[True, True, False, False], [True, False, True, True],
+                      [True, False, True, False]]))
+    _check(G.build(program), G.build(program, guarded=True), args)
+
+
+@pytest.mark.xfail(strict=True, reason="open: at a real singularity (arccos at 1, first "
+                   "derivative -inf) jaxsafe's second order is plain JAX's NaN, the twin's "
+                   "clip-as-select gives -inf")
+def test_clip_of_arccos_at_one_in_a_cond_branch_second_order():
+    # x = [1, 1, 1, -1e30]: the false branch computes clip(arccos(u), -1, 1) with u = 1 in two
+    # lanes, where arccos' derivative is -inf (a real singularity, live). Plain JAX's and
+    # jaxsafe's second order are NaN there; the twin, which writes the clip as selects on the
+    # original decision because it guarded arccos' operand, gets -inf and +inf. jaxsafe equals
+    # plain JAX (contract point 3), so the property "no NaN where the twin has none" is what
+    # fails; which of NaN and inf a second derivative should be at such a point is open.
+    import fuzzgen as G
+    u = ("in", "u")
+    cond = ("cond", ("cmp", "ge", ("reduce", "sum", None, ("in", "x")), 0.0),
+            ("slice", "tail", ("in", "x")),
+            ("where", ("mask", "np", "S", (False,)), ("haz", "arccos", u), ("haz", "arccos", u)),
+            ("clip", ("haz", "arccos", u), -1.0, 1.0))
+    program = G.Program((cond, ("in", "x")))
+    args = (np.array([1., 1., 1., -1e30], f32), np.ones(4, f32), np.ones((3, 4), f32), f32(1.),
+            np.zeros((3, 4), bool))
+    _check(G.build(program), G.build(program, guarded=True), args)
