@@ -27,13 +27,13 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
-# One pytest worker per CPU (pytest-xdist): the suite is compile-bound and takes about 10
-# minutes on one core. `make fuzz` stays in one process (it writes tests/.fuzz-counts.json).
+# One pytest worker per CPU (pytest-xdist), one test file per worker: the suite is
+# compile-bound and takes about 15 minutes on one core. `make fuzz` stays in one process (it writes tests/.fuzz-counts.json).
 test: lint
-	$(PY) -m pytest -n auto --dist loadfile -m "not slow" --ignore=tests/test_x64.py
-	if [ -f tests/test_x64.py ]; then \
-		JAX_ENABLE_X64=1 $(PY) -m pytest -n auto -m "not slow" tests/test_x64.py; \
-	fi
+	$(PY) -m pytest -n auto --dist loadfile -m "not slow" --ignore=tests/test_x64.py \
+		--ignore=tests/test_x64_transparency.py
+	JAX_ENABLE_X64=1 $(PY) -m pytest -n auto --dist loadfile -m "not slow" tests/test_x64.py \
+		tests/test_x64_transparency.py
 	$(PY) docs/check_examples.py
 
 # The house checks: ruff (pyproject.toml [tool.ruff]) and pyright on jaxsafe/ ([tool.pyright]).

@@ -1,8 +1,9 @@
 """The guard-table cases of test_guard_table.py in float64.
 
-Run in its own session: `JAX_ENABLE_X64=1 pytest tests/test_x64.py` (the Makefile does). Without
-x64, `test_session_runs_with_x64` fails, and so does every case (asking for float64 then warns,
-and warnings are errors).
+Run in its own session with test_x64_transparency.py: `JAX_ENABLE_X64=1 pytest tests/test_x64.py
+tests/test_x64_transparency.py` (the Makefile does, one file per worker). Without x64,
+`test_session_runs_with_x64` fails, and so does every case (asking for float64 then warns, and
+warnings are errors).
 """
 
 import jax.numpy as jnp
@@ -17,9 +18,6 @@ from test_guard_table import (
     check_plain_gradient_is_broken,
     check_second_order_matches_twin,
 )
-
-# The float64 half of test_transparency.py (its DTYPES is ("float64",) in this session).
-from test_transparency import *  # noqa: F403  (pytest collects the imported tests)
 
 F64 = jnp.float64
 cases = pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
