@@ -297,16 +297,18 @@ def test_cond_branch_input_that_may_be_non_finite_is_guarded_like_the_twin():
     _check(G.build(program), G.build(program, guarded=True), args)
 
 
-@pytest.mark.xfail(strict=True, reason="open: at a real singularity (arccos at 1, first "
-                   "derivative -inf) jaxsafe's second order is plain JAX's NaN, the twin's "
-                   "clip-as-select gives -inf")
+@pytest.mark.xfail(strict=True, reason="open: at a live singularity (arccos at 1, first "
+                   "derivative -inf) inside a cond, jaxsafe's second order is plain JAX's NaN, "
+                   "the twin's is -inf")
 def test_clip_of_arccos_at_one_in_a_cond_branch_second_order():
     # x = [1, 1, 1, -1e30]: the false branch computes clip(arccos(u), -1, 1) with u = 1 in two
     # lanes, where arccos' derivative is -inf (a real singularity, live). Plain JAX's and
-    # jaxsafe's second order are NaN there; the twin, which writes the clip as selects on the
-    # original decision because it guarded arccos' operand, gets -inf and +inf. jaxsafe equals
+    # jaxsafe's second order are NaN there; the twin's is +-inf. Without the cond, all three
+    # give +-inf: the NaN comes from how JAX differentiates a cond (residuals of both branches)
+    # at a live singularity, and the twin's branches are built differently. jaxsafe equals
     # plain JAX (contract point 3), so the property "no NaN where the twin has none" is what
-    # fails; which of NaN and inf a second derivative should be at such a point is open.
+    # fails; whether a second derivative at such a point may be NaN in one program and inf in
+    # another is open.
     import fuzzgen as G
     u = ("in", "u")
     cond = ("cond", ("cmp", "ge", ("reduce", "sum", None, ("in", "x")), 0.0),
