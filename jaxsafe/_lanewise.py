@@ -18,6 +18,7 @@ carries their masks when the body is rewritten (`_bodies.ScanBody`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,8 +61,20 @@ def lane_shape(closed: ClosedJaxpr) -> tuple[int, ...] | None:
     return shapes.pop()
 
 
+# body jaxpr -> its lane shape: asked by every liveness sweep, plan and emission of the scan
+_LANE_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _scan_lane_shape(eqn: JaxprEqn) -> tuple[int, ...] | None:
-    return lane_shape(eqn.params["jaxpr"])
+    body = eqn.params["jaxpr"]
+    if body.jaxpr not in _LANE_SHAPES:
+        _LANE_SHAPES[body.jaxpr] = lane_shape(body)
+    return _LANE_SHAPES[body.jaxpr]
+
+
+def _per_step(k: int, stacked_from: int, shape: tuple) -> tuple:
+    """The shape one step sees of input or output k (stacked ones lose their step axis)."""
+    return shape[1:] if k >= stacked_from else shape
 
 
 def _lane_mask(eqn: JaxprEqn, outs: Sequence[Mask], lanes: tuple[int, ...]) -> Mask:
@@ -70,10 +83,9 @@ def _lane_mask(eqn: JaxprEqn, outs: Sequence[Mask], lanes: tuple[int, ...]) -> M
     n_carry = eqn.params["num_carry"]
     per_lane: list[Mask] = []
     for k, (v, m) in enumerate(zip(eqn.outvars, outs, strict=True)):
-        stacked = k >= n_carry
-        if shape_of(v)[1 if stacked else 0:] != lanes:
+        if _per_step(k, n_carry, shape_of(v)) != lanes:
             continue
-        per_lane.append(reduce_any(m, [0]) if stacked and m is not None else m)
+        per_lane.append(reduce_any(m, [0]) if k >= n_carry and m is not None else m)
     if not per_lane:
         return None  # pragma: no cover - a lane-shaped body has a lane-shaped output
     return any_of(per_lane)
@@ -96,8 +108,7 @@ def scan_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     masks: list[Mask] = []
     for k, v in enumerate(eqn.invars):
         shape = shape_of(v)
-        per_step = shape[1:] if k >= n_lead else shape
-        if lanes is not None and per_step == lanes:
+        if lanes is not None and _per_step(k, n_lead, shape) == lanes:
             m = lane
             if m is not None and k >= n_lead:
                 m = broadcast_mask(m, shape, tuple(range(1, len(shape))))
@@ -112,7 +123,7 @@ def _lane_kind(eqn: JaxprEqn, out_kinds: Sequence[Kind], lanes: tuple[int, ...])
     reaches, such as an unused final carry, adds nothing)."""
     n_carry = eqn.params["num_carry"]
     kinds = [k for i, (v, k) in enumerate(zip(eqn.outvars, out_kinds, strict=True))
-             if shape_of(v)[1 if i >= n_carry else 0:] == lanes]
+             if _per_step(i, n_carry, shape_of(v)) == lanes]
     return max(kinds, default=Kind.LIVE)
 
 
@@ -124,12 +135,8 @@ def scan_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]
         return [Kind.LIVE] * len(eqn.invars)
     lane = _lane_kind(eqn, out_kinds, lanes)
     n_lead = eqn.params["num_consts"] + eqn.params["num_carry"]
-    kinds = []
-    for k, v in enumerate(eqn.invars):
-        shape = shape_of(v)
-        per_step = shape[1:] if k >= n_lead else shape
-        kinds.append(lane if per_step == lanes else Kind.LIVE)
-    return kinds
+    return [lane if _per_step(k, n_lead, shape_of(v)) == lanes else Kind.LIVE
+            for k, v in enumerate(eqn.invars)]
 
 
 def carry_kinds(eqn: JaxprEqn, out_kinds: Sequence[Kind]) -> list[Kind]:
