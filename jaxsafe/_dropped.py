@@ -73,8 +73,12 @@ class DroppedValues:
         return None if i is None else (i, self.eqns[i])
 
     def _elementwise(self, i: int, eqn: JaxprEqn) -> bool:
+        """Lane to lane in value: elementwise, or a selection (`select_n`, `max`, `min`,
+        `clamp`; `min(2., 3.)` is a constant, and lgamma of it needs no guard)."""
         site = self.sites.get(i)
-        return (len(eqn.outvars) == 1 and not eqn.effects and rule_for(eqn.primitive).elementwise
+        rule = rule_for(eqn.primitive)
+        return (len(eqn.outvars) == 1 and not eqn.effects
+                and (rule.elementwise or rule.selection is not None)
                 and not (site is not None and site.cut))
 
     def _compute(self, v: Any) -> Generator[Any, Known, Known]:
@@ -103,9 +107,16 @@ class DroppedValues:
                     return None
                 constant = False
             vals.append(known[0])
-        if constant and int(np.prod(shape_of(v))) > SMALL_CONSTANT:
-            return None  # a large constant array: not worth evaluating at rewrite time
+        if not self._foldable(eqn, vals, constant):
+            return None
         return fold(eqn, vals)[0], constant
+
+    @staticmethod
+    def _foldable(eqn: JaxprEqn, vals: list, constant: bool) -> bool:
+        if constant and int(np.prod(shape_of(eqn.outvars[0]))) > SMALL_CONSTANT:
+            return False  # a large constant array: not worth evaluating at rewrite time
+        # a selection's cases must match: not a scalar known in dropped lanes beside an array
+        return rule_for(eqn.primitive).selection is None or len({np.shape(x) for x in vals}) == 1
 
     @staticmethod
     def _moves_scalar(eqn: JaxprEqn) -> bool:

@@ -132,20 +132,6 @@ def _params(pairs, rotated_only=False):
 pairs = pytest.mark.parametrize("cid,dtype", _params(PAIRS))
 rotated_pairs = pytest.mark.parametrize("cid,dtype", _params(PAIRS, rotated_only=True))
 grad_pairs = pytest.mark.parametrize("cid,dtype", _params(GRAD_PAIRS))
-# A guard between two operations stops an algebraic rewrite XLA makes in the original program,
-# and at x = tiny (a log of it is near -745) the live lane's jitted derivative is then what eager
-# JAX computes, equation by equation, not what jax.jit computes: beta.pdf(x, 2, 3) at float64
-# tiny is 12.000000000001029 (eager and nan_safe) against 11.999999999999662 (jax.jit), 1e-13
-# apart, from exp(... + log x) near -708. The guard of exp's operand cannot move to the start of
-# its chain (`DroppedValues.move_chain_guards`), which passes through xlogy's custom rule and a
-# select on x; the hand-written double where guards x itself, before every rewrite. Pinned by
-# test_where_wrapped_blocked_rewrite_is_eager_jax. (gennorm.cdf was here, inf where jax.jit gives
-# 0.55: its igamma guard now moves to the start of abs -> pow -> igamma.)
-BLOCKED_XLA_REWRITE = {
-    ("stats.beta.pdf", "float64"): "1e-13 from jax.jit's value, at eager JAX's",
-}
-
-
 def _half_rotation(index: int, w) -> str | None:
     halves = [dt for dt in ("float16", "bfloat16") if dt in w.dtypes]
     return halves[index % len(halves)] if halves else None
@@ -157,22 +143,12 @@ W_FAST = {(w.id, dt) for i, w in enumerate(WHERE_CASES) for dt in DTYPES
           if dt in w.dtypes and (dt in ("float32", "float64") or dt == _half_rotation(i, w))}
 
 
-def _wparams(pairs, blocked_rewrite_fails=lambda reason: True):
-    def marks(a, b):
-        slow = [] if (a, b) in W_FAST else [pytest.mark.slow]
-        blocked = BLOCKED_XLA_REWRITE.get((a, b))
-        if blocked is None or not blocked_rewrite_fails(blocked):
-            return slow
-        reason = f"a guard stops an XLA rewrite at x = tiny: {blocked}"
-        return [*slow, pytest.mark.xfail(reason=reason, strict=True)]
-    return [pytest.param(a, b, id=f"{a}-{b}", marks=marks(a, b)) for a, b in pairs]
+def _wparams(pairs):
+    return [pytest.param(a, b, id=f"{a}-{b}", marks=() if (a, b) in W_FAST else pytest.mark.slow)
+            for a, b in pairs]
 
 
-wpairs = pytest.mark.parametrize("wid,dtype", _wparams(WPAIRS, lambda reason: False))
-wpairs_limited = pytest.mark.parametrize("wid,dtype", _wparams(WPAIRS))
-# a live lane that stays finite under the blocked rewrite passes the finiteness check
-wpairs_limited_finite = pytest.mark.parametrize(
-    "wid,dtype", _wparams(WPAIRS, blocked_rewrite_fails=lambda reason: reason.startswith("inf")))
+wpairs = pytest.mark.parametrize("wid,dtype", _wparams(WPAIRS))
 
 
 def _tol(dtype) -> float:
@@ -282,9 +258,17 @@ def _grads(cids, dtype):
 
 @functools.cache
 def _eager(cid, dtype):
-    """Eager runs primitive by primitive: grouping saves nothing, one case at a time."""
+    """Eager runs primitive by primitive: grouping saves nothing, one case at a time. The
+    reference is `fn` called eagerly where nothing is guarded; where something is, nan_safe
+    inlines the `jit` calls of `fn` (`jnp.hypot` is one) and runs their equations one by one:
+    `fn` under `jax.disable_jit()` (docs/api.md, `jit`)."""
     fn, args = BY_ID[cid].fn, _args(BY_ID[cid].kind, dtype)
-    return fn(*args), nan_safe(lambda *a: fn(*a), jit=False)(*args)
+    if jaxsafe.nan_safe(fn).trace(*args)[1].changed:
+        with jax.disable_jit():
+            ref = fn(*args)
+    else:
+        ref = fn(*args)
+    return ref, nan_safe(lambda *a: fn(*a), jit=False)(*args)
 
 
 @functools.cache
@@ -522,7 +506,7 @@ def _reference(wid, x, taken, g_hand):
     return np.where(fixed, np.asarray(deriv(x), np.float64), g)
 
 
-@wpairs_limited_finite
+@wpairs
 def test_where_wrapped_op_gradient_is_finite_on_the_dropped_side_and_where_the_branch_is(
         wid, dtype):
     x, taken, _, g_safe, g_hand, _ = _wrapped(wid, dtype)
@@ -538,36 +522,13 @@ def test_where_wrapped_op_gradient_is_finite_on_the_dropped_side_and_where_the_b
     assert np.all(~np.isfinite(g_safe[singular])), f"hidden at x = {x[singular]}"
 
 
-@wpairs_limited
+@wpairs
 def test_where_wrapped_op_gradient_equals_the_hand_written_double_where(wid, dtype):
     x, taken, _, g_safe, g_hand, _ = _wrapped(wid, dtype)
     assert g_safe.dtype == g_hand.dtype
     # every lane, the edge inputs included (+-inf, NaN, +-max, 0, -0, subnormals)
     assert_close(np.asarray(g_safe, np.float64), _reference(wid, x, taken, g_hand),
                  rtol=_tol(dtype), atol=_tol(dtype))
-
-
-_BLOCKED_HERE = [p for p in BLOCKED_XLA_REWRITE if p[1] in DTYPES]
-
-if _BLOCKED_HERE:  # the pinned cases are float64: defined in the x64 session, which runs them
-    @pytest.mark.parametrize("wid,dtype", _BLOCKED_HERE)
-    def test_where_wrapped_blocked_rewrite_is_eager_jax(wid, dtype):
-        """BLOCKED_XLA_REWRITE, pinned: evaluated equation by equation (no XLA rewrite), nan_safe
-        and the hand-written double where agree on every lane, the tiny one included; under jit
-        they differ only at tiny."""
-        w = WBY_ID[wid]
-        x = inputs("unary", dtype)[0]
-        tiny = np.asarray(x) == np.finfo(dtype).tiny
-
-        def grad(fn):
-            return np.asarray(jax.grad(lambda v: jnp.sum(fn(v)))(x), np.float64)
-        with jax.disable_jit():
-            eager_safe, eager_hand = grad(nan_safe(w.f, jit=False)), grad(w.hand)
-        assert_close(eager_safe, eager_hand, rtol=_tol(dtype), atol=_tol(dtype))
-        jit_safe, jit_hand = (np.asarray(jax.jit(jax.grad(lambda v, fn=fn: jnp.sum(fn(v))))(x),
-                                         np.float64) for fn in (nan_safe(w.f), w.hand))
-        assert_close(jit_safe[~tiny], jit_hand[~tiny], rtol=_tol(dtype), atol=_tol(dtype))
-        assert_close(jit_safe[tiny], eager_safe[tiny], rtol=_tol(dtype), atol=_tol(dtype))
 
 
 __all__ = [name for name in dir() if name.startswith("test_")] + [
