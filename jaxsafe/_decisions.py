@@ -10,7 +10,8 @@ A *decision* reads values without differentiating them: a predicate, an index, t
 live, or a guard could flip it. When the lanes that a guarded read would change are provably
 dropped lanes of the result (a row that a `where` drops as a whole), the decision reads the
 guarded value and the original program is not computed a second time for it (`ChangedLanes`).
-`max`, `min` and `clamp` with a changed operand are re-decided on the original values.
+`max`, `min` and `clamp` with a changed operand are re-decided on the original values, and so
+are those whose cotangent may be non-finite (`_cotangents.py`), emitted once, as a `select_n`.
 
 Reads: the liveness (`Sweep`), the guard sites and the masked bodies. Produces: `Decisions`, and
 the re-decided selections in the report.
@@ -19,11 +20,12 @@ the re-decided selections in the report.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from typing import Any
 
 from ._atoms import is_float
 from ._compat import ClosedJaxpr, JaxprEqn, Var
+from ._cotangents import selects_by_value
 from ._liveness import Sweep
 from ._report import Report, Site, note_failure
 from ._rules import Kind, alignment, rule_for
@@ -88,14 +90,16 @@ class ChangedLanes:
 
 
 def plan_decisions(closed: ClosedJaxpr, sweep: Sweep, sites: Mapping[int, Site],
-                   masked: Mapping[int, list], report: Report) -> Decisions:
-    """Walk the equations forward, following the guarded values."""
+                   masked: Mapping[int, list], report: Report,
+                   bad_cotangents: Set = frozenset()) -> Decisions:
+    """Walk the equations forward, following the guarded values. `bad_cotangents`: the values
+    whose cotangent may be non-finite (`_cotangents.py`)."""
     out = Decisions()
     lanes = ChangedLanes(sweep)
     i = 0
     try:
         for i, eqn in enumerate(closed.jaxpr.eqns):
-            _plan_equation(i, eqn, sweep, sites, masked, lanes, out, report)
+            _plan_equation(i, eqn, sweep, sites, masked, lanes, out, report, bad_cotangents)
     except Exception as e:
         note_failure(e, closed.jaxpr.eqns[i], "decision")
         raise
@@ -104,7 +108,7 @@ def plan_decisions(closed: ClosedJaxpr, sweep: Sweep, sites: Mapping[int, Site],
 
 def _plan_equation(i: int, eqn: JaxprEqn, sweep: Sweep, sites: Mapping[int, Site],
                    masked: Mapping[int, list], lanes: ChangedLanes, out: Decisions,
-                   report: Report) -> None:
+                   report: Report, bad_cotangents: Set) -> None:
     """Whether `eqn` is emitted again, and how it reads changed values."""
     rule = rule_for(eqn.primitive)
     diff = sweep.diff[i]
@@ -116,6 +120,12 @@ def _plan_equation(i: int, eqn: JaxprEqn, sweep: Sweep, sites: Mapping[int, Site
                           for d, v in zip(diff, eqn.invars, strict=True))
     if not (i in sites or operand_changed or safe_read or i in masked) or eqn.effects \
             or not read_differentiably:
+        if read_differentiably and not eqn.effects and selects_by_value(eqn) and any(
+                o in bad_cotangents for o in eqn.outvars) and any(
+                d and isinstance(v, Var) for d, v in zip(diff, eqn.invars, strict=True)):
+            # its derivative weighs a cotangent that may be inf or NaN: select it instead
+            out.selections.add(i)
+            report.selections.append(eqn)
         return
     out.reemit.add(i)
     # a LIVE output has no dropped lane, so it is bitwise the original: not "changed"

@@ -119,7 +119,11 @@ class _Emitter:
         if i not in decisions.reemit and shared:
             if eqn.outvars and all(o in orig.values for o in eqn.outvars):
                 return  # already computed for a decision
-            outs = bind_eqn(eqn, [orig[v] for v in eqn.invars], plan.nested.get(i))
+            originals = [orig[v] for v in eqn.invars]
+            if i in decisions.selections:  # a non-finite cotangent: selected, not weighed
+                outs = self._bind(i, originals)
+            else:
+                outs = bind_eqn(eqn, originals, plan.nested.get(i))
             orig.values.update(zip(eqn.outvars, outs, strict=True))
             return
         invals = [safe[v] if g else orig[v] for g, v in zip(as_guarded, eqn.invars, strict=True)]

@@ -32,6 +32,7 @@ from functools import partial
 from ._atoms import dtype_of, is_float, is_nonfinite_literal, shape_of
 from ._collector import fewer_collections
 from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Var, dce, source_summary, trace_to_jaxpr
+from ._cotangents import body_cotangents, needs_cotangents, nonfinite_cotangents
 from ._decisions import plan_decisions
 from ._emit import emit
 from ._flatten import flatten
@@ -52,11 +53,12 @@ def rewrite_with_report(closed: ClosedJaxpr, finite_invars: Sequence[bool] | Non
         return _rewrite(closed, Sweeps(), finite_invars)
 
 
-def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps, finite_invars: Sequence[bool] | None = None
-             ) -> tuple[ClosedJaxpr, Report]:
+def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps, finite_invars: Sequence[bool] | None = None,
+             bad_cotangents: Sequence[bool] | None = None) -> tuple[ClosedJaxpr, Report]:
     """A body's arguments come from the program around it: possibly non-finite."""
     flat = dce(flatten(closed))
-    plan = plan_program(flat, [Kind.LIVE] * len(flat.jaxpr.outvars), sweeps, finite_invars)
+    plan = plan_program(flat, [Kind.LIVE] * len(flat.jaxpr.outvars), sweeps, finite_invars,
+                        bad_cotangents)
     if not plan.report.changed:
         return closed, plan.report
     avals = [v.aval for v in closed.jaxpr.invars]
@@ -64,22 +66,30 @@ def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps, finite_invars: Sequence[bool] 
 
 
 def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
-                 finite_invars: Sequence[bool] | None = None) -> Plan:
+                 finite_invars: Sequence[bool] | None = None,
+                 bad_cotangents: Sequence[bool] | None = None) -> Plan:
     """The planning passes on a flattened program. `out_kinds`: the static liveness of its
     outputs (all LIVE at the top; MAYBE for a body the program around it drops in places).
-    `finite_invars`: the arguments promised finite (None: none is)."""
+    `finite_invars`: the arguments promised finite (None: none is). `bad_cotangents`: the
+    outputs whose cotangent may be non-finite (None: none, as `jax.grad` seeds 1)."""
     report = Report()
     sweep = sweeps.get(closed.jaxpr, out_kinds, False)
     if finite_invars is None:
         finite_invars = [False] * len(closed.jaxpr.invars)
     seeds = nonfinite_seeds(closed, sweep, finite_invars)
-    # what bodies receive: only asked for where a row can judge its bodies' inputs
-    anywhere = nonfinite_anywhere(closed, seeds) if any(
+    # what bodies receive, and what products multiply cotangents by: only asked for where a
+    # row can judge its bodies' inputs, or a cotangent can meet a selection by value
+    cotangents = needs_cotangents(closed)
+    anywhere = nonfinite_anywhere(closed, seeds) if cotangents or any(
         rule_for(e.primitive).body_inputs is not None for e in closed.jaxpr.eqns) else set()
-    nested = rewrite_nested_bodies(closed, sweep, report, sweeps, anywhere)
+    bad: set = set()
+    if cotangents:
+        outputs = bad_cotangents or [False] * len(closed.jaxpr.outvars)
+        bad = nonfinite_cotangents(closed, sweep, anywhere, outputs)
+    nested = rewrite_nested_bodies(closed, sweep, report, sweeps, anywhere, bad)
     sites = place_guards(closed, sweep, seeds, report)
-    masked = plan_masked_bodies(closed, sweep, report, sweeps, anywhere)
-    decisions = plan_decisions(closed, sweep, sites, masked, report)
+    masked = plan_masked_bodies(closed, sweep, report, sweeps, anywhere, bad)
+    decisions = plan_decisions(closed, sweep, sites, masked, report, bad)
     return Plan(closed, sweep, nested, sites, masked, decisions, report)
 
 
@@ -87,12 +97,13 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
 
 
 def rewrite_nested_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
-                          sweeps: Sweeps, nonfinite: Set) -> dict[int, dict]:
+                          sweeps: Sweeps, nonfinite: Set, bad: Set) -> dict[int, dict]:
     """The nested-body pass: equation index -> its parameters with every body rewritten on its
     own (all its outputs live), for the equations whose bodies changed. Bodies nothing
     differentiates (read by comparisons only, say) are left as they are. `nonfinite`: the
     values that may hold NaN or inf in any lane; a body's inputs are judged by them
-    (`PrimitiveRule.body_inputs`; without that rule, every input may)."""
+    (`PrimitiveRule.body_inputs`; without that rule, every input may). `bad`: the values
+    whose cotangent may be non-finite (`_cotangents.py`)."""
     nested: dict[int, dict] = {}
     for i, eqn in enumerate(closed.jaxpr.eqns):
         rule = rule_for(eqn.primitive)
@@ -102,9 +113,10 @@ def rewrite_nested_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
         new_params = dict(eqn.params)
         try:
             finite = _finite_body_inputs(eqn, nonfinite)
+            cotangents = body_cotangents(eqn, bad, nonfinite)
             for name in names:
                 new_params[name] = _rewrite_param(eqn, eqn.params[name], report, sweeps,
-                                                  finite)
+                                                  finite, cotangents)
         except Exception as e:
             note_failure(e, eqn, "nested-body")
             raise
@@ -132,20 +144,23 @@ def _finite_body_inputs(eqn: JaxprEqn, nonfinite: Set) -> dict[int, list[bool]]:
 
 
 def _rewrite_param(eqn: JaxprEqn, value: object, report: Report, sweeps: Sweeps,
-                   finite: dict[int, list[bool]]) -> object:
+                   finite: dict[int, list[bool]], cotangents: dict[int, list[bool]]) -> object:
     """One body parameter, rewritten: a ClosedJaxpr, a tuple of them (branches), or an open
-    Jaxpr (remat's, which can take no constants). `finite`: see `_finite_body_inputs`."""
+    Jaxpr (remat's, which can take no constants). `finite`: see `_finite_body_inputs`;
+    `cotangents`: see `_cotangents.body_cotangents`."""
     if isinstance(value, tuple):
-        return tuple(_rewrite_param(eqn, branch, report, sweeps, finite) for branch in value)
+        return tuple(_rewrite_param(eqn, branch, report, sweeps, finite, cotangents)
+                     for branch in value)
     if isinstance(value, Jaxpr):
-        new, sub = _rewrite(ClosedJaxpr(value, ()), sweeps, finite.get(id(value)))
+        new, sub = _rewrite(ClosedJaxpr(value, ()), sweeps, finite.get(id(value)),
+                            cotangents.get(id(value)))
         if sub.changed and new.consts:
             report.skipped.append((eqn, "unchanged: its rewritten body needs constants"))
             return value
         _record_nested(eqn, ClosedJaxpr(value, ()), new, sub, report)
         return new.jaxpr
     assert isinstance(value, ClosedJaxpr), (eqn.primitive, type(value))
-    new, sub = _rewrite(value, sweeps, finite.get(id(value.jaxpr)))
+    new, sub = _rewrite(value, sweeps, finite.get(id(value.jaxpr)), cotangents.get(id(value.jaxpr)))
     _record_nested(eqn, value, new, sub, report)
     return new
 
@@ -173,14 +188,16 @@ def assert_same_signature(eqn: JaxprEqn, old: ClosedJaxpr, new: ClosedJaxpr) -> 
 
 
 def plan_masked_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
-                       sweeps: Sweeps, nonfinite: Set) -> dict[int, list]:
+                       sweeps: Sweeps, nonfinite: Set, bad: Set) -> dict[int, list]:
     """The masked-body pass: equation index -> the plans of its bodies, for the equations with
     a body (`PrimitiveRule.masked_body`) whose outputs the program drops in places.
-    `nonfinite`: as for `rewrite_nested_bodies`."""
+    `nonfinite`, `bad`: as for `rewrite_nested_bodies`."""
     finite: dict[int, list[bool]] = {}
+    cotangents: dict[int, list[bool]] = {}
 
     def plan_body(body: ClosedJaxpr, out_kinds: list[Kind]) -> Plan | None:
-        plan = plan_program(flatten(body), out_kinds, sweeps, finite.get(id(body.jaxpr)))
+        plan = plan_program(flatten(body), out_kinds, sweeps, finite.get(id(body.jaxpr)),
+                            cotangents.get(id(body.jaxpr)))
         return plan if plan.report.changed else None
 
     masked: dict[int, list] = {}
@@ -194,6 +211,7 @@ def plan_masked_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
             continue
         try:
             finite = _finite_body_inputs(eqn, nonfinite)
+            cotangents = body_cotangents(eqn, bad, nonfinite)
             plans = handler.plan(eqn, out_kinds, plan_body)
         except Exception as e:
             note_failure(e, eqn, "masked-body")

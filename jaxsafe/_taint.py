@@ -24,11 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from ._atoms import is_float, is_nonfinite_literal
-from ._compat import ClosedJaxpr, JaxprEqn, Tracer, Var
+from ._atoms import dtype_of, is_float, is_nonfinite_literal, literal_value
+from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
+from ._constants import finite_with_derivatives
 from ._liveness import Sweep
 from ._nested import sub_jaxprs
-from ._rules import Kind, rule_for
+from ._rules import Kind, guard_for, rule_for
 
 
 def compared_with_nonfinite(eqn: JaxprEqn) -> list[Var]:
@@ -70,8 +71,33 @@ def may_be_nonfinite_const(value: Any) -> bool:
 def _makes_nonfinite_itself(eqn: JaxprEqn) -> bool:
     """A NaN-prone primitive, an unknown one, or a non-finite literal operand (its body aside)."""
     rule = rule_for(eqn.primitive)
-    return rule.guard is not None or not rule.known or \
-        any(literal_taints(eqn, v) for v in eqn.invars)
+    return not rule.known or nan_prone(eqn) or any(literal_taints(eqn, v) for v in eqn.invars)
+
+
+def nan_prone(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` may make inf or NaN (or such a derivative) from finite operands: its guard
+    applies (`integer_pow` only with a negative exponent), and not every operand its guard
+    would replace is a literal inside the domain (`x / 3.`, every `jnp.mean`)."""
+    guard = guard_for(eqn)
+    if guard is None:
+        return False
+    if not rule_for(eqn.primitive).elementwise or len(eqn.outvars) != 1 or \
+            any(k >= len(eqn.invars) or not isinstance(eqn.invars[k], Literal)
+                for k in guard.safe):
+        return True
+    key = (eqn.primitive, repr(sorted(eqn.params.items())),
+           tuple((np.asarray(literal_value(v)).tobytes(), dtype_of(v)) if isinstance(v, Literal)
+                 else dtype_of(v) for v in eqn.invars))
+    found = _IN_DOMAIN.get(key)
+    if found is None:
+        point = [np.asarray(literal_value(v)) if isinstance(v, Literal)
+                 else np.asarray(1, dtype_of(v)) for v in eqn.invars]
+        found = _IN_DOMAIN[key] = finite_with_derivatives(eqn, point)
+    return not found
+
+
+_IN_DOMAIN: dict = {}
+"""(primitive, params, literal operands) -> whether the equation is finite there: a cache."""
 
 
 def contains_hazard(closed: ClosedJaxpr) -> bool:

@@ -514,17 +514,24 @@ def defang(program: Program) -> Program:
     may drop) becomes `jnp.sin`, a division there becomes a product, and NaN tests become
     comparisons (a NaN test, a body with a hazard, or a body input a hazard computed makes
     jaxsafe treat values as possibly non-finite). Hazards in other live positions and in
-    top-level predicates stay: jaxsafe must leave them alone."""
-    def go(node, dropped: bool, body: bool):
+    top-level predicates stay: jaxsafe must leave them alone; a max/min/clip under such a
+    hazard becomes a sum (its cotangent may be inf there: jaxsafe selects it)."""
+    def go(node, dropped: bool, body: bool, below: bool = False):
+        # below: under a live hazard, whose derivative may be inf: the cotangent there may be
+        # non-finite, and a max/min/clip under it has a dropped lane to guard (it is selected
+        # on its decision): it becomes a sum (the clip, its operand)
         k = node[0]
-        g = lambda n, d=dropped: go(n, d or body, body)  # noqa: E731
+        g = lambda n, d=dropped, b=below: go(n, d or body, body, b)  # noqa: E731
         if k in ("in", "const"):
             return node
         if k == "haz":
-            return ("un", "sin", g(node[2])) if dropped or body else ("haz", node[1], g(node[2]))
+            if dropped or body:
+                return ("un", "sin", g(node[2]))
+            return ("haz", node[1], g(node[2], b=True))
         if k == "div":
-            a, b = g(node[1]), g(node[2])
-            return ("bin", "mul", a, b) if dropped or body else ("div", a, b)
+            if dropped or body:
+                return ("bin", "mul", g(node[1]), g(node[2]))
+            return ("div", g(node[1], b=True), g(node[2], b=True))
         if k == "un":
             return ("un", node[1], g(node[2]))
         if k == "bin":
@@ -535,9 +542,10 @@ def defang(program: Program) -> Program:
             cmp = "gt" if node[1] == "isnan" else node[1]
             return ("swhere", cmp, node[2], g(node[3], True), g(node[4], True), node[5])
         if k in ("max", "min"):
-            return (k, g(node[1], True), g(node[2], True))
+            a, b = g(node[1], True), g(node[2], True)
+            return ("bin", "add", a, b) if below else (k, a, b)
         if k == "clip":
-            return ("clip", g(node[1], True), node[2], node[3])
+            return g(node[1], True) if below else ("clip", g(node[1], True), node[2], node[3])
         if k in ("slice", "index", "row", "col"):
             return (k, node[1], g(node[2], True))
         if k == "reduce":
@@ -549,11 +557,11 @@ def defang(program: Program) -> Program:
         if k == "scan":
             # its operands too: what a body receives is possibly non-finite if a NaN-prone
             # operation computed it, live or not (the body may drop the lane at some step)
-            return ("scan", g(node[1], True), g(node[2], True), go(node[3], True, True),
-                    go(node[4], True, True), node[5])
+            return ("scan", g(node[1], True), g(node[2], True), go(node[3], True, True, below),
+                    go(node[4], True, True, below), node[5])
         if k == "cond":
-            return ("cond", pred(node[1], body), g(node[2], True), go(node[3], True, True),
-                    go(node[4], True, True))
+            return ("cond", pred(node[1], body), g(node[2], True), go(node[3], True, True, below),
+                    go(node[4], True, True, below))
         raise ValueError(node)
 
     def pred(p, body: bool):
@@ -857,7 +865,9 @@ class _Emitter:
     def zero(self, v, mv):
         return self.let(f"jnp.where({mv}, {v}, 0.0)", "g")
 
-    def tw(self, node, env2, m, maybe: bool, tested: bool):
+    def tw(self, node, env2, m, maybe: bool, tested: bool, bad: bool = False):
+        # bad: the cotangent of this value may be inf or NaN (jaxsafe/_cotangents.py): a
+        # max/min/clip there is written as a where on its decision, whose loser gets 0
         assert (m is not None) == maybe, (node, m, maybe)
         k = node[0]
         if k == "in":
@@ -865,16 +875,16 @@ class _Emitter:
         if k == "const":
             return self.ev(node, {}), tested, False
         if k == "scan":
-            return self.tw_scan(node, env2, m, maybe, tested)
+            return self.tw_scan(node, env2, m, maybe, tested, bad)
         if k == "cond":
-            return self.tw_cond(node, env2, m, maybe, tested)
+            return self.tw_cond(node, env2, m, maybe, tested, bad)
         kids = _diff_children(node)
         cms = self.child_masks(node, env2, m)
         kid_maybe = maybe or k in DROPS
         res = []
         for i, (c, cm) in enumerate(zip(kids, cms, strict=False)):
             t = tested or (k == "swhere" and node[1] == "isnan" and i == 0)
-            res.append(self.tw(c, env2, cm, kid_maybe, t))
+            res.append(self.tw(c, env2, cm, kid_maybe, t, bad or self.partial_bad(node, i)))
         gs = [r[0] for r in res]
         taints = [r[1] for r in res]
         changed = any(r[2] for r in res)
@@ -920,14 +930,14 @@ class _Emitter:
         if k in ("max", "min"):
             a, b = gs
             fn = "maximum" if k == "max" else "minimum"
-            if not changed:
+            if not changed and not bad:
                 return self.let(f"jnp.{fn}({a}, {b})"), tainted, False
             ao, bo = self.orig(node[1], env2), self.orig(node[2], env2)
             gt = ">" if k == "max" else "<"
             return (self.let(f"jnp.where({ao} {gt} {bo}, {a}, jnp.where({bo} {gt} {ao}, {b}, "
-                             f"jnp.{fn}({a}, {b})))"), tainted, maybe)
+                             f"jnp.{fn}({a}, {b})))"), tainted, maybe and changed)
         if k == "clip":
-            return self.tw_clip(node, env2, gs[0], changed, tainted, maybe)
+            return self.tw_clip(node, env2, gs[0], changed, tainted, maybe, bad)
         if k == "slice":
             return (self.let(f"{gs[0]}[1:]" if node[1] == "tail" else f"{gs[0]}[:3]"),
                     tainted, out_changed)
@@ -957,20 +967,39 @@ class _Emitter:
             return self.let(f"jnp.broadcast_to({a}, {SHAPES[node[1]]})"), tainted, out_changed
         raise ValueError(node)
 
-    def tw_clip(self, node, env2, a, a_changed, tainted, maybe):
+    def partial_bad(self, node, i: int) -> bool:
+        """Whether jaxsafe judges the derivative of `node` in its i-th value child possibly
+        non-finite (`_cotangents._partial_may_be_nonfinite`): a NaN-prone operation, or a
+        non-linear one whose derivative reads a value that may hold inf or NaN somewhere."""
+        k = node[0]
+        kids = _diff_children(node)
+        leaves = set(self.taint_inputs)
+        if k in ("haz", "div"):
+            return True
+        if k == "un":
+            return node[1] not in LINEAR_UNARY and _anywhere(kids[0], leaves)
+        if k == "bin":
+            return node[1] == "mul" and _anywhere(kids[1 - i], leaves)
+        if k == "dot":
+            return _anywhere(kids[1 - i], leaves)
+        if k == "reduce":
+            return node[1] in ("max", "min") and _anywhere(kids[0], leaves)
+        return False
+
+    def tw_clip(self, node, env2, a, a_changed, tainted, maybe, bad):
         # jnp.clip(a, lo, hi) = min(hi, max(lo, a)): both re-decided on the original values
-        # when `a` changed below them
+        # when `a` changed below them, or when their cotangent may be non-finite
         _, an, lo, hi = node
-        if not a_changed:
+        if not a_changed and not bad:
             return self.let(f"jnp.clip({a}, {lo!r}, {hi!r})"), tainted, False
         ao = self.orig(an, env2)
         mx_o = self.let(f"jnp.maximum({lo!r}, {ao})")
         mx = self.let(f"jnp.where({ao} > {lo!r}, {a}, jnp.where({lo!r} > {ao}, {lo!r}, "
                       f"jnp.maximum({lo!r}, {a})))")
         return (self.let(f"jnp.where({mx_o} < {hi!r}, {mx}, jnp.where({hi!r} < {mx_o}, "
-                         f"{hi!r}, jnp.minimum({hi!r}, {mx})))"), tainted, maybe)
+                         f"{hi!r}, jnp.minimum({hi!r}, {mx})))"), tainted, maybe and a_changed)
 
-    def tw_scan(self, node, env2, m, maybe, tested):
+    def tw_scan(self, node, env2, m, maybe, tested, bad=False):
         # The operands of a scan are live as soon as any output is (jaxsafe's conservative
         # rule), its carries are live, and the per-step outputs take the mask from outside,
         # step by step. A body that computes lane by lane (`lanewise`) is the exception: there
@@ -989,8 +1018,11 @@ class _Emitter:
         xs_m = m if forwarded else None
         if lane is not None:
             xs_m = self.let(f"jnp.broadcast_to({lane}, {SHAPES['M']!r})", "k")
-        xs_g, xs_t, xs_c = self.tw(xs, env2, xs_m, xs_m is not None, tested)
-        init_g, init_t, init_c = self.tw(init, env2, lane, lane is not None, tested)
+        # as for a cond (tw_cond)
+        bad = bad or _body_has_hazard(t) or _body_has_hazard(y) or \
+            _anywhere(xs, set(self.taint_inputs)) or _anywhere(init, set(self.taint_inputs))
+        xs_g, xs_t, xs_c = self.tw(xs, env2, xs_m, xs_m is not None, tested, bad)
+        init_g, init_t, init_c = self.tw(init, env2, lane, lane is not None, tested, bad)
         elem = {"V": "S", "M": "V"}[shape_of(xs, self.env)]
         ym = m if out == "ys" else None
         fn = f"body{next(self.counter)}"
@@ -1005,8 +1037,8 @@ class _Emitter:
             b.taint_inputs.add("c")
         benv = {"c": ("c_o", "c_g"), "xi": ("xi_o", "xi_g")}
         t_o = b.orig(t, benv)
-        t_g = b.tw(t, benv, lane, lane is not None, False)[0]
-        y_g = b.tw(y, benv, None if ym is None else "my", ym is not None, False)[0]
+        t_g = b.tw(t, benv, lane, lane is not None, False, bad)[0]
+        y_g = b.tw(y, benv, None if ym is None else "my", ym is not None, False, bad)[0]
         b.line(f"return (c_o + {t_o}, c_g + {t_g}), {y_g}")
         self.line(f"def {fn}(carry, inp):")
         self.line("    c_o, c_g = carry")
@@ -1021,7 +1053,7 @@ class _Emitter:
             or (forwarded and xs_c) or lane is not None
         return self.let(f"{r}[0][1]" if out == "carry" else f"{r}[1]"), tainted, changed
 
-    def tw_cond(self, node, env2, m, maybe, tested):
+    def tw_cond(self, node, env2, m, maybe, tested, bad=False):
         # A branch runs again on the guarded operand and decides on what it reads, so the
         # operand is live wherever the taken branch reads it at all (predicates included) and
         # its output is live: liveness through a cond is structural. Inside the branches the
@@ -1037,7 +1069,11 @@ class _Emitter:
             zeros = self.let(f"jnp.zeros({SHAPES[ushape]}, bool)", "k")
             mt, mf = (self.full(m, SHAPES[ushape]) if r else zeros for r in reads)
             mu = self.let(f"jnp.where({pv}, {mt}, {mf})", "k")
-        u_g, u_t, u_c = self.tw(u, env2, mu, mu is not None, tested)
+        # jaxsafe: a body's cotangents may be non-finite where the cond's are, or where the
+        # cond's own derivative may be (a hazard in a branch, an operand that may be non-finite)
+        bad = bad or _body_has_hazard(tb) or _body_has_hazard(fb) or \
+            _anywhere(u, set(self.taint_inputs))
+        u_g, u_t, u_c = self.tw(u, env2, mu, mu is not None, tested, bad)
         zeroed = maybe and mu is not None and u_t  # cond is not linear
         if zeroed:
             u_g = self.zero(u_g, mu)
@@ -1051,7 +1087,7 @@ class _Emitter:
             if u_anywhere:
                 b.taint_inputs.add("u")
             benv = {"u": ("u_o", "u_g")}
-            b.line(f"return {b.tw(br, benv, 'mm' if maybe else None, maybe, False)[0]}")
+            b.line(f"return {b.tw(br, benv, 'mm' if maybe else None, maybe, False, bad)[0]}")
             self.line(f"def {fn}(ops):")
             self.line("    u_o, u_g, mm = ops" if maybe else "    u_o, u_g = ops")
             self.lines += b.lines

@@ -221,11 +221,37 @@ def _eager_derivatives(f, twin, args):
         })
 
 
+def _nonfinite_as_plain(ours, twin, plain, count):
+    """`ours` with each entry that is a live singularity of all three programs read as the twin's.
+
+    Where the twin's derivative is non-finite too, the lane is singular in the hand fix as well
+    (a real singularity, not a leak), and the contract's reference for a live lane is plain JAX:
+    live derivatives are not changed. So an entry where the twin and plain JAX are both
+    non-finite and ours is exactly plain JAX's (NaN for NaN, inf for inf of the same sign) is
+    accepted whatever non-finite value the twin has: at arccos(1) inside a cond, JAX's
+    differentiation of the cond gives NaN at second order where the twin, built with other
+    branches, gives -inf. A leak (twin finite) or a hidden singularity (ours finite) is never
+    excused.
+    """
+    out = []
+    for a, b, c in zip(jax.tree.leaves(ours), jax.tree.leaves(twin), jax.tree.leaves(plain),
+                       strict=True):
+        a, b, c = (np.asarray(v, np.float64) for v in (a, b, c))
+        same = (np.isnan(a) & np.isnan(c)) | (np.isinf(a) & (a == c))
+        excused = same & ~np.isfinite(b) & ~np.isfinite(c)
+        if np.any(excused & ~((a == b) | (np.isnan(a) & np.isnan(b)))):
+            count("live_singularity_as_plain_jax")
+        out.append(np.where(excused, b, a))
+    return jax.tree.unflatten(jax.tree.structure(ours), out)
+
+
 def _check_against_twin(r, count):
     # the twin is a correct reference: same values as f (a generator self-check)
     assert_close(r["twin_out"], r["f"], rtol=RTOL, atol=ATOL)
 
     (g_js, h_js), (g_tw, h_tw), (g_pl, h_pl) = r["jaxsafe"], r["twin"], r["plain"]
+    g_js = _nonfinite_as_plain(g_js, g_tw, g_pl, count)
+    h_js = _nonfinite_as_plain(h_js, h_tw, h_pl, count)
     assert_no_new_nan(g_js, g_tw, "first order")
     assert_no_new_nan(h_js, h_tw, "second order")
     assert_close(g_js, g_tw, rtol=RTOL, atol=ATOL)   # first order, NaN where NaN

@@ -1,0 +1,88 @@
+"""Values whose cotangent may be non-finite: the cotangent pass.
+
+JAX differentiates `max`, `min` and `clamp` by multiplying the cotangent by a weight of 0, 1/2
+or 1 (`max(x, 0.)`'s derivative is `g * (x > 0)`, with a balanced tie). Where the cotangent of a
+lane is inf or NaN, the losing operand's dropped lane gets `0 * inf = NaN`, not the zero that the
+drop promises: `jnp.sqrt(jnp.maximum(x, 0.))` at `x < 0` (the derivative of sqrt at 0 is inf,
+and the 0 wins). A hand-written `where` selects the cotangent instead, and so does jaxsafe: such
+an equation is emitted as a `select_n` on its decision (`Decisions.selections`), wherever its
+output's cotangent may be non-finite.
+
+A cotangent may be non-finite where a later equation's derivative may be: a NaN-prone primitive
+(a singularity of a live lane, which the contract keeps), an unknown one, a body with either, a
+product or quotient with a value that may hold NaN or inf in some lane (`nonfinite_anywhere`),
+and everything the cotangent reaches from there, backwards. The outputs' own cotangents are
+finite at the top of a program (`jax.grad` seeds 1); a body's are what the program around it
+hands it (`body_cotangents`). Overflow of finite values is not counted, as in the taint pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence, Set
+
+from ._atoms import is_float
+from ._compat import ClosedJaxpr, JaxprEqn, Var
+from ._liveness import Sweep
+from ._nested import sub_jaxprs
+from ._rules import rule_for
+from ._taint import contains_hazard, literal_taints, nan_prone
+
+
+def nonfinite_cotangents(closed: ClosedJaxpr, sweep: Sweep, anywhere: Set,
+                         outputs: Sequence[bool]) -> set:
+    """The variables whose cotangent may hold inf or NaN in some lane. `anywhere`: the values
+    that may (`nonfinite_anywhere`); `outputs`: which outputs' cotangents may."""
+    jaxpr = closed.jaxpr
+    bad: set = {v for v, b in zip(jaxpr.outvars, outputs, strict=True)
+                if b and isinstance(v, Var)}
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[i]
+        if rule_for(eqn.primitive).zero_derivative:
+            continue
+        flows = any(o in bad for o in eqn.outvars)
+        for k, (v, d) in enumerate(zip(eqn.invars, sweep.diff[i], strict=True)):
+            if d and isinstance(v, Var) and is_float(v) and v not in bad and (
+                    flows or _partial_may_be_nonfinite(eqn, k, anywhere)):
+                bad.add(v)
+    return bad
+
+
+def _partial_may_be_nonfinite(eqn: JaxprEqn, k: int, anywhere: Set) -> bool:
+    """Whether `eqn`'s derivative in operand k may be inf or NaN for a finite cotangent."""
+    rule = rule_for(eqn.primitive)
+    if not rule.known or nan_prone(eqn):
+        return True
+    if any(literal_taints(eqn, v) for v in eqn.invars):
+        return True
+    if rule.has_body:
+        return any(contains_hazard(s) for s in sub_jaxprs(eqn)) or \
+            any(isinstance(v, Var) and v in anywhere for v in eqn.invars)
+    if rule.linear:
+        return False
+    reads = range(len(eqn.invars)) if rule.derivative_reads is None else \
+        rule.derivative_reads[k]
+    return any(isinstance(eqn.invars[j], Var) and eqn.invars[j] in anywhere for j in reads)
+
+
+def body_cotangents(eqn: JaxprEqn, bad: Set, anywhere: Set) -> dict[int, list[bool]]:
+    """id(body jaxpr) -> which of its outputs' cotangents may be non-finite: all of them where
+    any output of `eqn` has such a cotangent or its derivative may make one (a loop hands its
+    carries' cotangents back to the body), none otherwise."""
+    any_bad = any(o in bad for o in eqn.outvars) or any(
+        _partial_may_be_nonfinite(eqn, k, anywhere) for k in range(len(eqn.invars)))
+    out: dict[int, list[bool]] = {}
+    for body in sub_jaxprs(eqn):
+        out[id(body.jaxpr)] = [any_bad] * len(body.jaxpr.outvars)
+    return out
+
+
+def needs_cotangents(closed: ClosedJaxpr) -> bool:
+    """Whether the program has an equation the cotangent pass decides on: a selection by value,
+    or a body that may hold one."""
+    return any(selects_by_value(e) or rule_for(e.primitive).has_body for e in closed.jaxpr.eqns)
+
+
+def selects_by_value(eqn: JaxprEqn) -> bool:
+    """`max`, `min`, `clamp`: derivatives weighted by a comparison, not selected."""
+    selection = rule_for(eqn.primitive).selection
+    return selection is not None and not selection.by_predicate
