@@ -108,3 +108,20 @@ def test_the_forward_value_is_the_max(x0):
     x = jnp.array([x0, np.nan, np.inf, -np.inf, -0.], jnp.float32)
     assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
     assert_bitwise(nan_safe(f, jit=False)(x), f(x))
+
+
+def test_integer_arithmetic_in_a_branch_is_not_a_hazard():
+    # jnp.remainder on indices (an iota mask) has the row of `rem`, whose guard is for floats:
+    # integers hold no NaN, so the branch's max, under sin of a finite argument, stays a max
+    # (as found by the fuzzer, nothing-to-guard property, run 7)
+    def f(s, m):
+        def branch_a(u):
+            return jnp.sin(jnp.maximum(u, u))
+
+        def branch_b(u):
+            p = (jnp.arange(3)[:, None] + jnp.arange(4)[None, :]) % 2 == 0
+            return jnp.where(p, u, u)
+        return jnp.where(s >= 0., lax.cond(s >= 0., branch_a, branch_b, m), m)
+    args = (np.float32(1.), np.ones((3, 4), np.float32))
+    assert structure(jaxsafe.make_jaxpr(f, finite_args=True)(*args)) == \
+        structure(jax.make_jaxpr(f)(*args))
