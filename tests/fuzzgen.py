@@ -522,6 +522,9 @@ def defang(program: Program) -> Program:
         # on its decision): it becomes a sum (the clip, its operand)
         k = node[0]
         g = lambda n, d=dropped, b=below: go(n, d or body, body, b)  # noqa: E731
+        # a value that a hazard left live may make non-finite (the arguments are promised
+        # finite): a derivative that reads it may be non-finite (`_Emitter.partial_bad`)
+        made_nonfinite = lambda n: _anywhere(g(n), set())  # noqa: E731
         if k in ("in", "const"):
             return node
         if k == "haz":
@@ -533,9 +536,12 @@ def defang(program: Program) -> Program:
                 return ("bin", "mul", g(node[1]), g(node[2]))
             return ("div", g(node[1], b=True), g(node[2], b=True))
         if k == "un":
-            return ("un", node[1], g(node[2]))
+            return ("un", node[1], g(node[2], b=below or (node[1] not in LINEAR_UNARY
+                                                          and made_nonfinite(node[2]))))
         if k == "bin":
-            return ("bin", node[1], g(node[2]), g(node[3]))
+            mul = node[1] == "mul"
+            return ("bin", node[1], g(node[2], b=below or (mul and made_nonfinite(node[3]))),
+                    g(node[3], b=below or (mul and made_nonfinite(node[2]))))
         if k == "where":
             return ("where", pred(node[1], body), g(node[2], True), g(node[3], True))
         if k == "swhere":
@@ -549,9 +555,12 @@ def defang(program: Program) -> Program:
         if k in ("slice", "index", "row", "col"):
             return (k, node[1], g(node[2], True))
         if k == "reduce":
-            return ("reduce", node[1], node[2], g(node[3]))
+            chooser = node[1] in ("max", "min")
+            return ("reduce", node[1], node[2],
+                    g(node[3], b=below or (chooser and made_nonfinite(node[3]))))
         if k == "dot":
-            return ("dot", g(node[1]), g(node[2]))
+            return ("dot", g(node[1], b=below or made_nonfinite(node[2])),
+                    g(node[2], b=below or made_nonfinite(node[1])))
         if k == "bcast":
             return ("bcast", node[1], g(node[2]))
         if k == "scan":
