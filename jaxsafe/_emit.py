@@ -176,10 +176,14 @@ class _Emitter:
         if i in plan.decisions.selections:
             assert rule.selection is not None
             out = bind_eqn(eqn, invals)[0]
-            cases = [out] + [broadcast(lax.convert_element_type(x, out.dtype), out.shape)
-                             for x in invals]
+            cases = [broadcast(lax.convert_element_type(x, out.dtype), out.shape)
+                     for x in invals]
             originals = LazyOperands(self.orig, eqn.invars)
-            return [lax.select_n(rule.selection.winner(eqn, originals), *cases)]
+            if rule.selection.wins is None:
+                return [lax.select_n(rule.selection.winner(eqn, originals), out, *cases)]
+            for win, case in zip(rule.selection.wins(eqn, originals), cases, strict=True):
+                out = lax.select_n(win, out, case)  # disjoint wins: the order is free
+            return [out]
         return bind_eqn(eqn, invals, plan.nested.get(i))
 
     def _record(self, i: int, outs: list, shared_unguarded: bool) -> None:

@@ -85,30 +85,43 @@ def select_winner(eqn: JaxprEqn, invals: Sequence[Any]) -> jax.Array:
     return lax.add(lax.convert_element_type(pred, jnp.int32), np.int32(1))
 
 
-def _max_min_winner(eqn: JaxprEqn, invals: Sequence[Any], wins) -> jax.Array:
+def _max_min_wins(eqn: JaxprEqn, invals: Sequence[Any], beats) -> list[jax.Array]:
     shape = shape_of(eqn.outvars[0])
     a, b = (broadcast(x, shape) for x in invals)
-    return _index(wins(a, b), wins(b, a))
+    return [beats(a, b), beats(b, a)]
+
+
+def max_wins(eqn: JaxprEqn, invals: Sequence[Any]) -> list[jax.Array]:
+    """`max`: where each operand is the larger one (a tie, or NaN, is neither's win)."""
+    return _max_min_wins(eqn, invals, lax.gt)
+
+
+def min_wins(eqn: JaxprEqn, invals: Sequence[Any]) -> list[jax.Array]:
+    """`min`: where each operand is the smaller one."""
+    return _max_min_wins(eqn, invals, lax.lt)
+
+
+def clamp_wins(eqn: JaxprEqn, invals: Sequence[Any]) -> list[jax.Array]:
+    """`clamp(lo, x, hi)`: where each operand determines the output alone."""
+    shape = shape_of(eqn.outvars[0])
+    lo, x, hi = (broadcast(v, shape) for v in invals)
+    return [lax.bitwise_and(lax.gt(lo, x), lax.lt(lo, hi)),
+            lax.bitwise_and(lax.gt(x, lo), lax.lt(x, hi)), lax.lt(hi, x)]
 
 
 def max_winner(eqn: JaxprEqn, invals: Sequence[Any]) -> jax.Array:
     """`max`: the larger operand; a tie (or NaN) leaves both live."""
-    return _max_min_winner(eqn, invals, lax.gt)
+    return _index(*max_wins(eqn, invals))
 
 
 def min_winner(eqn: JaxprEqn, invals: Sequence[Any]) -> jax.Array:
     """`min`: the smaller operand; a tie (or NaN) leaves both live."""
-    return _max_min_winner(eqn, invals, lax.lt)
+    return _index(*min_wins(eqn, invals))
 
 
 def clamp_winner(eqn: JaxprEqn, invals: Sequence[Any]) -> jax.Array:
     """`clamp(lo, x, hi)`: the operand that determines the output; ties leave several live."""
-    shape = shape_of(eqn.outvars[0])
-    lo, x, hi = (broadcast(v, shape) for v in invals)
-    lo_wins = lax.bitwise_and(lax.gt(lo, x), lax.lt(lo, hi))
-    x_wins = lax.bitwise_and(lax.gt(x, lo), lax.lt(x, hi))
-    hi_wins = lax.lt(hi, x)
-    return _index(lo_wins, x_wins, hi_wins)
+    return _index(*clamp_wins(eqn, invals))
 
 
 def _index(*wins: jax.Array) -> jax.Array:

@@ -35,6 +35,7 @@ from ._liveness_rules import (
     call_kinds,
     call_masks,
     clamp_winner,
+    clamp_wins,
     concatenate_masks,
     cond_kinds,
     cond_masks,
@@ -44,7 +45,9 @@ from ._liveness_rules import (
     elementwise_masks,
     gather_masks,
     max_winner,
+    max_wins,
     min_winner,
+    min_wins,
     opaque_call_kinds,
     opaque_call_masks,
     pad_drops,
@@ -179,12 +182,13 @@ register_selection(prims.select_n_p, masks=select_masks, static=select_syms,
 # comparisons): a NaN operand never meets a cotangent in a product, and a guard there would
 # bend the decision.
 register_selection(prims.max_p, masks=winner_masks, static=selected_syms,
-                   selection=Selection(max_winner, by_predicate=False), identity=-np.inf,
-                   bound=bounds.of_all(max))
+                   selection=Selection(max_winner, by_predicate=False, wins=max_wins),
+                   identity=-np.inf, bound=bounds.of_all(max))
 register_selection(prims.min_p, masks=winner_masks, static=selected_syms,
-                   selection=Selection(min_winner, by_predicate=False), identity=np.inf)
+                   selection=Selection(min_winner, by_predicate=False, wins=min_wins),
+                   identity=np.inf)
 register_selection(prims.clamp_p, masks=winner_masks, static=selected_syms,
-                   selection=Selection(clamp_winner, by_predicate=False))
+                   selection=Selection(clamp_winner, by_predicate=False, wins=clamp_wins))
 
 # --------------------------------------------------------------------------- data movement
 register_movement(prims.slice_p, masks=slice_masks, drops=_always, bound=bounds.moved)

@@ -83,6 +83,7 @@ KindsRule = Callable[[JaxprEqn, list, Context], list]
 """(equation, output kinds, context) -> a kind per operand: for primitives with bodies."""
 
 WinnerRule = Callable[[JaxprEqn, Sequence[Any]], jax.Array]
+WinsRule = Callable[[JaxprEqn, Sequence[Any]], list[jax.Array]]
 """(equation, original operand values) -> int32 per output lane: k > 0 where operand k - 1 alone
 determines the output and its derivative, 0 where several do (ties, NaN)."""
 
@@ -130,6 +131,9 @@ class Selection:
     """Decided by operand 0, a predicate (`select_n`). Otherwise decided by comparing the
     operands' values (`max`, `min`, `clamp`): once an operand is guarded the equation is
     re-emitted as a `select_n` on the decision taken from the original values."""
+    wins: WinsRule | None = None
+    """For a selection by value: where each operand wins alone (disjoint; ties and NaN are no
+    one's win). The re-emitted equation selects each operand where it wins, itself elsewhere."""
 
 
 class MaskedBody(Protocol):
