@@ -172,7 +172,8 @@ def nonfinite_seeds(closed: ClosedJaxpr, sweep: Sweep, finite_invars: Sequence[b
 def may_produce_nonfinite(eqn: JaxprEqn) -> bool:
     """Whether `eqn` can make NaN or inf from finite operands, in any lane (a NaN-prone
     primitive, an unknown one, a non-finite literal, a body with any of these)."""
-    return _makes_nonfinite_itself(eqn) or any(contains_hazard(s) for s in sub_jaxprs(eqn))
+    return _makes_nonfinite_itself(eqn) or (rule_for(eqn.primitive).has_body and any(
+        contains_hazard(s) for s in sub_jaxprs(eqn)))
 
 
 def nonfinite_anywhere(closed: ClosedJaxpr, seeds: set) -> set:
@@ -181,8 +182,9 @@ def nonfinite_anywhere(closed: ClosedJaxpr, seeds: set) -> set:
     program around it is judged by this."""
     tainted = set(seeds)
     for eqn in closed.jaxpr.eqns:
-        if may_produce_nonfinite(eqn) or any(isinstance(v, Var) and v in tainted
-                                             for v in eqn.invars):
+        # the cheap test first: in a program fed by arguments, most operands already are
+        if any(isinstance(v, Var) and v in tainted for v in eqn.invars) or \
+                may_produce_nonfinite(eqn):
             tainted.update(o for o in eqn.outvars if is_float(o))
     return tainted
 
