@@ -25,7 +25,7 @@ from ._compat import ClosedJaxpr, JaxprEqn, Var
 from ._liveness import Sweep
 from ._nested import sub_jaxprs
 from ._rules import rule_for
-from ._taint import contains_hazard, literal_taints, nan_prone
+from ._taint import may_produce_nonfinite
 
 
 def nonfinite_cotangents(closed: ClosedJaxpr, sweep: Sweep, anywhere: Set,
@@ -49,14 +49,11 @@ def nonfinite_cotangents(closed: ClosedJaxpr, sweep: Sweep, anywhere: Set,
 
 def _partial_may_be_nonfinite(eqn: JaxprEqn, k: int, anywhere: Set) -> bool:
     """Whether `eqn`'s derivative in operand k may be inf or NaN for a finite cotangent."""
+    if may_produce_nonfinite(eqn):  # a NaN-prone or unknown primitive, a hazardous body
+        return True
     rule = rule_for(eqn.primitive)
-    if not rule.known or nan_prone(eqn):
-        return True
-    if any(literal_taints(eqn, v) for v in eqn.invars):
-        return True
     if rule.has_body:
-        return any(contains_hazard(s) for s in sub_jaxprs(eqn)) or \
-            any(isinstance(v, Var) and v in anywhere for v in eqn.invars)
+        return any(isinstance(v, Var) and v in anywhere for v in eqn.invars)
     if rule.linear:
         return False
     reads = range(len(eqn.invars)) if rule.derivative_reads is None else \

@@ -130,7 +130,7 @@ def _plan_equation(i: int, eqn: JaxprEqn, sweep: Sweep, sites: Mapping[int, Site
     out.reemit.add(i)
     # a LIVE output has no dropped lane, so it is bitwise the original: not "changed"
     lanes.changed.update(o for o in eqn.outvars if is_float(o) and sweep.kind(o) != Kind.LIVE)
-    if rule.selection is not None and not rule.selection.by_predicate:
+    if selects_by_value(eqn):
         out.selections.add(i)  # any changed operand: decide on the original values
         report.selections.append(eqn)
 
