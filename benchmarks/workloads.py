@@ -343,7 +343,77 @@ def _physics(quick: bool) -> Workload:
                     _bounce(hertz, steps), _bounce(hertz_hand, steps), (x0, v0), argnums=(0, 1))
 
 
-BUILDERS = (_piecewise, _lennard_jones, _attention, _gaussian, _transformer, _physics)
+# --------------------------------------------------------------------------- 7. max-pool CNN
+
+def _conv(x, w):
+    return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _pool(h):
+    return jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+
+
+def pool_cnn(w1, w2, x):
+    """Two conv layers with a square-root activation, each followed by 2x2 max pooling: the
+    lanes pooling drops (and the ReLU's zeros) are sqrt's singular lanes."""
+    h = _pool(jnp.sqrt(jax.nn.relu(_conv(x, w1))))
+    h = _pool(jnp.sqrt(jax.nn.relu(_conv(h, w2))))
+    return jnp.mean(h, axis=(1, 2, 3))
+
+
+def pool_cnn_hand(w1, w2, x):
+    def act(h):
+        pos = h > 0
+        return jnp.where(pos, jnp.sqrt(jnp.where(pos, h, 1.)), 0.)
+    h = _pool(act(_conv(x, w1)))
+    h = _pool(act(_conv(h, w2)))
+    return jnp.mean(h, axis=(1, 2, 3))
+
+
+def _pool_cnn(quick: bool) -> Workload:
+    b, s, c = (8, 32, 16) if quick else (32, 64, 32)
+    k1, k2, k3 = jax.random.split(jax.random.key(7), 3)
+    w1 = jax.random.normal(k1, (3, 3, 3, c), jnp.float32) / 4.
+    w2 = jax.random.normal(k2, (3, 3, c, c), jnp.float32) / (3. * math.sqrt(c))
+    x = jax.random.normal(k3, (b, s, s, 3), jnp.float32)
+    return Workload("max-pool CNN, sqrt activation", f"B={b} {s}x{s}x3 -> {c}x2 channels",
+                    pool_cnn, pool_cnn_hand, (w1, w2, x), argnums=(0, 1))
+
+
+# --------------------------------------------------------------------------- 8. top-k MoE routing
+
+MOE_K = 2
+
+
+def moe_routing(w_router, x):
+    """Top-k routing on log-probabilities: a sharp router underflows some probabilities to 0,
+    whose log is -inf (derivative inf); top_k drops those experts."""
+    logp = jnp.log(jax.nn.softmax(x @ w_router, axis=-1))
+    top, _ = jax.lax.top_k(logp, MOE_K)
+    return -jnp.mean(jax.nn.logsumexp(top, axis=-1))
+
+
+def moe_routing_hand(w_router, x):
+    p = jax.nn.softmax(x @ w_router, axis=-1)
+    _, idx = jax.lax.top_k(jax.lax.stop_gradient(p), MOE_K)
+    chosen = jnp.any(jnp.arange(p.shape[-1]) == idx[..., None], axis=-2)
+    logp = jnp.log(jnp.where(chosen, p, 1.))
+    top, _ = jax.lax.top_k(jnp.where(chosen, logp, -jnp.inf), MOE_K)
+    return -jnp.mean(jax.nn.logsumexp(top, axis=-1))
+
+
+def _moe(quick: bool) -> Workload:
+    n, d, e = (4096, 64, 16) if quick else (65536, 128, 64)
+    k1, k2 = jax.random.split(jax.random.key(8))
+    w = 40. * jax.random.normal(k1, (d, e), jnp.float32) / math.sqrt(d)   # a sharp router
+    x = jax.random.normal(k2, (n, d), jnp.float32)
+    return Workload("top-k MoE routing", f"{n} tokens, d={d}, {e} experts, k={MOE_K}",
+                    moe_routing, moe_routing_hand, (w, x))
+
+
+BUILDERS = (_piecewise, _lennard_jones, _attention, _gaussian, _transformer, _physics,
+            _pool_cnn, _moe)
 
 
 def workloads(quick: bool) -> list[Workload]:

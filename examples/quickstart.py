@@ -16,6 +16,12 @@ def f(x, pre_filter=False):
     return jnp.sum(jnp.where(delta > 0, delta ** 0.5, 0))       # the natural way to write it
 
 
+def f_indexed(x):
+    """The reporter's own form: a boolean mask index, whose shape depends on the data."""
+    delta = jnp.array((0, 1)) * x
+    return jnp.sum((delta ** 0.5)[delta > 0])
+
+
 def main() -> None:
     print(f"jax {jax.__version__}, jaxsafe {jaxsafe.__version__}\n")
     print("grad(f)(1.)                   =", jax.grad(f)(1.), "  <- NaN: the untaken sqrt(0) leaks")
@@ -30,6 +36,13 @@ def main() -> None:
     print(jaxsafe.make_jaxpr(f)(1.))
     print("\nwhat was guarded, and where:")
     print(jaxsafe.explain(f)(1.))
+    print("\nthe reporter's own form, `(delta ** 0.5)[delta > 0]`:")
+    print("grad(f_indexed)(1.)           =", jax.grad(f_indexed)(1.))
+    try:
+        jax.grad(jaxsafe.nan_safe(f_indexed))(1.)
+    except jaxsafe.DataDependentShapeError as e:  # its shape depends on the data
+        print("grad(nan_safe(f_indexed))(1.) raises DataDependentShapeError:")
+        print("   ", str(e).splitlines()[-1])
 
 
 if __name__ == "__main__":

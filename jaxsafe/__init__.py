@@ -3,6 +3,7 @@
 from . import _primitives  # noqa: F401  (fills the primitive table)
 from . import nn as nn
 from ._api import DEFAULT_CACHE_SIZE as DEFAULT_CACHE_SIZE
+from ._api import DataDependentShapeError as DataDependentShapeError
 from ._api import make_jaxpr as make_jaxpr
 from ._api import nan_safe as nan_safe
 from ._explain import explain as explain

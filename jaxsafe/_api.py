@@ -6,6 +6,7 @@ import collections
 import functools
 import inspect
 import threading
+import traceback
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -19,6 +20,36 @@ from ._rewrite import rewrite_with_report
 
 DEFAULT_CACHE_SIZE = 256
 """Signatures (shapes, dtypes, static values) remembered per `nan_safe` function."""
+
+
+class DataDependentShapeError(TypeError):
+    """A value's shape depends on the data (`x[mask]`, `jnp.nonzero(m)` without `size=`): the
+    program cannot be traced with abstract shapes, so nan_safe cannot rewrite it."""
+
+
+_OWN_FRAMES = ("/jax/", "/jaxlib/", "/jaxsafe/", "/contextlib.py", "/functools.py")
+
+
+def _shape_from_data(e: Exception) -> bool:
+    """A boolean mask index, or a `size=` that JAX asks for (`jnp.nonzero`, `jnp.unique`); not
+    Python control flow on a traced value (JAX's own error says what to do there)."""
+    return isinstance(e, jax.errors.NonConcreteBooleanIndexError) or (
+        type(e) is jax.errors.ConcretizationTypeError and "size" in str(e))
+
+
+def _data_dependent_message(fun: Callable, e: Exception) -> str:
+    frames = [fr for fr in traceback.extract_tb(e.__traceback__)
+              if not any(part in fr.filename for part in _OWN_FRAMES)]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" \
+        if frames else ""
+    line = f"\n    {frames[-1].line}" if frames and frames[-1].line else ""
+    return (f"nan_safe({getattr(fun, '__name__', 'f')}): the shape of a value{where} depends on "
+            f"the data ({type(e).__name__}){line}\n"
+            "nan_safe traces the function with abstract shapes, as jax.jit does, so a boolean "
+            "mask index (`v[mask]`), `jnp.nonzero`/`jnp.argwhere`/`jnp.compress` without `size=`"
+            " or `jnp.unique` cannot be rewritten. Two ways out: select instead of indexing, "
+            "`jnp.where(mask, v, 0.)` (then sum or reduce as before), or give the size, "
+            "`jnp.nonzero(mask, size=n, fill_value=...)`.")
 
 
 def _normalize_static(fun: Callable, static_argnums, static_argnames, who: str):
@@ -250,8 +281,14 @@ class NanSafeFunction:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit, leaves
-        closed, out_shape = jax.make_jaxpr(
-            self._flat_fun(static_pos, static_kw, in_tree), return_shape=True)(*avals)
+        try:
+            closed, out_shape = jax.make_jaxpr(
+                self._flat_fun(static_pos, static_kw, in_tree), return_shape=True)(*avals)
+        except (jax.errors.NonConcreteBooleanIndexError,
+                jax.errors.ConcretizationTypeError) as e:
+            if not _shape_from_data(e):
+                raise
+            raise DataDependentShapeError(_data_dependent_message(self._fun, e)) from e
         finite = _finite_leaves(self._finite_args, args, {i for i, _ in static_pos},
                                 dyn_kwargs, "nan_safe")
         new, report = rewrite_with_report(closed, finite)

@@ -24,7 +24,7 @@ from ._atoms import is_float
 from ._compat import ClosedJaxpr, JaxprEqn, Var
 from ._liveness import Sweep
 from ._nested import sub_jaxprs
-from ._rules import rule_for
+from ._rules import Context, rule_for
 from ._taint import may_produce_nonfinite
 
 
@@ -73,13 +73,15 @@ def body_cotangents(eqn: JaxprEqn, bad: Set, anywhere: Set) -> dict[int, list[bo
     return out
 
 
-def needs_cotangents(closed: ClosedJaxpr) -> bool:
-    """Whether the program has an equation the cotangent pass decides on: a selection by value,
-    or a body that may hold one."""
-    return any(selects_by_value(e) or rule_for(e.primitive).has_body for e in closed.jaxpr.eqns)
+def needs_cotangents(closed: ClosedJaxpr, ctx: Context) -> bool:
+    """Whether the program has an equation the cotangent pass decides on: a chooser, or a body
+    that may hold one."""
+    return any(selects_by_value(e, ctx) or rule_for(e.primitive).has_body
+               for e in closed.jaxpr.eqns)
 
 
-def selects_by_value(eqn: JaxprEqn) -> bool:
-    """`max`, `min`, `clamp`: derivatives weighted by a comparison, not selected."""
-    selection = rule_for(eqn.primitive).selection
-    return selection is not None and not selection.by_predicate
+def selects_by_value(eqn: JaxprEqn, ctx: Context) -> bool:
+    """A chooser (`max`, `reduce_max`, `sort`, a product with a mask, ...): its derivative
+    weighs the cotangent by a choice made on values, or moves it by one."""
+    chooser = rule_for(eqn.primitive).chooser
+    return chooser is not None and chooser.applies(eqn, ctx)

@@ -120,7 +120,7 @@ def _plan_equation(i: int, eqn: JaxprEqn, sweep: Sweep, sites: Mapping[int, Site
                           for d, v in zip(diff, eqn.invars, strict=True))
     if not (i in sites or operand_changed or safe_read or i in masked) or eqn.effects \
             or not read_differentiably:
-        if read_differentiably and not eqn.effects and selects_by_value(eqn) and any(
+        if read_differentiably and not eqn.effects and selects_by_value(eqn, sweep) and any(
                 o in bad_cotangents for o in eqn.outvars) and any(
                 d and isinstance(v, Var) for d, v in zip(diff, eqn.invars, strict=True)):
             # its derivative weighs a cotangent that may be inf or NaN: select it instead
@@ -130,7 +130,7 @@ def _plan_equation(i: int, eqn: JaxprEqn, sweep: Sweep, sites: Mapping[int, Site
     out.reemit.add(i)
     # a LIVE output has no dropped lane, so it is bitwise the original: not "changed"
     lanes.changed.update(o for o in eqn.outvars if is_float(o) and sweep.kind(o) != Kind.LIVE)
-    if selects_by_value(eqn):
+    if selects_by_value(eqn, sweep):
         out.selections.add(i)  # any changed operand: decide on the original values
         report.selections.append(eqn)
 

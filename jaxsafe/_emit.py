@@ -174,16 +174,13 @@ class _Emitter:
             return rule.masked_body.emit(eqn, plan.masked[i], invals, out_masks,
                                          plan.nested.get(i) or eqn.params, emit_masked)
         if i in plan.decisions.selections:
-            assert rule.selection is not None
-            out = bind_eqn(eqn, invals)[0]
-            cases = [broadcast(lax.convert_element_type(x, out.dtype), out.shape)
-                     for x in invals]
+            assert rule.chooser is not None
             originals = LazyOperands(self.orig, eqn.invars)
-            if rule.selection.wins is None:
-                return [lax.select_n(rule.selection.winner(eqn, originals), out, *cases)]
-            for win, case in zip(rule.selection.wins(eqn, originals), cases, strict=True):
-                out = lax.select_n(win, out, case)  # disjoint wins: the order is free
-            return [out]
+            return rule.chooser.emit(
+                eqn, invals, originals,
+                lambda: operand_masks(eqn, [self.mask_of(o) for o in eqn.outvars], originals,
+                                      plan.sweep),
+                lambda: [self.mask_of(o) for o in eqn.outvars])
         return bind_eqn(eqn, invals, plan.nested.get(i))
 
     def _record(self, i: int, outs: list, shared_unguarded: bool) -> None:

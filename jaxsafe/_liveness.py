@@ -31,9 +31,10 @@ from typing import Any
 import numpy as np
 
 from ._atoms import SMALL_CONSTANT, is_float, literal_value, shape_of
+from ._carries import Carry, carry_classes, carrying_lanes
 from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, bind_eqn
 from ._constants import fold
-from ._masks import any_of, broadcast, reduce_any, register_broadcast, zeros
+from ._masks import any_of, broadcast, reduce_any, register_broadcast, scoped_memo, zeros
 from ._report import note_failure
 from ._rules import Kind, Mask, rule_for
 from ._symbolic import FALSE, TRUE, Sym, opaque, sym_or
@@ -69,7 +70,8 @@ def operand_kinds(eqn: JaxprEqn, out_kinds: Sequence[Kind], ctx: Any) -> list[Ki
         return [Kind.LIVE] * n
     if rule.kinds is not None:
         return list(rule.kinds(eqn, list(out_kinds), ctx))
-    drops = rule.drops(eqn) and not (ctx.structural and rule.selection is not None)
+    by_value = rule.selection is not None or rule.chooser is not None
+    drops = rule.drops(eqn) and not (ctx.structural and by_value)
     all_live = all(k == Kind.LIVE for k in out_kinds)
     return [Kind.LIVE if all_live and not drops else Kind.MAYBE] * n
 
@@ -179,6 +181,7 @@ class Sweep:
         self._constants: dict = {}
         self._from_literals: set | None = None
         self._dropped_whole: set | None = None
+        self._carries: dict | None = None
         self.syms = self._static_liveness(out_kinds)
         self.kinds = {v: kind_of_sym(m) for v, m in self.syms.items()}
         self.consumers: dict[Any, list[tuple[int, int]]] = {}
@@ -255,6 +258,21 @@ class Sweep:
                     structural: bool) -> list[Kind]:
         sweep = self.sweeps.get(closed.jaxpr, out_kinds, structural)
         return [sweep.kind(v) for v in closed.jaxpr.invars]
+
+    def may_mask(self, atom: Any) -> bool:
+        return self._carry_classes().get(atom, Carry.NONE) != Carry.ALL
+
+    def carry_mask(self, atom: Any, env: Any) -> Mask:
+        memo = scoped_memo("carries", id(self), id(env))  # tracers: never kept past the trace
+        memo.setdefault("env", env)  # held while the scope lives, so its id is not reused
+        return carrying_lanes(atom, self._carry_classes(), self.producer_eqns, memo,
+                          lambda v: read(env, v))
+
+    def _carry_classes(self) -> dict:
+        if self._carries is None:  # one forward pass, the first time a product asks
+            self._carries = carry_classes(self.jaxpr, self.diff)
+            self.producer_eqns = {o: self.jaxpr.eqns[i] for o, i in self.producer.items()}
+        return self._carries
 
     # -- constants --------------------------------------------------------------------------
 

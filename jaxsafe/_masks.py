@@ -70,6 +70,15 @@ def _table() -> dict | None:
     return getattr(_SCOPE, "table", None)
 
 
+def scoped_memo(*key: Any) -> dict:
+    """A memo that lives as long as the current mask scope (one trace), for values that are
+    tracers of it; outside a scope, a fresh one."""
+    table = _table()
+    if table is None:
+        return {}
+    return table.setdefault(("memo", *key), {})
+
+
 def _fact(mask) -> _Fact | None:
     table = _table()
     hit = None if table is None else table.get(id(mask))

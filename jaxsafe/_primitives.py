@@ -23,6 +23,22 @@ from jax import lax
 from . import _bounds as bounds
 from ._atoms import dtype_of
 from ._bodies import CondBody, RematBody, ScanBody
+from ._choosers import (
+    by_fill,
+    by_original,
+    by_permutation,
+    by_top_k,
+    by_wins,
+    comparison_masks,
+    product_applies,
+    product_masks,
+    product_syms,
+    reads_as,
+    row_reads,
+    running_choice,
+    sort_masks,
+    support_masks,
+)
 from ._compat import JaxprEqn, Primitive
 from ._compat import primitives as prims
 from ._dropped import chosen_scalar, reshaped_scalar, same_scalar, summed_scalar
@@ -67,7 +83,7 @@ from ._liveness_rules import (
     transpose_masks,
     winner_masks,
 )
-from ._rules import Guard, Selection, register
+from ._rules import Chooser, Guard, Selection, register
 from ._taint import (
     compared_with_nonfinite,
     cond_body_inputs,
@@ -153,7 +169,10 @@ register_elementwise(prims.add_p, linear=True, bound=bounds.of_all(max))
 register_elementwise(prims.sub_p, prims.neg_p, prims.add_jaxvals_p, prims.real_p, prims.imag_p,
                      prims.complex_p, prims.conj_p, linear=True)
 BILINEAR = (frozenset({1}), frozenset({0}))  # each operand's derivative is the other operand
-register_elementwise(prims.mul_p, bound=bounds.product, derivative_reads=BILINEAR)
+# a factor that carries no derivative masks the other where it is 0 (`_choosers.py`)
+register_elementwise(prims.mul_p, bound=bounds.product, derivative_reads=BILINEAR,
+                     masks=product_masks, static=product_syms,
+                     chooser=Chooser(by_original, product_applies))
 register_elementwise(prims.square_p, bound=bounds.non_negative)
 register_elementwise(prims.convert_element_type_p, linear=True, bound=bounds.converted)
 register_elementwise(prims.reduce_precision_p, linear=True,
@@ -183,12 +202,13 @@ register_selection(prims.select_n_p, masks=select_masks, static=select_syms,
 # bend the decision.
 register_selection(prims.max_p, masks=winner_masks, static=selected_syms,
                    selection=Selection(max_winner, by_predicate=False, wins=max_wins),
-                   identity=-np.inf, bound=bounds.of_all(max))
+                   chooser=Chooser(by_wins), identity=-np.inf, bound=bounds.of_all(max))
 register_selection(prims.min_p, masks=winner_masks, static=selected_syms,
                    selection=Selection(min_winner, by_predicate=False, wins=min_wins),
-                   identity=np.inf)
+                   chooser=Chooser(by_wins), identity=np.inf)
 register_selection(prims.clamp_p, masks=winner_masks, static=selected_syms,
-                   selection=Selection(clamp_winner, by_predicate=False, wins=clamp_wins))
+                   selection=Selection(clamp_winner, by_predicate=False, wins=clamp_wins),
+                   chooser=Chooser(by_wins))
 
 # --------------------------------------------------------------------------- data movement
 register_movement(prims.slice_p, masks=slice_masks, drops=_always, bound=bounds.moved)
@@ -209,15 +229,36 @@ register_movement(prims.broadcast_in_dim_p, masks=broadcast_in_dim_masks,
 register_movement(prims.concatenate_p, masks=concatenate_masks)
 if hasattr(lax, "split_p"):
     register(lax.split_p, masks=split_masks, foldable=True)
+# an overwrite drops the operand lanes it writes (and updates that a duplicate index overwrites)
+register_movement(prims.scatter_p, masks=by_transpose_masks, drops=_always)
 register(prims.scatter_add_p, linear=True)  # no liveness rule: every lane live
 
 # --------------------------------------------------------------------------- reductions
 register_reduction(prims.reduce_sum_p, linear=True, scalar_move=summed_scalar,
                    bound=bounds.non_negative_if_bounded)
-register_reduction(prims.reduce_max_p, prims.reduce_min_p, scalar_move=chosen_scalar)
+# --------------------------------------------------------------------------- choosers
+# Only the lanes their derivative chooses on the original values are live (`_choosers.py`).
+for prim, identity in ((prims.reduce_max_p, -np.inf), (prims.reduce_min_p, np.inf)):
+    register_reduction(prim, masks=comparison_masks(row_reads), static=selected_syms,
+                       drops=_always, chooser=Chooser(by_fill), identity=identity,
+                       scalar_move=chosen_scalar)
+# a running maximum only grows: its choice is two cumulative ops, not a scan tree's derivative
+register(prims.cummax_p, masks=comparison_masks(reads_as(prims.cumsum_p),
+                                                running_choice(lax.cummin, np.inf)),
+         drops=_always, chooser=Chooser(by_fill), identity=-np.inf, foldable=True)
+register(prims.cummin_p, masks=comparison_masks(reads_as(prims.cumsum_p),
+                                                running_choice(lax.cummax, -np.inf)),
+         drops=_always, chooser=Chooser(by_fill), identity=np.inf, foldable=True)
+for prim, identity in ((prims.reduce_window_max_p, -np.inf), (prims.reduce_window_min_p, np.inf)):
+    register(prim, masks=comparison_masks(reads_as(prims.reduce_window_sum_p)), drops=_always,
+             chooser=Chooser(by_fill), identity=identity, foldable=True)
+register(prims.sort_p, masks=sort_masks, drops=_always, chooser=Chooser(by_permutation),
+         linear=True, foldable=True)
+register(prims.top_k_p, masks=support_masks, drops=_always, chooser=Chooser(by_top_k),
+         linear=True, foldable=True)
 register_reduction(prims.reduce_prod_p)
 register(prims.cumsum_p, masks=cumulative_masks, linear=True, foldable=True)
-register(prims.cumprod_p, prims.cummax_p, prims.cummin_p, prims.cumlogsumexp_p,
+register(prims.cumprod_p, prims.cumlogsumexp_p,
          masks=cumulative_masks, foldable=True)
 register(prims.dot_general_p, masks=dot_general_masks, align=dot_general_alignment,
          static=aligned_syms, foldable=True, derivative_reads=BILINEAR)

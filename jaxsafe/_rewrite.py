@@ -79,7 +79,7 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
     seeds = nonfinite_seeds(closed, sweep, finite_invars)
     # what bodies receive, and what products multiply cotangents by: only asked for where a
     # row can judge its bodies' inputs, or a cotangent can meet a selection by value
-    cotangents = needs_cotangents(closed)
+    cotangents = needs_cotangents(closed, sweep)
     anywhere = nonfinite_anywhere(closed, seeds) if cotangents or any(
         rule_for(e.primitive).body_inputs is not None for e in closed.jaxpr.eqns) else set()
     bad: set = set()

@@ -66,6 +66,15 @@ class Context(Protocol):
         """Static liveness of a sub-jaxpr's inputs, given its outputs' kinds."""
         ...
 
+    def may_mask(self, atom: Any) -> bool:
+        """Whether some lane of `atom` may carry no derivative of the inputs (`_carries.py`)."""
+        ...
+
+    def carry_mask(self, atom: Any, env: Any) -> Mask:
+        """The lanes of `atom` that carry a derivative, at run time (None: all may); `env` maps a
+        variable to its original value."""
+        ...
+
 
 MaskRule = Callable[[JaxprEqn, list, Sequence[Any], Context], list]
 """(equation, output masks, original operand values, context) -> a mask per operand."""
@@ -86,6 +95,13 @@ WinnerRule = Callable[[JaxprEqn, Sequence[Any]], jax.Array]
 WinsRule = Callable[[JaxprEqn, Sequence[Any]], list[jax.Array]]
 """(equation, original operand values) -> int32 per output lane: k > 0 where operand k - 1 alone
 determines the output and its derivative, 0 where several do (ties, NaN)."""
+
+RechooseRule = Callable[[JaxprEqn, list, Sequence[Any], Callable[[], list], Callable[[], list]],
+                        list]
+"""(equation, guarded operands, original operands, operand masks, output masks) -> outputs: the
+equation emitted again on guarded operands, choosing what the original operands choose, so the
+forward value is the original's and a dropped lane gets a derivative of exactly zero. The masks
+are thunks: asked for only by the rules that need them."""
 
 BoundRule = Callable[[JaxprEqn, list, list], "float | None"]
 """(equation, operand lower bounds, operand constant values) -> lower bound of the output."""
@@ -136,6 +152,22 @@ class Selection:
     one's win). The re-emitted equation selects each operand where it wins, itself elsewhere."""
 
 
+def _applies_everywhere(eqn: JaxprEqn, ctx: Context) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Chooser:
+    """A primitive whose derivative chooses operand lanes by comparing values (`max`,
+    `reduce_max`, `sort`, `top_k`, ...) or by a zero factor that carries no derivative (a 0/1
+    mask in `m * v`). Once an operand is guarded, or where the output's cotangent may be
+    non-finite (JAX weighs it by 0, not selects it), the equation is emitted again by `emit`."""
+
+    emit: RechooseRule
+    applies: Callable[[JaxprEqn, Context], bool] = _applies_everywhere
+    """Whether this equation chooses at all (a product only with a factor that may mask)."""
+
+
 class MaskedBody(Protocol):
     """A primitive whose body is rewritten again when the program around it drops some of its
     output lanes (liveness flows in from outside): `remat`, `cond`, `scan`."""
@@ -184,6 +216,7 @@ class PrimitiveRule:
     possibly non-finite operand is a hazard only where a differentiated operand's derivative
     reads it."""
     selection: Selection | None = None
+    chooser: Chooser | None = None
     guard: Guard | None = None
     """NaN-prone: the in-domain value each listed operand takes in dropped lanes."""
     identity: float | None = None

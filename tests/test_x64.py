@@ -8,6 +8,7 @@ warnings are errors).
 
 import jax.numpy as jnp
 import pytest
+import test_drop_table as drops
 from test_guard_table import (
     CASE_IDS,
     CASES,
@@ -52,3 +53,19 @@ def test_float64_nan_safe_forward_is_bitwise_equal_to_jit(case):
 @pytest.mark.parametrize("case", SECOND_ORDER, ids=[c.id for c in SECOND_ORDER])
 def test_float64_nan_safe_second_derivative_is_finite_and_equals_the_double_where_twin(case):
     check_second_order_matches_twin(case, F64)
+
+
+
+# --------------------------------------------------------------------------- the drop table
+
+new_rows = pytest.mark.parametrize("row", drops.NEW_ROWS, ids=[r.id for r in drops.NEW_ROWS])
+
+
+@new_rows
+def test_float64_drop_gradient_equals_the_double_where_twin(row):
+    drops.check_gradient_matches_twin(row, F64)
+
+
+@new_rows
+def test_float64_drop_forward_is_bitwise(row):
+    drops.check_forward_is_bitwise(row, F64)

@@ -1,0 +1,332 @@
+"""Primitives that choose lanes by value: their liveness, and how they are emitted again.
+
+A *chooser*'s derivative reaches only the operand lanes its original values choose: the maximum
+of a `reduce_max` row (ties share it), the lanes a `cummax` or a max-pooling window picks, the
+lanes that a `sort` or `top_k` moves to a live position, the lanes of `v` in `m * v` where a
+factor `m` that carries no derivative is not zero. Every other lane is dropped.
+
+**Liveness** is read off JAX's own derivative (`support_masks`): the vector-Jacobian product at
+the original values, with the outputs' masks (1 where live) as the cotangent, is nonzero exactly
+on the operand lanes some live output's derivative reads. So the rule follows JAX's definition
+of each derivative (ties in `reduce_max` share, a pooling window gives its cotangent to one
+lane), whatever its implementation.
+
+**Emission** (`Chooser.emit`): once a guard changes an operand's dropped lanes, the choice is
+made again on the original values, never on guarded ones, and a dropped lane gets a derivative
+of exactly zero by a `select_n`, not by a zero weight that an infinite cotangent turns into NaN:
+
+- `by_wins` (`max`, `min`, `clamp`): each operand where it wins alone, the operation on ties;
+- `by_fill` (`reduce_max`, `cummax`, pooling): dropped lanes of live outputs take the identity
+  (-inf for a max), so they lose to every chosen lane and are never chosen;
+- `by_permutation` (`sort`, `top_k`): the original permutation, gathered from guarded operands;
+- `by_original` (`m * v`): where a factor drops an operand lane of a live output, the original
+  product with its derivative cut (the forward value, NaN and the sign of zero included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._atoms import is_float, literal_value, shape_of
+from ._compat import JaxprEqn, Literal, bind_eqn
+from ._liveness_rules import elementwise_masks, same_rank_alignment
+from ._masks import (
+    all_of,
+    any_of,
+    broadcast,
+    broadcast_mask,
+    fit,
+    known_false,
+    materialize,
+    not_mask,
+    reduce_any,
+    zeros,
+)
+from ._rules import Context, Mask, MaskRule, rule_for
+from ._symbolic import Sym, sym_and_literal, unknown
+
+# --------------------------------------------------------------------------- liveness
+
+
+def _conservative(eqn: JaxprEqn, outs: list[Mask]) -> list[Mask]:
+    """Every operand lane live where any output lane is (a body that re-runs as one unit)."""
+    if all(m is None for m in outs):
+        return [None] * len(eqn.invars)
+    live = any_of([reduce_any(m, range(m.ndim)) for m in outs])
+    return [None if live is None else broadcast(live, shape_of(v)) for v in eqn.invars]
+
+
+def _pulled_back(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                 widen: bool = False) -> list[Any]:
+    """The vector-Jacobian product of `eqn` at its original operands (their derivative cut), with
+    each float output's mask as its cotangent: per float operand, None elsewhere. `widen`: in
+    float32 at least, so that a tie's share (1 / count) does not round to zero."""
+    float_ix = [i for i, v in enumerate(eqn.invars) if is_float(v)]
+    originals = [invals[i] for i in range(len(eqn.invars))]
+
+    def op(*floats):
+        vals = list(originals)
+        for i, f in zip(float_ix, floats, strict=True):
+            vals[i] = f
+        results = bind_eqn(eqn, vals)
+        return [r for r, o in zip(results, eqn.outvars, strict=True) if is_float(o)]
+
+    def primal(x):
+        x = lax.stop_gradient(jnp.asarray(x))
+        if widen and jnp.finfo(x.dtype).bits < 32:
+            return lax.convert_element_type(x, jnp.float32)
+        return x
+
+    results, vjp = jax.vjp(op, *[primal(originals[i]) for i in float_ix])
+    float_outs = [m for m, o in zip(outs, eqn.outvars, strict=True) if is_float(o)]
+    cts = [lax.convert_element_type(materialize(m, r.shape), r.dtype)
+           for m, r in zip(float_outs, results, strict=True)]
+    pulled: list[Any] = [None] * len(eqn.invars)
+    for i, c in zip(float_ix, vjp(cts), strict=True):
+        pulled[i] = c
+    return pulled
+
+
+def _nonzero(x: Any) -> jax.Array:
+    return lax.ne(x, lax.full_like(x, 0))
+
+
+def _all_dropped(eqn: JaxprEqn, outs: list[Mask]) -> list[Mask] | None:
+    """Every operand lane dropped when every output lane is (no mask is computed then)."""
+    if all(m is not None and known_false(m) for m in outs):
+        return [zeros(shape_of(v)) for v in eqn.invars]
+    return None
+
+
+def support_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                  ctx: Context) -> list[Mask]:
+    """The operand lanes that a live output's derivative reads, by JAX's own derivative: a
+    permutation (`sort`, `top_k`) moves the outputs' masks back to the lanes they came from."""
+    if ctx.structural:
+        return _conservative(eqn, outs)
+    dropped = _all_dropped(eqn, outs)
+    if dropped is not None:
+        return dropped
+    return [None if c is None else _nonzero(c) for c in _pulled_back(eqn, outs, invals)]
+
+
+ReadsRule = Callable[[JaxprEqn, jax.Array, Any], jax.Array]
+"""(equation, a mask of its outputs, the operand) -> the operand lanes those outputs read,
+whatever the values (the row, the prefix, the window)."""
+
+ChosenRule = Callable[[JaxprEqn, list, Any, Any], jax.Array]
+"""(equation, output masks, original operand, original output) -> the operand lanes that a live
+output's derivative chooses."""
+
+
+def row_reads(eqn: JaxprEqn, out: jax.Array, x: Any) -> jax.Array:
+    """A reduction: its rows."""
+    kept = tuple(d for d in range(np.ndim(x)) if d not in eqn.params["axes"])
+    return broadcast_mask(out, np.shape(x), kept)
+
+
+def reads_as(primitive: Any) -> ReadsRule:
+    """Reads as the linear `primitive` with the same parameters does (by its transpose): a
+    cumulative sum for `cummax`, a window sum for max pooling."""
+    def reads(eqn: JaxprEqn, out: jax.Array, x: Any) -> jax.Array:
+        twin = eqn.replace(primitive=primitive)
+        return _nonzero(_pulled_back(twin, [out], [lax.full_like(x, 0)])[0])
+    return reads
+
+
+def comparison_masks(reads: ReadsRule, chosen: ChosenRule | None = None) -> MaskRule:
+    """`reduce_max`, `cummax`, max pooling (and min): the lanes JAX's derivative of a live output
+    chooses (a tie's share counts; `chosen`, by default read off the derivative), and every lane
+    a live output reads where that output or the lane is NaN: XLA's NaN handling in a reduction
+    is its own, so a NaN never counts as lost."""
+    choose = _chosen_by_derivative if chosen is None else chosen
+
+    def masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+              ctx: Context) -> list[Mask]:
+        return _comparison_masks(eqn, outs, invals, ctx, reads, choose)
+    return masks
+
+
+def _comparison_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any], ctx: Context,
+                      reads: ReadsRule, choose: ChosenRule) -> list[Mask]:
+    if ctx.structural:
+        return _conservative(eqn, outs)
+    dropped = _all_dropped(eqn, outs)
+    if dropped is not None:
+        return dropped
+    x = invals[0]
+    out = bind_eqn(eqn, [x])[0]  # the original output (XLA computes it once)
+    chosen = choose(eqn, outs, x, out)
+    live = materialize(outs[0], out.shape)
+    nan_out = lax.bitwise_and(live, lax.ne(out, out))
+    nan_read = lax.bitwise_or(reads(eqn, nan_out, x),
+                              lax.bitwise_and(lax.ne(x, x), reads(eqn, live, x)))
+    return [lax.bitwise_or(chosen, nan_read)]
+
+
+def _chosen_by_derivative(eqn: JaxprEqn, outs: list[Mask], x: Any, out: Any) -> jax.Array:
+    return _nonzero(_pulled_back(eqn, outs, [x], widen=True)[0])
+
+
+def running_choice(nearest: Callable, far: float) -> ChosenRule:
+    """`cummax` (`cummin`): a lane is chosen where it equals the running maximum at the nearest
+    live output that reads it, since the running maximum only grows along the scan (JAX's
+    derivative shares a tie). Two cumulative ops, where the derivative would be a scan tree."""
+    def chosen(eqn: JaxprEqn, outs: list[Mask], x: Any, out: Any) -> jax.Array:
+        axis, reverse = eqn.params["axis"], eqn.params["reverse"]
+        live = materialize(outs[0], out.shape)
+        at_live = lax.select_n(live, lax.full_like(out, far), out)
+        return lax.eq(x, nearest(at_live, axis=axis, reverse=not reverse))
+    return chosen
+
+
+def sort_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+               ctx: Context) -> list[Mask]:
+    """A lane is live where its sorted position is (for each operand, its own output). An
+    unstable sort with several operands may order ties differently when run again: every lane
+    then stays live where any output lane is."""
+    if not eqn.params["is_stable"] and len(eqn.invars) > 1:
+        return _conservative(eqn, outs)
+    return support_masks(eqn, outs, invals, ctx)
+
+
+def product_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                  ctx: Context) -> list[Mask]:
+    """`a * b`: a lane of one factor is dropped where the other is zero and carries no
+    derivative of the inputs (a 0/1 mask)."""
+    masks = elementwise_masks(eqn, outs, invals, ctx)
+    if ctx.structural:
+        return masks
+    shape = shape_of(eqn.outvars[0])
+    for k, j in ((0, 1), (1, 0)):
+        factor = eqn.invars[j]
+        if not is_float(eqn.invars[k]) or not _may_mask(factor, ctx):
+            continue
+        if isinstance(factor, Literal):
+            carries: Mask = zeros(shape_of(factor))
+        else:
+            env = getattr(invals, "env", None)
+            if env is None:  # pragma: no cover - every caller reads operands from an env
+                continue
+            carries = ctx.carry_mask(factor, env)
+            if carries is None:
+                continue
+        nonzero = lax.ne(invals[j], lax.full_like(invals[j], 0))
+        keeps = broadcast(lax.bitwise_or(nonzero, broadcast(carries, np.shape(nonzero))), shape)
+        masks[k] = fit(all_of([materialize(outs[0], shape), keeps]), shape_of(eqn.invars[k]))
+    return masks
+
+
+def _may_mask(factor: Any, ctx: Context) -> bool:
+    """Whether `factor` may be zero in a lane that carries no derivative."""
+    if isinstance(factor, Literal):
+        return bool(np.any(np.asarray(literal_value(factor)) == 0))
+    value = ctx.constant(factor)
+    if value is not None:
+        return bool(np.any(value == 0))
+    return ctx.may_mask(factor)
+
+
+def product_applies(eqn: JaxprEqn, ctx: Context) -> bool:
+    """A product chooses only with a factor that may mask the other."""
+    return not ctx.structural and any(
+        _may_mask(eqn.invars[j], ctx) and is_float(eqn.invars[k])
+        for k, j in ((0, 1), (1, 0)))
+
+
+def product_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
+    """Aligned, and decided at run time for a factor that another may mask."""
+    from ._liveness_rules import aligned_syms
+    syms = aligned_syms(eqn, out_syms, ctx)
+    if syms is None or ctx.structural:
+        return syms
+    for k, j in ((0, 1), (1, 0)):
+        if syms[k] and _may_mask(eqn.invars[j], ctx):
+            shape = shape_of(eqn.invars[k])
+            syms[k] = sym_and_literal(syms[k], unknown(i for i, n in enumerate(shape) if n != 1))
+    return syms
+
+
+def product_alignment(eqn: JaxprEqn, k: int) -> list[int | None] | None:
+    return same_rank_alignment(eqn, k)
+
+
+# --------------------------------------------------------------------------- emission
+
+OperandMasks = Callable[[], list]
+
+
+def by_wins(eqn: JaxprEqn, guarded: list, originals: Sequence[Any], operand_masks: OperandMasks,
+            out_masks: OperandMasks) -> list:
+    """`max`, `min`, `clamp`: each operand where it wins alone on the original values."""
+    selection = rule_for(eqn.primitive).selection
+    assert selection is not None and selection.wins is not None
+    out = bind_eqn(eqn, guarded)[0]
+    cases = [broadcast(lax.convert_element_type(x, out.dtype), out.shape) for x in guarded]
+    for win, case in zip(selection.wins(eqn, originals), cases, strict=True):
+        out = lax.select_n(win, out, case)  # disjoint wins: the order is free
+    return [out]
+
+
+def by_fill(eqn: JaxprEqn, guarded: list, originals: Sequence[Any], operand_masks: OperandMasks,
+            out_masks: OperandMasks) -> list:
+    """`reduce_max`, `cummax`, pooling: the operand's dropped lanes take the identity (-inf for
+    a max), so a guarded value is never chosen. A reduction fills live rows only: a dropped row
+    keeps its guarded values (`_dropped.py` may know what it holds)."""
+    live = operand_masks()[0]
+    x = guarded[0]
+    if live is None:
+        return bind_eqn(eqn, guarded)
+    fill = not_mask(live)
+    row = out_masks()[0]
+    if "axes" in eqn.params and row is not None:
+        kept = tuple(d for d in range(x.ndim) if d not in eqn.params["axes"])
+        fill = all_of([fill, broadcast_mask(row, x.shape, kept)])
+    identity = np.array(rule_for(eqn.primitive).identity, x.dtype)
+    return bind_eqn(eqn, [lax.select_n(materialize(fill, x.shape), x,
+                                       lax.full_like(x, identity))])
+
+
+def by_permutation(eqn: JaxprEqn, guarded: list, originals: Sequence[Any],
+                   operand_masks: OperandMasks, out_masks: OperandMasks) -> list:
+    """`sort`: the permutation of the original keys, gathered from the guarded operands."""
+    if not eqn.params["is_stable"] and len(eqn.invars) > 1:
+        return bind_eqn(eqn, guarded)
+    dim = eqn.params["dimension"]
+    first = originals[0]
+    iota = lax.broadcasted_iota(jnp.int32, first.shape, dim)
+    keys = [originals[i] for i in range(eqn.params["num_keys"])]
+    perm = lax.sort([*keys, iota], dimension=dim, is_stable=eqn.params["is_stable"],
+                    num_keys=len(keys))[-1]
+    return [jnp.take_along_axis(x, perm, axis=dim) for x in guarded]
+
+
+def by_top_k(eqn: JaxprEqn, guarded: list, originals: Sequence[Any], operand_masks: OperandMasks,
+             out_masks: OperandMasks) -> list:
+    """`top_k`: the original indices, gathered from the guarded operand."""
+    _, indices = bind_eqn(eqn, [originals[0]])
+    axis = eqn.params.get("axis", -1)
+    return [jnp.take_along_axis(guarded[0], indices, axis=axis), indices]
+
+
+def by_original(eqn: JaxprEqn, guarded: list, originals: Sequence[Any],
+                operand_masks: OperandMasks, out_masks: OperandMasks) -> list:
+    """`m * v`: where a factor drops an operand lane of a live output, the original product
+    with its derivative cut; the product of the guarded operands elsewhere."""
+    out = bind_eqn(eqn, guarded)[0]
+    shape = out.shape
+    dropped = [not_mask(broadcast(m, shape)) for m in operand_masks() if m is not None]
+    if not dropped:
+        return [out]
+    cut = any_of(dropped)
+    live_out = out_masks()[0]
+    if live_out is not None:
+        cut = all_of([cut, live_out])
+    original = lax.stop_gradient(bind_eqn(eqn, list(originals))[0])
+    return [lax.select_n(materialize(cut, shape), out, original)]
