@@ -356,9 +356,10 @@ def _pool(h):
 
 def pool_cnn(w1, w2, x):
     """Two conv layers with a square-root activation, each followed by 2x2 max pooling: the
-    lanes pooling drops (and the ReLU's zeros) are sqrt's singular lanes."""
-    h = _pool(jnp.sqrt(jax.nn.relu(_conv(x, w1))))
-    h = _pool(jnp.sqrt(jax.nn.relu(_conv(h, w2))))
+    lanes that pooling drops, and those the clamp at 0 drops, are sqrt's singular lanes (a
+    plain `jnp.maximum`, not `jax.nn.relu`, whose custom derivative selects)."""
+    h = _pool(jnp.sqrt(jnp.maximum(_conv(x, w1), 0.)))
+    h = _pool(jnp.sqrt(jnp.maximum(_conv(h, w2), 0.)))
     return jnp.mean(h, axis=(1, 2, 3))
 
 

@@ -35,7 +35,7 @@ from jax import lax
 
 from ._atoms import is_float, literal_value, shape_of
 from ._compat import JaxprEqn, Literal, bind_eqn
-from ._liveness_rules import elementwise_masks, same_rank_alignment
+from ._liveness_rules import aligned_syms, elementwise_masks
 from ._masks import (
     all_of,
     any_of,
@@ -242,7 +242,6 @@ def product_applies(eqn: JaxprEqn, ctx: Context) -> bool:
 
 def product_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
     """Aligned, and decided at run time for a factor that another may mask."""
-    from ._liveness_rules import aligned_syms
     syms = aligned_syms(eqn, out_syms, ctx)
     if syms is None or ctx.structural:
         return syms
@@ -251,10 +250,6 @@ def product_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[S
             shape = shape_of(eqn.invars[k])
             syms[k] = sym_and_literal(syms[k], unknown(i for i, n in enumerate(shape) if n != 1))
     return syms
-
-
-def product_alignment(eqn: JaxprEqn, k: int) -> list[int | None] | None:
-    return same_rank_alignment(eqn, k)
 
 
 # --------------------------------------------------------------------------- emission

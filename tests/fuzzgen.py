@@ -540,8 +540,14 @@ def defang(program: Program) -> Program:
                                                           and made_nonfinite(node[2]))))
         if k == "bin":
             mul = node[1] == "mul"
-            return ("bin", node[1], g(node[2], b=below or (mul and made_nonfinite(node[3]))),
-                    g(node[3], b=below or (mul and made_nonfinite(node[2]))))
+            # a factor that may mask drops the other's lanes; under a live hazard such a
+            # product is selected (as a max is): it becomes a sum
+            op = "add" if below and drops(node) else node[1]
+            return ("bin", op,
+                    g(node[2], dropped or (mul and may_mask(node[3])),
+                      below or (mul and made_nonfinite(node[3]))),
+                    g(node[3], dropped or (mul and may_mask(node[2])),
+                      below or (mul and made_nonfinite(node[2]))))
         if k == "where":
             return ("where", pred(node[1], body), g(node[2], True), g(node[3], True))
         if k == "swhere":
@@ -554,10 +560,10 @@ def defang(program: Program) -> Program:
             return g(node[1], True) if below else ("clip", g(node[1], True), node[2], node[3])
         if k in ("slice", "index", "row", "col"):
             return (k, node[1], g(node[2], True))
-        if k == "reduce":
+        if k == "reduce":  # max and min drop all but the chosen lanes
             chooser = node[1] in ("max", "min")
-            return ("reduce", node[1], node[2],
-                    g(node[3], b=below or (chooser and made_nonfinite(node[3]))))
+            return ("reduce", "sum" if below and chooser else node[1], node[2],
+                    g(node[3], dropped or chooser, below or (chooser and made_nonfinite(node[3]))))
         if k == "dot":
             return ("dot", g(node[1], b=below or made_nonfinite(node[2])),
                     g(node[2], b=below or made_nonfinite(node[1])))
@@ -755,6 +761,35 @@ class _Emitter:
             self.ocache[key] = self.pred(p, {n: o for n, (o, g) in env2.items()})
         return self.ocache[key]
 
+    def carries(self, node, env2) -> str:
+        """The lanes of `node` that carry a derivative, at run time (jaxsafe/_carries.py)."""
+        shape = self.shape(node)
+        c = carry_class(node)
+        if c != PART:
+            return self.let(f"jnp.full({shape}, {c == ALL})", "k")
+        k = node[0]
+        kids = [self.carries(ch, env2) for ch in _diff_children(node)]
+        if k == "where":
+            p = self.orig_pred(node[1], env2)
+            pb = p if SHAPES[self.pred_shape(node[1])] == shape else self.bto(p, shape)
+            return self.let(f"jnp.where({pb}, {kids[0]}, {kids[1]})", "k")
+        if k == "swhere":
+            _, cmp, cst, h, fill, side = node
+            p = self.let(self.cmp_src(cmp, self.orig(h, env2), cst), "p")
+            a, b = (kids[0], kids[1]) if side else (kids[1], kids[0])
+            return self.let(f"jnp.where({p}, {a}, {b})", "k")
+        return self.let(" | ".join(f"jnp.broadcast_to({x}, {shape})" for x in kids), "k")
+
+    def chosen(self, node, env2) -> str:
+        """`jnp.max`/`jnp.min`: the lanes equal to their row's result, and every lane of a row
+        whose result is NaN, and NaN lanes (jaxsafe/_choosers.py)."""
+        _, op, axis, a = node
+        ao = self.orig(a, env2)
+        src = self.shape(a)
+        ax = "" if axis is None else f", axis={axis}, keepdims=True"
+        r = self.bto(self.let(f"jnp.{op}({ao}{ax})"), src)
+        return self.let(f"({ao} == {r}) | jnp.isnan({r}) | jnp.isnan({ao})", "k")
+
     def AND(self, m, c):
         return c if m is None else self.let(f"{m} & {c}", "k")
 
@@ -790,8 +825,15 @@ class _Emitter:
         if k == "div":
             return [m, m]
         if k == "bin":
-            return [self.fit(m, self.shape(node[2]), shape),
-                    self.fit(m, self.shape(node[3]), shape)]
+            masks = []
+            for c, other in ((node[2], node[3]), (node[3], node[2])):
+                mc = m
+                if node[1] == "mul" and may_mask(other):  # dropped where the factor masks
+                    keep = self.bto(f"~({self.orig(other, env2)} == 0) | "
+                                    f"{self.carries(other, env2)}", shape)
+                    mc = self.AND(m, keep)
+                masks.append(self.fit(mc, self.shape(c), shape))
+            return masks
         if k == "where":
             p = self.orig_pred(node[1], env2)
             pb = p if SHAPES[self.pred_shape(node[1])] == shape else self.bto(p, shape)
@@ -833,13 +875,14 @@ class _Emitter:
         if k == "col":
             onehot = self.bto(f"(jnp.arange(4) == {node[1]})[None, :]", (3, 4))
             return [onehot if m is None else self.let(f"{onehot} & {m}[:, None]", "k")]
-        if k == "reduce":  # every lane of a live row is live
+        if k == "reduce":  # every lane of a live row is live (of max/min: the chosen lanes)
             src = self.shape(node[3])
-            if m is None:
-                return [None]
-            if node[2] is None:
-                return [self.bto(m, src)]
-            return [self.bto(f"{m}[None, :]" if node[2] == 0 else f"{m}[:, None]", src)]
+            row = None if m is None else self.bto(
+                m if node[2] is None else f"{m}[None, :]" if node[2] == 0 else f"{m}[:, None]",
+                src)
+            if node[1] not in ("max", "min"):
+                return [row]
+            return [self.AND(row, self.chosen(node, env2))]
         if k == "dot":  # an operand lane is live if any output it is multiplied into is
             sa, sb = shape_of(node[1], self.env), shape_of(node[2], self.env)
             if m is None:
@@ -889,10 +932,11 @@ class _Emitter:
             return self.tw_cond(node, env2, m, maybe, tested, bad)
         kids = _diff_children(node)
         cms = self.child_masks(node, env2, m)
-        kid_maybe = maybe or k in DROPS
         res = []
         for i, (c, cm) in enumerate(zip(kids, cms, strict=False)):
             t = tested or (k == "swhere" and node[1] == "isnan" and i == 0)
+            # a product drops the lanes of a factor only where the other may mask it
+            kid_maybe = maybe or (drops(node) and cm is not None)
             res.append(self.tw(c, env2, cm, kid_maybe, t, bad or self.partial_bad(node, i)))
         gs = [r[0] for r in res]
         taints = [r[1] for r in res]
@@ -926,7 +970,21 @@ class _Emitter:
         if k == "un":
             return self.let(SAFE_UNARY[node[1]].format(gs[0])), tainted, out_changed
         if k == "bin":
-            return self.let(f"{gs[0]} {BINOPS[node[1]]} {gs[1]}"), tainted, out_changed
+            prod = self.let(f"{gs[0]} {BINOPS[node[1]]} {gs[1]}")
+            if node[1] != "mul" or not drops(node):
+                return prod, tainted, out_changed
+            # where a factor masks a lane of a live output: the original product, its
+            # derivative cut (jaxsafe/_choosers.py, by_original)
+            shape = self.shape(node)
+            cut = [self.NOT(self.bto(cm, shape)) for cm in cms if cm is not None]
+            if not cut:
+                return prod, tainted, out_changed
+            c = self.let(" | ".join(cut), "k")
+            if m is not None:
+                c = self.AND(m, c)
+            orig = self.orig(node, env2)
+            return (self.let(f"jnp.where({c}, lax.stop_gradient({orig}), {prod})"), tainted,
+                    True)
         if k == "where":
             p = self.orig_pred(node[1], env2)
             return self.let(f"jnp.where({p}, {gs[0]}, {gs[1]})"), tainted, out_changed
@@ -957,6 +1015,16 @@ class _Emitter:
         if k == "reduce":
             op, axis, a = node[1], node[2], gs[0]
             ax = "" if axis is None else f", axis={axis}"
+            if op in ("max", "min"):  # dropped lanes of live rows hold the identity
+                src = self.shape(node[3])
+                row = self.full(None if m is None else self.bto(
+                    m if axis is None else f"{m}[None, :]" if axis == 0 else f"{m}[:, None]",
+                    src), src)
+                fill = self.let(f"~{cms[0]} & {row}", "k") if cms[0] is not None else None
+                if fill is not None:
+                    ident = "-jnp.inf" if op == "max" else "jnp.inf"
+                    a = self.let(f"jnp.where({fill}, {ident}, {a})", "g")
+                return self.let(f"jnp.{op}({a}{ax})"), tainted, out_changed
             if op != "mean":
                 return self.let(f"jnp.{op}({a}{ax})"), tainted, out_changed
             # jnp.mean is a sum (linear) and a division (not linear, by a literal): the sum
@@ -1110,6 +1178,45 @@ class _Emitter:
 
 DROPS = frozenset({"where", "swhere", "max", "min", "clip", "slice", "index", "row", "col"})
 
+NONE, PART, ALL = 0, 1, 2
+"""Which lanes of a value carry a derivative of the arguments (jaxsafe/_carries.py)."""
+_BY_LANE = ("haz", "un", "bin", "div", "bcast", "const")
+
+
+def carry_class(node) -> int:
+    """NONE (constants), ALL (the arguments, and what a lane-mixing or value-selecting
+    operation computes from them) or PART (a where between the two, lane by lane)."""
+    k = node[0]
+    if k == "in":
+        return ALL
+    if k == "const":
+        return NONE
+    kids = [carry_class(c) for c in _diff_children(node)]
+    if k in ("where", "swhere"):
+        return kids[0] if kids[0] == kids[1] else PART
+    if k in _BY_LANE:
+        return ALL if ALL in kids else max(kids, default=NONE)
+    return ALL if any(kids) else NONE
+
+
+def may_mask(node) -> bool:
+    """Whether a factor may be 0 in a lane that carries no derivative (a constant may; jaxsafe
+    folds a small constant and knows, the twin decides at run time)."""
+    return carry_class(node) != ALL
+
+
+def drops(node) -> bool:
+    """Whether the node drops lanes of its value children: the selections, `jnp.max`/`min`
+    (all but the chosen lanes), a product with a factor that may mask."""
+    k = node[0]
+    if k in DROPS:
+        return True
+    if k == "reduce":
+        return node[1] in ("max", "min")
+    if k == "bin":
+        return node[1] == "mul" and (may_mask(node[2]) or may_mask(node[3]))
+    return False
+
 
 def _is_nonlinear(node) -> bool:
     """Whether jaxsafe counts the operation as not linear: a zero cotangent meets a value
@@ -1135,7 +1242,7 @@ def _has_dropped_hazard(node, dropped=False) -> bool:
     """A hazard below a selection inside a body expression."""
     if node[0] in ("haz", "div") and dropped:
         return True
-    d = dropped or node[0] in DROPS
+    d = dropped or drops(node)
     return any(_has_dropped_hazard(c, d) for c in _diff_children(node))
 
 

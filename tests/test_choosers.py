@@ -1,0 +1,90 @@
+"""Choosers (jaxsafe/_choosers.py): what the drop table does not show row by row.
+
+Ties stay live and share the derivative; the choice is made on the original values, so a guard
+never bends it; a zero that depends on the inputs is a real singularity, not a mask; with no
+hazard, a program of choosers is not changed at all.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from helpers import assert_bitwise, assert_close, structure
+from jax import lax
+
+import jaxsafe
+from jaxsafe import nan_safe
+
+
+def h(x):
+    return jnp.sqrt(jnp.abs(x))
+
+
+def test_a_tie_at_the_maximum_shares_the_derivative_and_the_other_lanes_get_zero():
+    f = lambda x: jnp.max(h(x))
+    x = jnp.array([4., -4., 0.])
+    assert np.isnan(jax.grad(f)(x)[2])  # plain JAX: 0 * inf in the singular lane
+    assert_close(jax.grad(nan_safe(f))(x), jnp.array([0.125, -0.125, 0.]))
+
+
+def test_the_choice_is_made_on_the_original_values_not_the_guarded_ones():
+    # log's guard puts log(1) = 0 in the dropped lanes, above the live maximum log(0.5)
+    f = lambda x: jnp.max(jnp.log(x))
+    x = jnp.array([0.5, 0.25, 0.])
+    assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+    assert_close(jax.grad(nan_safe(f))(x), jnp.array([2., 0., 0.]))
+    g = lambda x: lax.top_k(jnp.log(x), 1)[0].sum() + jnp.sort(jnp.log(x))[-1]
+    assert_bitwise(nan_safe(g)(x), jax.jit(g)(x))
+    assert_close(jax.grad(nan_safe(g))(x), jnp.array([4., 0., 0.]))
+
+
+def test_a_singular_lane_that_is_chosen_stays_singular():
+    x = jnp.array([0., 0.])  # a tie at sqrt(0), whose derivative is inf
+    f = lambda x: jnp.max(h(x))  # both lanes share the maximum: both live
+    assert_bitwise(jax.grad(nan_safe(f))(x), jax.grad(f)(x))
+    # a permutation moves one lane to the live position; the other is dropped
+    for f, chosen in ((lambda x: jnp.sort(h(x))[-1], 1), (lambda x: lax.top_k(h(x), 1)[0][0], 0)):
+        got, plain = np.asarray(jax.grad(nan_safe(f))(x)), np.asarray(jax.grad(f)(x))
+        assert np.isinf(got[chosen]) and got[chosen] == plain[chosen]
+        assert got[1 - chosen] == 0 and np.isnan(plain[1 - chosen])
+
+
+def test_a_zero_factor_that_depends_on_the_inputs_is_not_a_mask():
+    for f in (lambda x: (jnp.sqrt(x) * jnp.sqrt(x)).sum(),
+              lambda x: (jax.nn.relu(x) * jnp.sqrt(x)).sum()):
+        x = jnp.array([0., 4.])
+        assert_bitwise(jax.grad(nan_safe(f))(x), jax.grad(f)(x))
+        assert np.isnan(jax.grad(f)(x)[0])
+
+
+def test_a_masked_product_keeps_its_forward_value_sign_of_zero_and_nan_included():
+    mask = jnp.array([0., 1., 0., 1.])
+    f = lambda x: mask * jnp.log(x)
+    x = jnp.array([0.5, 2., -1., 0.])  # log: -0.69 (masked: -0.), NaN (masked: NaN), -inf
+    out = nan_safe(f)(x)
+    assert_bitwise(out, jax.jit(f)(x))
+    assert np.signbit(np.asarray(out)[0]) and np.isnan(np.asarray(out)[2])
+    assert_close(jax.grad(lambda v: nan_safe(f)(v).sum())(x), jnp.array([0., 0.5, 0., np.inf]))
+
+
+def test_with_no_hazard_a_program_of_choosers_is_the_original():
+    mask = np.array([0., 0., 1., 1.], np.float32)
+    def f(x):
+        pooled = lax.reduce_window(jnp.tanh(x), -jnp.inf, lax.max, (2,), (1,), "VALID")
+        return (jnp.max(x * x) + jnp.sort(x * x)[2:].sum() + lax.top_k(x * x, 2)[0].sum()
+                + lax.cummax(x * x)[-1] + pooled.sum() + (mask * jnp.tanh(x)).sum()
+                + (x * x).at[1].set(0.).sum())
+    x = jnp.array([-1., 0., 2., 3.])
+    new = jaxsafe.make_jaxpr(f, finite_args=True)(x)  # (an inf argument would be guarded)
+    assert structure(new) == structure(jax.make_jaxpr(f)(x))
+
+
+def test_indexing_forms_that_worked_before_keep_working():
+    x = jnp.array([-1., 0., 2., 3.])
+    for f, live in ((lambda x: h(x)[jnp.argsort(x)[2:]].sum(), [0., 0., 1., 1.]),
+                    (lambda x: h(x)[jnp.nonzero(x > 1, size=2)[0]].sum(), [0., 0., 1., 1.]),
+                    (lambda x: jnp.compress(x > 1, h(x), size=2).sum(), [0., 0., 1., 1.]),
+                    (lambda x: lax.dynamic_update_slice(h(x), jnp.ones(2), (0,)).sum(),
+                     [0., 0., 1., 1.])):
+        twin = jax.grad(lambda v, f=f, live=live: f(jnp.where(jnp.asarray(live) > 0, v, 1.)))(x)
+        assert_close(jax.grad(nan_safe(f))(x), twin)
+        assert np.isfinite(np.asarray(jax.grad(nan_safe(f))(x))).all()
