@@ -181,7 +181,8 @@ class Sweep:
         self._constants: dict = {}
         self._from_literals: set | None = None
         self._dropped_whole: set | None = None
-        self._carries: dict | None = None
+        self._carries: dict | None = None  # carry classes and producers: on a product's demand
+        self._producer_eqns: dict = {}
         self.syms = self._static_liveness(out_kinds)
         self.kinds = {v: kind_of_sym(m) for v, m in self.syms.items()}
         self.consumers: dict[Any, list[tuple[int, int]]] = {}
@@ -265,13 +266,13 @@ class Sweep:
     def carry_mask(self, atom: Any, env: Any) -> Mask:
         memo = scoped_memo("carries", id(self), id(env))  # tracers: never kept past the trace
         memo.setdefault("env", env)  # held while the scope lives, so its id is not reused
-        return carrying_lanes(atom, self._carry_classes(), self.producer_eqns, memo,
-                          lambda v: read(env, v))
+        return carrying_lanes(atom, self._carry_classes(), self._producer_eqns, memo,
+                              lambda v: read(env, v))
 
     def _carry_classes(self) -> dict:
         if self._carries is None:  # one forward pass, the first time a product asks
             self._carries = carry_classes(self.jaxpr, self.diff)
-            self.producer_eqns = {o: self.jaxpr.eqns[i] for o, i in self.producer.items()}
+            self._producer_eqns = {o: self.jaxpr.eqns[i] for o, i in self.producer.items()}
         return self._carries
 
     # -- constants --------------------------------------------------------------------------

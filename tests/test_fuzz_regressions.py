@@ -119,6 +119,7 @@ def _tiny_denominator_program(pred_of_x):
     return f, twin
 
 
+@pytest.mark.slow  # 20 s, equation by equation: `make fuzz`
 def test_tiny_denominator_first_order_matches_the_twin_equation_by_equation():
     f, twin = _tiny_denominator_program(lambda x, y: x @ y < 0.)
     m = np.ones((3, 4), f32)
@@ -193,6 +194,7 @@ def _scan_forwarding_its_input(pred):
     return G, G.Program((("where", pred, scan, ("in", "m")),))
 
 
+@pytest.mark.slow  # 22 s, equation by equation: `make fuzz`
 def test_ill_conditioned_live_lane_is_settled_equation_by_equation_with_numpy_arguments():
     # The tiny-denominator case again (m / m at 2.2e-17, jit and eager differ by rounding);
     # the eager re-check crashed on NumPy arguments (NumPy computed `m / m` itself and warned).

@@ -117,6 +117,7 @@ def test_nested_jits_and_scans_as_deep_as_jax_itself_goes():
     assert jax.grad(nan_safe(f))(4.) == 0.25
 
 
+@pytest.mark.slow  # 25 s: `make fuzz` (make test stays under ten minutes)
 def test_a_chain_of_100_jits_and_scans_in_sequence():
     # Each step's liveness is that of every later step (the scans compute lane by lane), and
     # XLA's compile time of the gradient grows with the square of such a chain of masks: 100

@@ -58,7 +58,11 @@ def test_float64_nan_safe_second_derivative_is_finite_and_equals_the_double_wher
 
 # --------------------------------------------------------------------------- the drop table
 
-new_rows = pytest.mark.parametrize("row", drops.NEW_ROWS, ids=[r.id for r in drops.NEW_ROWS])
+# the rows of issue 13's examples (the other new rows: float32 only)
+ISSUE_ROWS = [r for r in drops.NEW_ROWS if r.id in (
+    "reduce_max", "cummax", "top_k", "sort", "mul-heaviside", "mul-constant-mask", "scatter",
+    "scatter-runtime-index")]
+new_rows = pytest.mark.parametrize("row", ISSUE_ROWS, ids=[r.id for r in ISSUE_ROWS])
 
 
 @new_rows
