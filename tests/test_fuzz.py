@@ -59,8 +59,8 @@ RTOL, ATOL = 1e-5, 1e-6
 
 # examples per property: (small profile, fuzz profile)
 EXAMPLES = {
-    "forward_bitwise": (30, 3000),
-    "derivatives_match_twin": (30, 4000),
+    "forward_bitwise": (20, 3000),
+    "derivatives_match_twin": (20, 4000),
     "nothing_to_guard_is_unchanged": (200, 3500),
 }
 _env = os.environ.get("JAXSAFE_FUZZ", "")
