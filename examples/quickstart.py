@@ -38,11 +38,13 @@ def main() -> None:
     print(jaxsafe.explain(f)(1.))
     print("\nthe reporter's own form, `(delta ** 0.5)[delta > 0]`:")
     print("grad(f_indexed)(1.)           =", jax.grad(f_indexed)(1.))
+    print("grad(nan_safe(f_indexed))(1.) =", jax.grad(jaxsafe.nan_safe(f_indexed))(1.),
+          "  <- eager: traced at the values, its shape is known")
     try:
-        jax.grad(jaxsafe.nan_safe(f_indexed))(1.)
-    except jaxsafe.DataDependentShapeError as e:  # its shape depends on the data
-        print("grad(nan_safe(f_indexed))(1.) raises DataDependentShapeError:")
-        print("   ", str(e).splitlines()[-1])
+        jax.jit(jax.grad(jaxsafe.nan_safe(f_indexed)))(1.)
+    except jaxsafe.DataDependentShapeError as e:  # under jit the shape depends on the data
+        print("under jax.jit it raises DataDependentShapeError, with the two ways out:")
+        print("   ", str(e).splitlines()[-1][:100], "...")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from . import _guards
+from ._by_value import concrete_values, make_jaxpr_by_value
 from ._compat import ClosedJaxpr, Tracer, eval_jaxpr
 from ._report import Report
 from ._rewrite import rewrite_with_report
@@ -23,8 +24,13 @@ DEFAULT_CACHE_SIZE = 256
 
 
 class DataDependentShapeError(TypeError):
-    """A value's shape depends on the data (`x[mask]`, `jnp.nonzero(m)` without `size=`): the
-    program cannot be traced with abstract shapes, so nan_safe cannot rewrite it."""
+    """A value's shape depends on the data (`x[mask]`, `jnp.nonzero(m)` without `size=`) and the
+    values are not known (under jit or vmap): the program cannot be traced, so nan_safe cannot
+    rewrite it. Called eagerly, such a function is traced at its values instead."""
+
+
+_NEEDS_VALUES = (jax.errors.NonConcreteBooleanIndexError, jax.errors.ConcretizationTypeError)
+"""Errors of a trace that asked for a value: an eager call retries with the values in hand."""
 
 
 _OWN_FRAMES = ("/jax/", "/jaxlib/", "/jaxsafe/", "/contextlib.py", "/functools.py")
@@ -37,19 +43,28 @@ def _shape_from_data(e: Exception) -> bool:
         type(e) is jax.errors.ConcretizationTypeError and "size" in str(e))
 
 
-def _data_dependent_message(fun: Callable, e: Exception) -> str:
+def _data_dependent_message(fun: Callable, e: Exception, by_value: bool = False) -> str:
     frames = [fr for fr in traceback.extract_tb(e.__traceback__)
               if not any(part in fr.filename for part in _OWN_FRAMES)]
     where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" \
         if frames else ""
     line = f"\n    {frames[-1].line}" if frames and frames[-1].line else ""
-    return (f"nan_safe({getattr(fun, '__name__', 'f')}): the shape of a value{where} depends on "
-            f"the data ({type(e).__name__}){line}\n"
-            "nan_safe traces the function with abstract shapes, as jax.jit does, so a boolean "
-            "mask index (`v[mask]`), `jnp.nonzero`/`jnp.argwhere`/`jnp.compress` without `size=`"
-            " or `jnp.unique` cannot be rewritten. Two ways out: select instead of indexing, "
-            "`jnp.where(mask, v, 0.)` (then sum or reduce as before), or give the size, "
-            "`jnp.nonzero(mask, size=n, fill_value=...)`.")
+    head = (f"nan_safe({getattr(fun, '__name__', 'f')}): the shape of a value{where} depends "
+            f"on the data ({type(e).__name__}){line}\n")
+    if by_value:
+        return head + (
+            "Called eagerly, nan_safe traces at the values, but here JAX asks for the value of "
+            "a float that is being differentiated (jnp.unique of it, for one): as a constant "
+            "its derivative would be silently lost. Compute the shape from a value that is "
+            "not differentiated (a boolean mask, integers), or use one of the two ways below.\n"
+            "Under jit or vmap: select instead of indexing, `jnp.where(mask, v, 0.)`, or give "
+            "the size, `jnp.nonzero(mask, size=n, fill_value=...)`.")
+    return head + (
+        "Under jit or vmap the values are abstract, so a boolean mask index (`v[mask]`), "
+        "`jnp.nonzero`/`jnp.argwhere`/`jnp.compress` without `size=` or `jnp.unique` cannot be "
+        "traced (an eager call, or an eager jax.grad, is traced at its values). Two ways out: "
+        "select instead of indexing, `jnp.where(mask, v, 0.)` (then sum or reduce as before), "
+        "or give the size, `jnp.nonzero(mask, size=n, fill_value=...)`.")
 
 
 def _normalize_static(fun: Callable, static_argnums, static_argnames, who: str):
@@ -281,20 +296,24 @@ class NanSafeFunction:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit, leaves
+        flat_fun = self._flat_fun(static_pos, static_kw, in_tree)
+        by_value = False
         try:
-            closed, out_shape = jax.make_jaxpr(
-                self._flat_fun(static_pos, static_kw, in_tree), return_shape=True)(*avals)
-        except (jax.errors.NonConcreteBooleanIndexError,
-                jax.errors.ConcretizationTypeError) as e:
-            if not _shape_from_data(e):
-                raise
-            raise DataDependentShapeError(_data_dependent_message(self._fun, e)) from e
+            closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*avals)
+        except _NEEDS_VALUES as e:
+            values = concrete_values(leaves)
+            if values is None:  # under jit or vmap
+                if not _shape_from_data(e):
+                    raise  # Python control flow on a traced value: JAX's error says what to do
+                raise DataDependentShapeError(_data_dependent_message(self._fun, e)) from e
+            closed, out_shape = self._trace_by_value(flat_fun, leaves, values)
+            by_value = True
         finite = _finite_leaves(self._finite_args, args, {i for i, _ in static_pos},
                                 dyn_kwargs, "nan_safe")
         new, report = rewrite_with_report(closed, finite)
         traced = _Traced(closed, new, report, jax.tree_util.tree_structure(out_shape),
                          self._use_jit)
-        if not traced.closes_over_tracers and self._cache_size:
+        if not traced.closes_over_tracers and self._cache_size and not by_value:
             with self._lock:
                 self._cache[key] = traced
                 while len(self._cache) > self._cache_size:
@@ -303,6 +322,17 @@ class NanSafeFunction:
                     # an evicted signature's program is really released
                     self._jitted = None
         return traced, leaves
+
+    def _trace_by_value(self, flat_fun: Callable, leaves: list, values: list):
+        """The jaxpr at these values (`_by_value`); not cached: it holds for this call only."""
+        try:
+            return make_jaxpr_by_value(flat_fun, values,
+                                       [isinstance(x, Tracer) for x in leaves])
+        except _NEEDS_VALUES as e:
+            if not _shape_from_data(e):
+                raise
+            raise DataDependentShapeError(
+                _data_dependent_message(self._fun, e, by_value=True)) from e
 
     def _staged(self, *args, **kwargs):
         traced, leaves = self._trace(args, kwargs)
@@ -328,6 +358,13 @@ class NanSafeFunction:
             return self._staged(*args, **kwargs)
         try:
             return self._front()(*args, **kwargs)
+        except (DataDependentShapeError, *_NEEDS_VALUES):
+            # A shape or a branch that depends on the data: an eager call (or eager jax.grad)
+            # has the values, and is traced at them outside the jit front.
+            leaves = jax.tree_util.tree_leaves(self._split(args, kwargs)[2:])
+            if concrete_values(leaves) is None:
+                raise
+            return self._staged(*args, **kwargs)
         except (TypeError, ValueError):
             self._validate(args, kwargs)
             raise

@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from jax.core import Trace as Trace
 from jax.core import Tracer as Tracer
+from jax.core import eval_context as eval_context
 from jax.core import eval_jaxpr as eval_jaxpr
 from jax.extend import core as jex
 from jax.extend import source_info_util
@@ -65,3 +67,25 @@ def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any], params: dict | None = None) -
 def trace_to_jaxpr(fun: Any, avals: Sequence[Any]) -> ClosedJaxpr:
     """`jax.make_jaxpr` over abstract values (avals keep weak_type, ShapeDtypeStruct would not)."""
     return jax.make_jaxpr(fun)(*avals)
+
+
+# -- tracing with the values in hand (_by_value) ------------------------------------------------
+# A value tracer implements JAX's Trace protocol (process_primitive, process_custom_jvp_call, ...)
+# on the public `jax.core.Trace`/`jax.core.Tracer` classes and the public trace-context helpers.
+set_current_trace = jex.set_current_trace
+take_current_trace = jex.take_current_trace
+ConcretizationTypeError = jax.errors.ConcretizationTypeError
+
+
+def concrete_value(x: Any) -> Any:
+    """The concrete value of `x` (itself unless a tracer; a JVP tracer's primal), or raise
+    ConcretizationTypeError."""
+    return jex.concrete_or_error(None, x, "nan_safe needs the value")
+
+
+def reset_stores(fun: Any) -> None:
+    """Empty a `linear_util.WrappedFun`'s output stores so that it can run a second time (once
+    staged, once on the values); JAX's own staging of custom_jvp rules does the same."""
+    for store in getattr(fun, "stores", ()):
+        if store is not None:
+            store.reset()

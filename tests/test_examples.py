@@ -28,3 +28,5 @@ def test_quickstart_example(capsys):
     out = capsys.readouterr().out
     assert "forward values agree: True" in out
     assert "grad(nan_safe(f))(1.)         = 0.5" in out
+    assert "grad(nan_safe(f_indexed))(1.) = 0.5" in out  # the reporter's boolean index, eager
+    assert "under jax.jit it raises DataDependentShapeError" in out

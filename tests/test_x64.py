@@ -65,6 +65,12 @@ ISSUE_ROWS = [r for r in drops.NEW_ROWS if r.id in (
 new_rows = pytest.mark.parametrize("row", ISSUE_ROWS, ids=[r.id for r in ISSUE_ROWS])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _programs_built_before_the_leak_checker():
+    drops.precompute(F64, ISSUE_ROWS)
+    yield
+
+
 @new_rows
 def test_float64_drop_gradient_equals_the_double_where_twin(row):
     drops.check_gradient_matches_twin(row, F64)
@@ -73,3 +79,16 @@ def test_float64_drop_gradient_equals_the_double_where_twin(row):
 @new_rows
 def test_float64_drop_forward_is_bitwise(row):
     drops.check_forward_is_bitwise(row, F64)
+
+
+def test_float64_boolean_index_traced_at_its_values_gives_the_hand_fix_gradient():
+    import jax
+    from helpers import assert_bitwise
+    from test_by_value import issue_19089, issue_19089_hand_fix
+
+    from jaxsafe import nan_safe
+    x = jnp.float64(1.)
+    assert jax.grad(nan_safe(issue_19089))(x) == jax.grad(issue_19089_hand_fix)(x) == 0.5
+    assert jax.hessian(nan_safe(issue_19089))(x) == jax.hessian(issue_19089_hand_fix)(x)
+    assert jax.grad(nan_safe(issue_19089))(x).dtype == jnp.float64
+    assert_bitwise(nan_safe(issue_19089)(x), issue_19089(x))
