@@ -35,7 +35,7 @@ from jax import lax
 
 from ._atoms import is_float, literal_value, shape_of
 from ._compat import JaxprEqn, Literal, bind_eqn
-from ._liveness_rules import aligned_syms, elementwise_masks
+from ._liveness_rules import aligned_syms, elementwise_masks, pulled_back
 from ._masks import (
     all_of,
     any_of,
@@ -64,33 +64,14 @@ def _conservative(eqn: JaxprEqn, outs: list[Mask]) -> list[Mask]:
 
 def _pulled_back(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
                  widen: bool = False) -> list[Any]:
-    """The vector-Jacobian product of `eqn` at its original operands (their derivative cut), with
-    each float output's mask as its cotangent: per float operand, None elsewhere. `widen`: in
-    float32 at least, so that a tie's share (1 / count) does not round to zero."""
-    float_ix = [i for i, v in enumerate(eqn.invars) if is_float(v)]
-    originals = [invals[i] for i in range(len(eqn.invars))]
-
-    def op(*floats):
-        vals = list(originals)
-        for i, f in zip(float_ix, floats, strict=True):
-            vals[i] = f
-        results = bind_eqn(eqn, vals)
-        return [r for r, o in zip(results, eqn.outvars, strict=True) if is_float(o)]
-
-    def primal(x):
+    """`pulled_back` at the original operands, their derivative cut. `widen`: in float32 at
+    least, so that a tie's share (1 / count) does not round to zero."""
+    def primal(x: Any, var: Any) -> Any:
         x = lax.stop_gradient(jnp.asarray(x))
         if widen and jnp.finfo(x.dtype).bits < 32:
             return lax.convert_element_type(x, jnp.float32)
         return x
-
-    results, vjp = jax.vjp(op, *[primal(originals[i]) for i in float_ix])
-    float_outs = [m for m, o in zip(outs, eqn.outvars, strict=True) if is_float(o)]
-    cts = [lax.convert_element_type(materialize(m, r.shape), r.dtype)
-           for m, r in zip(float_outs, results, strict=True)]
-    pulled: list[Any] = [None] * len(eqn.invars)
-    for i, c in zip(float_ix, vjp(cts), strict=True):
-        pulled[i] = c
-    return pulled
+    return pulled_back(eqn, outs, invals, primal)
 
 
 def _nonzero(x: Any) -> jax.Array:

@@ -126,6 +126,10 @@ def _plan_equation(i: int, eqn: JaxprEqn, sweep: Sweep, sites: Mapping[int, Site
             # its derivative weighs a cotangent that may be inf or NaN: select it instead
             out.selections.add(i)
             report.selections.append(eqn)
+            chooser = rule.chooser
+            if chooser is not None and not chooser.keeps_dropped_values:
+                lanes.changed.update(o for o in eqn.outvars
+                                     if is_float(o) and sweep.kind(o) != Kind.LIVE)
         return
     out.reemit.add(i)
     # a LIVE output has no dropped lane, so it is bitwise the original: not "changed"

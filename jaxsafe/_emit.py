@@ -17,7 +17,7 @@ what the shadow made unused.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,7 @@ from jax import lax
 
 from ._atoms import is_float, literal_value, shape_of
 from ._compat import Literal, Var, bind_eqn
-from ._liveness import LazyOperands, operand_masks
+from ._liveness import LazyOperands, RuntimeMasks
 from ._masks import broadcast, mask_scope
 from ._plan import Plan
 from ._report import Site, note_failure
@@ -96,12 +96,18 @@ class _Emitter:
         self.orig = _Originals(plan, args)
         self.safe: dict = {}  # the guarded program's values, where its derivative path differs
         self.out_masks = list(out_masks)
-        self._mask_of: Callable[[Any], Mask] | None = None
+        self._masks: RuntimeMasks | None = None
+
+    def _runtime_masks(self) -> RuntimeMasks:
+        if self._masks is None:  # one backward sweep, the first time a guard needs a mask
+            self._masks = self.plan.sweep.masks(self.orig, self.out_masks)
+        return self._masks
 
     def mask_of(self, v: Any) -> Mask:
-        if self._mask_of is None:  # one backward sweep, the first time a guard needs a mask
-            self._mask_of = self.plan.sweep.masks(self.orig, self.out_masks)
-        return self._mask_of(v)
+        return self._runtime_masks()(v)
+
+    def operand_masks(self, i: int) -> list[Mask]:
+        return self._runtime_masks().operand_masks(i)
 
     def equation(self, i: int) -> None:
         plan, orig, safe = self.plan, self.orig, self.safe
@@ -117,13 +123,22 @@ class _Emitter:
         shared = all(not g or safe[v] is orig.values.get(v)
                      for g, v in zip(as_guarded, eqn.invars, strict=True))
         if i not in decisions.reemit and shared:
+            if i in decisions.selections:
+                # a non-finite cotangent: selected, not weighed. It carries the derivative
+                # (`safe`): a decision (a mask, a predicate) may have computed the original
+                # already, and later values from it; what reads it is then emitted again.
+                # Where its values are the original ones in every lane, it serves both.
+                outs = self._bind(i, [orig[v] for v in eqn.invars])
+                chooser = rule_for(eqn.primitive).chooser
+                keeps = chooser is None or chooser.keeps_dropped_values
+                for o, val in zip(eqn.outvars, outs, strict=True):
+                    safe[o] = val
+                    if keeps:
+                        orig.values.setdefault(o, val)
+                return
             if eqn.outvars and all(o in orig.values for o in eqn.outvars):
                 return  # already computed for a decision
-            originals = [orig[v] for v in eqn.invars]
-            if i in decisions.selections:  # a non-finite cotangent: selected, not weighed
-                outs = self._bind(i, originals)
-            else:
-                outs = bind_eqn(eqn, originals, plan.nested.get(i))
+            outs = bind_eqn(eqn, [orig[v] for v in eqn.invars], plan.nested.get(i))
             orig.values.update(zip(eqn.outvars, outs, strict=True))
             return
         invals = [safe[v] if g else orig[v] for g, v in zip(as_guarded, eqn.invars, strict=True)]
@@ -136,8 +151,7 @@ class _Emitter:
     def _guard(self, i: int, site: Site, invals: list) -> None:
         """Replace the site's operands by their safe value (or cut them) in dropped lanes."""
         eqn = site.eqn
-        in_masks = operand_masks(eqn, [self.mask_of(o) for o in eqn.outvars],
-                                 LazyOperands(self.orig, eqn.invars), self.plan.sweep)
+        in_masks = self.operand_masks(i)
         made: dict[tuple, tuple] = {}  # one guard for one operand read twice (`x * x`)
         for k, value in site.replace.items():
             live, operand = in_masks[k], invals[k]
@@ -177,9 +191,7 @@ class _Emitter:
             assert rule.chooser is not None
             originals = LazyOperands(self.orig, eqn.invars)
             return rule.chooser.emit(
-                eqn, invals, originals,
-                lambda: operand_masks(eqn, [self.mask_of(o) for o in eqn.outvars], originals,
-                                      plan.sweep),
+                eqn, invals, originals, lambda: self.operand_masks(i),
                 lambda: [self.mask_of(o) for o in eqn.outvars])
         return bind_eqn(eqn, invals, plan.nested.get(i))
 

@@ -394,6 +394,13 @@ class RuntimeMasks:
         region.sort(key=lambda u: sweep.producer.get(u, -1), reverse=True)
         return region
 
+    def operand_masks(self, i: int) -> list[Mask]:
+        """The masks equation `i`'s operands receive from it, computed once (a guard site and
+        a chooser emitted again both read them)."""
+        for o in self.sweep.jaxpr.eqns[i].outvars:
+            self(o)  # settled first
+        return self._operand_masks(i)
+
     def _operand_masks(self, i: int) -> list[Mask]:
         if i not in self.eqn_masks:
             eqn = self.sweep.jaxpr.eqns[i]

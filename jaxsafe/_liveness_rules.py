@@ -15,7 +15,7 @@ pass (`_liveness.py`) provides.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -79,12 +79,6 @@ def same_rank_alignment(eqn: JaxprEqn, k: int) -> list[int | None] | None:
 # --------------------------------------------------------------------------- selections
 
 
-def select_winner(eqn: JaxprEqn, invals: Sequence[Any]) -> jax.Array:
-    """`select_n`: the case the predicate picks (operand predicate + 1)."""
-    pred = broadcast(invals[0], shape_of(eqn.outvars[0]))
-    return lax.add(lax.convert_element_type(pred, jnp.int32), np.int32(1))
-
-
 def _max_min_wins(eqn: JaxprEqn, invals: Sequence[Any], beats) -> list[jax.Array]:
     shape = shape_of(eqn.outvars[0])
     a, b = (broadcast(x, shape) for x in invals)
@@ -107,31 +101,6 @@ def clamp_wins(eqn: JaxprEqn, invals: Sequence[Any]) -> list[jax.Array]:
     lo, x, hi = (broadcast(v, shape) for v in invals)
     return [lax.bitwise_and(lax.gt(lo, x), lax.lt(lo, hi)),
             lax.bitwise_and(lax.gt(x, lo), lax.lt(x, hi)), lax.lt(hi, x)]
-
-
-def max_winner(eqn: JaxprEqn, invals: Sequence[Any]) -> jax.Array:
-    """`max`: the larger operand; a tie (or NaN) leaves both live."""
-    return _index(*max_wins(eqn, invals))
-
-
-def min_winner(eqn: JaxprEqn, invals: Sequence[Any]) -> jax.Array:
-    """`min`: the smaller operand; a tie (or NaN) leaves both live."""
-    return _index(*min_wins(eqn, invals))
-
-
-def clamp_winner(eqn: JaxprEqn, invals: Sequence[Any]) -> jax.Array:
-    """`clamp(lo, x, hi)`: the operand that determines the output; ties leave several live."""
-    return _index(*clamp_wins(eqn, invals))
-
-
-def _index(*wins: jax.Array) -> jax.Array:
-    """k where the k-th (1-based) of the disjoint conditions holds, 0 where none does."""
-    out = None
-    for k, w in enumerate(wins, start=1):
-        term = lax.mul(lax.convert_element_type(w, jnp.int32), np.int32(k))
-        out = term if out is None else lax.add(out, term)
-    assert out is not None
-    return out
 
 
 def select_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
@@ -158,16 +127,41 @@ def winner_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     if ctx.structural:
         return elementwise_masks(eqn, outs, invals, ctx)
     selection = rule_for(eqn.primitive).selection
-    assert selection is not None
-    win = selection.winner(eqn, invals)
-    masks: list[Mask] = []
-    for k, v in enumerate(eqn.invars, start=1):
-        live = lax.bitwise_or(lax.eq(win, np.int32(k)), lax.eq(win, np.int32(0)))
-        masks.append(fit(all_of([live, outs[0]]), shape_of(v)))
-    return masks
+    assert selection is not None and selection.wins is not None
+    wins = selection.wins(eqn, invals)
+    shared = wins[0]  # where no operand wins alone: a tie, or NaN
+    for w in wins[1:]:
+        shared = lax.bitwise_or(shared, w)
+    shared = lax.bitwise_not(shared)
+    return [fit(all_of([lax.bitwise_or(w, shared), outs[0]]), shape_of(v))
+            for w, v in zip(wins, eqn.invars, strict=True)]
 
 
 # --------------------------------------------------------------------------- data movement
+
+
+def pulled_back(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                primal: Callable[[Any, Any], Any]) -> list[Any]:
+    """The vector-Jacobian product of `eqn` with each float output's mask (1 where live) as its
+    cotangent, at `primal(value, var)` for each float operand (the others as they are): per
+    float operand, the cotangent it receives; None for the others. Where it is nonzero, a live
+    output's derivative reads that operand lane: JAX's own derivative says where lanes go."""
+    float_ix = [i for i, v in enumerate(eqn.invars) if is_float(v)]
+
+    def op(*floats):
+        by_index = dict(zip(float_ix, floats, strict=True))  # indices are read as they are
+        vals = [by_index[i] if i in by_index else invals[i] for i in range(len(eqn.invars))]
+        results = bind_eqn(eqn, vals)
+        return [r for r, o in zip(results, eqn.outvars, strict=True) if is_float(o)]
+
+    results, vjp = jax.vjp(op, *[primal(invals[i], eqn.invars[i]) for i in float_ix])
+    float_outs = [m for m, o in zip(outs, eqn.outvars, strict=True) if is_float(o)]
+    cts = [lax.convert_element_type(materialize(m, r.shape), r.dtype)
+           for m, r in zip(float_outs, results, strict=True)]
+    pulled: list[Any] = [None] * len(eqn.invars)
+    for i, c in zip(float_ix, vjp(cts), strict=True):
+        pulled[i] = c
+    return pulled
 
 
 def by_transpose_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
@@ -175,24 +169,11 @@ def by_transpose_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     """Lanes that a linear data-movement op reads for live outputs: its transpose on the mask.
 
     The transpose of gather is scatter-add, of dynamic_slice is dynamic_update_slice, ...: JAX
-    already knows where every operand lane goes.
+    already knows where every operand lane goes (in float32 at zero: the op is linear).
     """
-    cts_out = [lax.convert_element_type(materialize(m, shape_of(o)), jnp.float32)
-               for m, o in zip(outs, eqn.outvars, strict=True)]
-    float_ix = [i for i, v in enumerate(eqn.invars) if is_float(v)]
-
-    def op(*floats):
-        by_index = dict(zip(float_ix, floats, strict=True))  # indices are read as they are
-        vals = [by_index[i] if i in by_index else invals[i] for i in range(len(eqn.invars))]
-        return bind_eqn(eqn, vals)
-
-    primals = [lax.full(shape_of(eqn.invars[i]), 0., jnp.float32) for i in float_ix]
-    _, vjp = jax.vjp(op, *primals)
-    cts = vjp(cts_out)
-    masks: list[Mask] = [None] * len(eqn.invars)
-    for i, c in zip(float_ix, cts, strict=True):
-        masks[i] = lax.gt(c, np.float32(0))
-    return masks
+    pulled = pulled_back(eqn, outs, invals,
+                         lambda x, v: lax.full(shape_of(v), 0., jnp.float32))
+    return [None if c is None else lax.gt(c, np.float32(0)) for c in pulled]
 
 
 def slice_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],

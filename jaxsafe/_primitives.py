@@ -50,7 +50,6 @@ from ._liveness_rules import (
     by_transpose_masks,
     call_kinds,
     call_masks,
-    clamp_winner,
     clamp_wins,
     concatenate_masks,
     cond_kinds,
@@ -60,9 +59,7 @@ from ._liveness_rules import (
     dot_general_masks,
     elementwise_masks,
     gather_masks,
-    max_winner,
     max_wins,
-    min_winner,
     min_wins,
     opaque_call_kinds,
     opaque_call_masks,
@@ -74,7 +71,6 @@ from ._liveness_rules import (
     same_rank_alignment,
     select_masks,
     select_syms,
-    select_winner,
     selected_syms,
     slice_masks,
     split_masks,
@@ -195,19 +191,19 @@ register_elementwise(prims.and_p, prims.or_p, prims.not_p, prims.xor_p)
 
 # --------------------------------------------------------------------------- selections
 register_selection(prims.select_n_p, masks=select_masks, static=select_syms,
-                   selection=Selection(select_winner, by_predicate=True),
+                   selection=Selection(by_predicate=True),
                    bound=bounds.of_cases)
 # max, min, clamp are not linear, but their derivative only selects (weights 0, 1/2, 1 from
 # comparisons): a NaN operand never meets a cotangent in a product, and a guard there would
 # bend the decision.
 register_selection(prims.max_p, masks=winner_masks, static=selected_syms,
-                   selection=Selection(max_winner, by_predicate=False, wins=max_wins),
+                   selection=Selection(by_predicate=False, wins=max_wins),
                    chooser=Chooser(by_wins), identity=-np.inf, bound=bounds.of_all(max))
 register_selection(prims.min_p, masks=winner_masks, static=selected_syms,
-                   selection=Selection(min_winner, by_predicate=False, wins=min_wins),
+                   selection=Selection(by_predicate=False, wins=min_wins),
                    chooser=Chooser(by_wins), identity=np.inf)
 register_selection(prims.clamp_p, masks=winner_masks, static=selected_syms,
-                   selection=Selection(clamp_winner, by_predicate=False, wins=clamp_wins),
+                   selection=Selection(by_predicate=False, wins=clamp_wins),
                    chooser=Chooser(by_wins))
 
 # --------------------------------------------------------------------------- data movement
@@ -238,20 +234,21 @@ register_reduction(prims.reduce_sum_p, linear=True, scalar_move=summed_scalar,
                    bound=bounds.non_negative_if_bounded)
 # --------------------------------------------------------------------------- choosers
 # Only the lanes their derivative chooses on the original values are live (`_choosers.py`).
+FILL = Chooser(by_fill, keeps_dropped_values=False)
 for prim, identity in ((prims.reduce_max_p, -np.inf), (prims.reduce_min_p, np.inf)):
     register_reduction(prim, masks=comparison_masks(row_reads), static=selected_syms,
-                       drops=_always, chooser=Chooser(by_fill), identity=identity,
+                       drops=_always, chooser=FILL, identity=identity,
                        scalar_move=chosen_scalar)
 # a running maximum only grows: its choice is two cumulative ops, not a scan tree's derivative
 register(prims.cummax_p, masks=comparison_masks(reads_as(prims.cumsum_p),
                                                 running_choice(lax.cummin, np.inf)),
-         drops=_always, chooser=Chooser(by_fill), identity=-np.inf, foldable=True)
+         drops=_always, chooser=FILL, identity=-np.inf, foldable=True)
 register(prims.cummin_p, masks=comparison_masks(reads_as(prims.cumsum_p),
                                                 running_choice(lax.cummax, -np.inf)),
-         drops=_always, chooser=Chooser(by_fill), identity=np.inf, foldable=True)
+         drops=_always, chooser=FILL, identity=np.inf, foldable=True)
 for prim, identity in ((prims.reduce_window_max_p, -np.inf), (prims.reduce_window_min_p, np.inf)):
     register(prim, masks=comparison_masks(reads_as(prims.reduce_window_sum_p)), drops=_always,
-             chooser=Chooser(by_fill), identity=identity, foldable=True)
+             chooser=FILL, identity=identity, foldable=True)
 register(prims.sort_p, masks=sort_masks, drops=_always, chooser=Chooser(by_permutation),
          linear=True, foldable=True)
 register(prims.top_k_p, masks=support_masks, drops=_always, chooser=Chooser(by_top_k),

@@ -91,10 +91,9 @@ fall back to the kinds."""
 KindsRule = Callable[[JaxprEqn, list, Context], list]
 """(equation, output kinds, context) -> a kind per operand: for primitives with bodies."""
 
-WinnerRule = Callable[[JaxprEqn, Sequence[Any]], jax.Array]
 WinsRule = Callable[[JaxprEqn, Sequence[Any]], list[jax.Array]]
-"""(equation, original operand values) -> int32 per output lane: k > 0 where operand k - 1 alone
-determines the output and its derivative, 0 where several do (ties, NaN)."""
+"""(equation, original operand values) -> per operand, the output lanes where it alone determines
+the output and its derivative (disjoint; where none does, a tie or NaN, every operand is live)."""
 
 RechooseRule = Callable[[JaxprEqn, list, Sequence[Any], Callable[[], list], Callable[[], list]],
                         list]
@@ -142,7 +141,6 @@ class Guard:
 class Selection:
     """A primitive that picks, lane by lane, the value of one operand."""
 
-    winner: WinnerRule
     by_predicate: bool
     """Decided by operand 0, a predicate (`select_n`). Otherwise decided by comparing the
     operands' values (`max`, `min`, `clamp`): once an operand is guarded the equation is
@@ -166,6 +164,10 @@ class Chooser:
     emit: RechooseRule
     applies: Callable[[JaxprEqn, Context], bool] = _applies_everywhere
     """Whether this equation chooses at all (a product only with a factor that may mask)."""
+    keeps_dropped_values: bool = True
+    """Emitted on the original operands, every output lane holds the original value. False for
+    a fill (`by_fill`): a dropped output lane may then hold the identity, so what reads it is
+    emitted again, and a chooser there is re-decided."""
 
 
 class MaskedBody(Protocol):

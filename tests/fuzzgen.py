@@ -87,6 +87,7 @@ HAZARDS = {
     "recip": ("jnp.reciprocal({})", 1.0),
 }
 DIV_SAFE = 1.0  # the denominator of a / b
+POOL = 'lax.reduce_window({}, -jnp.inf, lax.max, (2,), (1,), "VALID")'
 
 SAFE_UNARY = {
     "sin": "jnp.sin({})",
@@ -133,6 +134,11 @@ class Program:
 #   ("reduce", op, axis, a)            jnp.sum/max/mean(a[, axis])
 #   ("dot", a, b)                      a @ b                       MV -> R, VV -> S, RM -> V
 #   ("bcast", to, a)                   jnp.broadcast_to            S -> any, V -> M, R -> M
+#   ("cum", "max"|"min", a)            lax.cummax/cummin(a, axis=0)  (shape kept)
+#   ("sort", "tail"|"head", a)         jnp.sort(a)[1:] / [:3]      V -> R
+#   ("topk", a)                        lax.top_k(a, 3)[0]          V -> R
+#   ("pool", a)                        max pooling, window 2, stride 1   V -> R
+#   ("set", i, a, b)                   a.at[i].set(b)              V, S -> V
 #   ("scan", xs, init, t, y, out)      lax.scan(lambda c, xi: (c + t, y), init, xs)[out]
 #   ("cond", pred, u, tb, fb)          lax.cond(pred, lambda u: tb, lambda u: fb, u)
 # Predicates:
@@ -159,8 +165,12 @@ def shape_of(node, env: dict) -> str:
         return shape_of(node[3], env)
     if k == "clip":
         return shape_of(node[1], env)
-    if k == "slice":
+    if k in ("slice", "sort", "topk", "pool"):
         return "R"
+    if k == "cum":
+        return shape_of(node[2], env)
+    if k == "set":
+        return shape_of(node[2], env)
     if k == "index":
         return "S"
     if k == "row":
@@ -200,8 +210,12 @@ def _diff_children(node):
         return (node[3], node[4])
     if k == "clip":
         return (node[1],)
-    if k in ("slice", "index", "row", "col", "bcast"):
+    if k in ("slice", "index", "row", "col", "bcast", "cum", "sort"):
         return (node[2],)
+    if k in ("topk", "pool"):
+        return (node[1],)
+    if k == "set":
+        return (node[2], node[3])
     if k == "reduce":
         return (node[3],)
     if k == "scan":
@@ -314,6 +328,8 @@ class Gen:
                 ["mwhere"] * 3 + ["guarded"] * 3 + ["swhere"] * 3 + ["max", "min", "clip"]
         if top:
             kinds += ["shape"] * (2 if under_drop else 4)
+            if shape != "S":
+                kinds += ["chooser"] * 6  # issue 13's drops
             if self.control_flow and shape in ("S", "V", "M"):
                 kinds += ["scan"] * 2
             if self.control_flow:
@@ -359,21 +375,23 @@ class Gen:
             return ("clip", sub(shape, True), lo, hi)
         if kind == "shape":
             return self.shape_change(shape, env, d, under_drop)
+        if kind == "chooser":
+            return self.shape_change(shape, env, d, under_drop, CHOOSER_KINDS[shape])
         if kind == "scan":
             return self.scan(shape, env, d, under_drop)
         if kind == "cond":
             return self.cond(shape, env, d, under_drop)
         raise AssertionError(kind)
 
-    def shape_change(self, shape, env, d, under_drop):
+    def shape_change(self, shape, env, d, under_drop, options=None):
         sub = lambda shp, drop=under_drop: self.expr(shp, env, True, d, drop)  # noqa: E731
         reduce_op = lambda: self.pick(["sum", "max", "mean"])  # noqa: E731
         options = {
             "S": ["index", "reduceV", "reduceR", "dotVV"],
-            "R": ["slice", "col", "reduceM1", "dotMV", "bcastS"],
-            "V": ["row", "reduceM0", "dotRM", "bcastS"],
-            "M": ["bcastV", "bcastR", "bcastS"],
-        }[shape]
+            "R": ["slice", "col", "reduceM1", "dotMV", "bcastS", "cum", "sort", "topk", "pool"],
+            "V": ["row", "reduceM0", "dotRM", "bcastS", "cum", "set"],
+            "M": ["bcastV", "bcastR", "bcastS", "cum"],
+        }[shape] if options is None else options
         kind = self.pick(options)
         if kind == "index":
             src = self.pick(["V", "R"])
@@ -398,6 +416,16 @@ class Gen:
             return ("dot", sub("R"), sub("M"))
         if kind == "row":
             return ("row", self.draw(st.integers(0, 2)), sub("M", True))
+        if kind == "cum":  # issue 13's drops: a running choice, a permutation, an overwrite
+            return ("cum", self.pick(["max", "min"]), sub(shape, True))
+        if kind == "sort":
+            return ("sort", self.pick(["tail", "head"]), sub("V", True))
+        if kind == "topk":
+            return ("topk", sub("V", True))
+        if kind == "pool":
+            return ("pool", sub("V", True))
+        if kind == "set":
+            return ("set", self.draw(st.integers(0, 3)), sub("V", True), sub("S", True))
         if kind == "bcastS":
             return ("bcast", shape, sub("S"))
         if kind == "bcastV":
@@ -495,6 +523,8 @@ def features(program: Program, args) -> set:
     each kind of value-free mask, and inf/NaN in the arguments (anywhere, and in the lanes that
     line up with a False of the mask argument)."""
     found = {f"mask_{n[1]}" for o in program.outputs for n in walk(o) if n[0] == "mask"}
+    found |= {f"drop_{'mul' if n[0] == 'bin' else n[0]}" for o in program.outputs
+              for n in walk(o) if n[0] in (*CHOOSERS, "set") or n[0] == "bin" and drops(n)}
     k = np.asarray(args[-1])
     for name, a in zip(INPUTS, args, strict=False):
         bad = ~np.isfinite(np.asarray(a))
@@ -564,6 +594,19 @@ def defang(program: Program) -> Program:
             chooser = node[1] in ("max", "min")
             return ("reduce", "sum" if below and chooser else node[1], node[2],
                     g(node[3], dropped or chooser, below or (chooser and made_nonfinite(node[3]))))
+        if k in CHOOSERS:
+            # under a live hazard a chooser is selected on its choice: a slice (or the
+            # operand) instead; a running max or a pooling reads values: made non-finite
+            # below, its derivative may be too
+            child = node[1] if k in ("topk", "pool") else node[2]
+            if below:
+                if k == "cum":
+                    return g(child)
+                return ("slice", node[1] if k == "sort" else "head", g(child, True))
+            kid = g(child, True, k in ("cum", "pool") and made_nonfinite(child))
+            return (*node[:-1], kid) if k in ("cum", "sort") else (k, kid)
+        if k == "set":
+            return ("set", node[1], g(node[2], True), g(node[3], True))
         if k == "dot":
             return ("dot", g(node[1], b=below or made_nonfinite(node[2])),
                     g(node[2], b=below or made_nonfinite(node[1])))
@@ -681,6 +724,17 @@ class _Emitter:
         if k == "dot":
             a = ev(node[1])
             return self.let(f"{a} @ {ev(node[2])}")
+        if k == "cum":
+            return self.let(f"lax.cum{node[1]}({ev(node[2])}, axis=0)")
+        if k == "sort":
+            return self.let(f"jnp.sort({ev(node[2])})" + ("[1:]" if node[1] == "tail" else "[:3]"))
+        if k == "topk":
+            return self.let(f"lax.top_k({ev(node[1])}, 3)[0]")
+        if k == "pool":
+            return self.let(POOL.format(ev(node[1])))
+        if k == "set":
+            a = ev(node[2])
+            return self.let(f"{a}.at[{node[1]}].set({ev(node[3])})")
         if k == "bcast":
             a, src = ev(node[2]), shape_of(node[2], self.env)
             if src == "R":
@@ -790,6 +844,50 @@ class _Emitter:
         r = self.bto(self.let(f"jnp.{op}({ao}{ax})"), src)
         return self.let(f"({ao} == {r}) | jnp.isnan({r}) | jnp.isnan({ao})", "k")
 
+    def sliced(self, part, m):
+        """The lanes of a V that `[1:]` ("tail") or `[:3]` ("head") keeps, live where `m` is."""
+        if m is None:
+            keep = "[False, True, True, True]" if part == "tail" else "[True, True, True, False]"
+            return self.let(f"jnp.array({keep})", "k")
+        pad = f"[jnp.zeros(1, bool), {m}]" if part == "tail" else f"[{m}, jnp.zeros(1, bool)]"
+        return self.let(f"jnp.concatenate({pad})", "k")
+
+    def running_chosen(self, node, env2, m):
+        """`lax.cummax` (`cummin`) along axis 0: a lane is chosen where it equals the running
+        maximum at the nearest live output at or after it (the running maximum only grows; a
+        tie shares); every lane a live output reads where the output or the lane is NaN."""
+        _, op, a = node
+        ao = self.orig(a, env2)
+        shape = self.shape(node)
+        out = self.let(f"lax.cum{op}({ao}, axis=0)")
+        live = self.full(m, shape)
+        far, nearest = ("jnp.inf", "cummin") if op == "max" else ("-jnp.inf", "cummax")
+        at = self.let(f"jnp.where({live}, {out}, {far})")
+        near = self.let(f"lax.{nearest}({at}, axis=0, reverse=True)")
+        nan_out = self.let(f"{live} & jnp.isnan({out})", "k")
+
+        def reads(x):  # the lanes at or before a True: a running op reads its prefix
+            return f"(lax.cumsum({x}.astype(jnp.int32), axis=0, reverse=True) > 0)"
+        return self.let(f"({ao} == {near}) | {reads(nan_out)} | "
+                        f"(jnp.isnan({ao}) & {reads(live)})", "k")
+
+    def pool_chosen(self, node, env2, m):
+        """Max pooling: the lane each live window hands its derivative to (JAX's own
+        derivative, one lane per window), and every lane of a live window that is NaN or
+        holds a NaN."""
+        ao = self.orig(node[1], env2)
+        live = self.full(m, (3,))
+        out = self.let(POOL.format(ao))
+        ct = self.let(f"jax.vjp(lambda v: {POOL.format('v')}, lax.stop_gradient({ao}))[1]("
+                      f"{live}.astype({ao}.dtype))[0]")
+        nan_out = self.let(f"{live} & jnp.isnan({out})", "k")
+
+        def reads(x):  # window j reads lanes j and j + 1
+            return (f"(jnp.concatenate([{x}, jnp.zeros(1, bool)]) | "
+                    f"jnp.concatenate([jnp.zeros(1, bool), {x}]))")
+        return self.let(f"({ct} != 0) | {reads(nan_out)} | (jnp.isnan({ao}) & {reads(live)})",
+                        "k")
+
     def AND(self, m, c):
         return c if m is None else self.let(f"{m} & {c}", "k")
 
@@ -859,13 +957,21 @@ class _Emitter:
             live = self.let(f"~({hi!r} < {mx}) & ~({lo!r} > {ao})", "k")
             return [self.AND(m, live)]
         if k == "slice":
-            keep = ("[False, True, True, True]" if node[1] == "tail"
-                    else "[True, True, True, False]")
-            if m is None:
-                return [self.let(f"jnp.array({keep})", "k")]
-            pad = (f"[jnp.zeros(1, bool), {m}]" if node[1] == "tail"
-                   else f"[{m}, jnp.zeros(1, bool)]")
-            return [self.let(f"jnp.concatenate({pad})", "k")]
+            return [self.sliced(node[1], m)]
+        if k == "cum":
+            return [self.running_chosen(node, env2, m)]
+        if k == "sort":  # a lane is live where its sorted position is
+            perm = self.let(f"jnp.argsort({self.orig(node[2], env2)}, stable=True)", "i")
+            return [self.let(f"jnp.zeros(4, bool).at[{perm}].set({self.sliced(node[1], m)})",
+                             "k")]
+        if k == "topk":
+            idx = self.let(f"lax.top_k({self.orig(node[1], env2)}, 3)[1]", "i")
+            return [self.let(f"jnp.zeros(4, bool).at[{idx}].set({self.full(m, (3,))})", "k")]
+        if k == "pool":
+            return [self.pool_chosen(node, env2, m)]
+        if k == "set":  # the overwritten lane of `a` is dropped; `b` is live where it lands
+            other = self.let(f"jnp.arange(4) != {node[1]}", "k")
+            return [self.AND(m, other), None if m is None else self.let(f"{m}[{node[1]}]", "k")]
         if k == "index":
             n = self.shape(node[2])[0]
             return [self.AND(m, self.let(f"jnp.arange({n}) == {node[1]}", "k"))]
@@ -1037,6 +1143,26 @@ class _Emitter:
             return self.let(f"{total} / {float(n)!r}"), tested, True
         if k == "dot":
             return self.let(f"{gs[0]} @ {gs[1]}"), tainted, out_changed
+        if k in ("cum", "pool"):
+            # dropped lanes hold the identity, so a guarded value is never chosen; a dropped
+            # output takes the guarded values' own result (no -inf there to meet a zero)
+            a = gs[0]
+            op = node[1] if k == "cum" else "max"
+            fn = (lambda v: f"lax.cum{op}({v}, axis=0)") if k == "cum" else POOL.format
+            ident = "-jnp.inf" if op == "max" else "jnp.inf"
+            out = self.let(fn(self.let(f"jnp.where({cms[0]}, {a}, {ident})", "g")))
+            if m is not None:
+                out = self.let(f"jnp.where({m}, {out}, {fn(a)})")
+            return out, tainted, out_changed
+        if k == "sort":  # the original permutation, gathered from the guarded operand
+            perm = self.let(f"jnp.argsort({self.orig(node[2], env2)}, stable=True)", "i")
+            return (self.let(f"{gs[0]}[{perm}]" + ("[1:]" if node[1] == "tail" else "[:3]")),
+                    tainted, out_changed)
+        if k == "topk":
+            idx = self.let(f"lax.top_k({self.orig(node[1], env2)}, 3)[1]", "i")
+            return self.let(f"{gs[0]}[{idx}]"), tainted, out_changed
+        if k == "set":
+            return self.let(f"{gs[0]}.at[{node[1]}].set({gs[1]})"), tainted, out_changed
         if k == "bcast":
             a = gs[0]
             if shape_of(node[2], self.env) == "R":
@@ -1061,6 +1187,8 @@ class _Emitter:
             return _anywhere(kids[1 - i], leaves)
         if k == "reduce":
             return node[1] in ("max", "min") and _anywhere(kids[0], leaves)
+        if k in ("cum", "pool"):
+            return _anywhere(kids[0], leaves)
         return False
 
     def tw_clip(self, node, env2, a, a_changed, tainted, maybe, bad):
@@ -1176,7 +1304,10 @@ class _Emitter:
         return r, tainted, changed
 
 
-DROPS = frozenset({"where", "swhere", "max", "min", "clip", "slice", "index", "row", "col"})
+DROPS = frozenset({"where", "swhere", "max", "min", "clip", "slice", "index", "row", "col",
+                   "cum", "sort", "topk", "pool", "set"})
+CHOOSERS = ("cum", "pool", "sort", "topk")  # issue 13: re-emitted on the original choice
+CHOOSER_KINDS = {"V": ["set", "cum"], "R": ["topk", "sort", "pool", "cum"], "M": ["cum"]}
 
 NONE, PART, ALL = 0, 1, 2
 """Which lanes of a value carry a derivative of the arguments (jaxsafe/_carries.py)."""
@@ -1222,7 +1353,7 @@ def _is_nonlinear(node) -> bool:
     """Whether jaxsafe counts the operation as not linear: a zero cotangent meets a value
     (max/min/clip only select, so they count as linear)."""
     k = node[0]
-    if k in ("haz", "div", "dot", "scan", "cond"):
+    if k in ("haz", "div", "dot", "scan", "cond", "cum", "pool"):
         return True
     if k == "un":
         return node[1] not in LINEAR_UNARY

@@ -357,3 +357,56 @@ def test_min_loser_gets_zero_under_an_infinite_live_derivative():
     m[0, 2] = 0.
     args = (np.ones(4, f32), np.ones(4, f32), m, f32(1.), np.zeros((3, 4), bool))
     _check(f, twin, args)
+
+
+# -------------------------------------------------------------------------- selected-after-decision
+# A chooser whose cotangent may be non-finite is emitted as a selection on its choice. When a
+# decision (here the isnan test's mask) had already computed its original output, and values
+# after it from that output, the selection was emitted but nothing read it: the derivative went
+# through the weighed original, 0 * inf = NaN in the lane cummax drops. (Fixed: the selection
+# then carries the derivative, and what reads it is emitted again from it.)
+
+
+def test_cummax_selected_after_a_decision_computed_its_original():
+    # as found by the fuzzer (run 9): the unchosen m[2, 3] = 0 under arccos'(1) = -inf, live
+    def f(x, y, m, s, k):
+        v2 = jnp.where(k, m, lax.cummax(m, axis=0))
+        v4 = jnp.arccos(jnp.arccos(v2))
+        return (jnp.where(jnp.isnan(v4), m, v4), x)
+
+    def twin(x, y, m, s, k):
+        v1 = lax.cummax(m, axis=0)
+        v4 = jnp.arccos(jnp.arccos(jnp.where(k, m, v1)))
+        keep = ~jnp.isnan(v4)
+        running = keep & ~k  # the lanes of v1 that reach the output
+        nearest = lax.cummin(jnp.where(running, v1, jnp.inf), axis=0, reverse=True)
+        chosen = (m == nearest) | (jnp.isnan(m) & running)
+        g1 = jnp.where(running, lax.cummax(jnp.where(chosen, m, -jnp.inf), axis=0), v1)
+        g = jnp.where(keep, jnp.where(k, m, g1), 0.)
+        g = jnp.arccos(jnp.where(keep, jnp.arccos(g), 0.))
+        return (jnp.where(jnp.isnan(v4), m, g), x)
+
+    m = np.ones((3, 4), f32)
+    m[2, 3] = 0.
+    args = (np.ones(4, f32), np.ones(4, f32), m, f32(1.), np.zeros((3, 4), bool))
+    _check(f, twin, args)
+
+
+# -------------------------------------------------------------------------- fill-changes-dropped
+# A `cummin` selected on its choice fills its dropped operand lanes with +inf, which changes the
+# dropped lanes of its output; a max pooling read them and was not re-decided: its window of
+# ties chose the +inf and the window's derivative was lost. (Fixed: a chooser that fills marks
+# its outputs changed, `Chooser.keeps_dropped_values`, and the pooling is re-decided.)
+
+
+def test_pooling_of_a_filled_cummin_keeps_every_windows_derivative():
+    # as found by the fuzzer (run 9): nothing is NaN-prone, the arguments may hold inf
+    def f(x, y, m, s, k):
+        v1 = lax.cummin(m, axis=0)[0]
+        return (lax.reduce_window(v1, -jnp.inf, lax.max, (2,), (1,), "VALID"),)
+
+    args = (np.ones(4, f32), np.ones(4, f32), np.ones((3, 4), f32), f32(1.), K1)
+    _check(f, f, args)
+    ct = np.array([-0.5, 0.5, 1.25], f32)
+    got = jax.vjp(lambda m: nan_safe(f)(*args[:2], m, *args[3:])[0], args[2])[1](ct)[0]
+    np.testing.assert_array_equal(got[0], [-0.5, 0.5, 1.25, 0.])  # ties: the first lane
