@@ -34,7 +34,7 @@ import numpy as np
 from jax import lax
 
 from ._atoms import is_float, literal_value, shape_of
-from ._compat import JaxprEqn, Literal, bind_eqn
+from ._compat import JaxprEqn, Literal, bind_eqn, primitives
 from ._liveness_rules import aligned_syms, elementwise_masks, pulled_back
 from ._masks import (
     all_of,
@@ -165,6 +165,75 @@ def running_choice(nearest: Callable, far: float) -> ChosenRule:
         at_live = lax.select_n(live, lax.full_like(out, far), out)
         return lax.eq(x, nearest(at_live, axis=axis, reverse=not reverse))
     return chosen
+
+
+def _tiling(eqn: JaxprEqn) -> tuple[int, ...] | None:
+    """A pooling's window dimensions when its windows tile the operand (strides equal to the
+    window, no padding, no dilation: each lane is in one window at most), else None."""
+    p = eqn.params
+    if (tuple(p["window_strides"]) != tuple(p["window_dimensions"])
+            or any(lo or hi for lo, hi in p["padding"])
+            or any(d != 1 for d in (*p["base_dilation"], *p["window_dilation"]))):
+        return None
+    return tuple(p["window_dimensions"])
+
+
+def _tiled(x: Any, counts: Sequence[int], window: Sequence[int]) -> jax.Array:
+    """`x` cut to whole windows, as (count0, window0, count1, window1, ...) (a bitcast)."""
+    x = lax.slice(x, [0] * len(window), [n * w for n, w in zip(counts, window, strict=True)])
+    return lax.reshape(x, [d for n, w in zip(counts, window, strict=True) for d in (n, w)])
+
+
+def _untiled(t: jax.Array, shape: Sequence[int], counts: Sequence[int],
+             window: Sequence[int]) -> jax.Array:
+    """Back to the operand's shape; lanes after the last whole window are read by none."""
+    t = lax.reshape(t, [n * w for n, w in zip(counts, window, strict=True)])
+    return lax.pad(t, np.array(False), [(0, d - n * w, 0)
+                                        for d, n, w in zip(shape, counts, window, strict=True)])
+
+
+def _per_window(v: Any, counts: Sequence[int]) -> jax.Array:
+    """An output-shaped value as (count0, 1, count1, 1, ...), to broadcast over its window."""
+    return lax.reshape(v, [d for n in counts for d in (n, 1)])
+
+
+def window_reads(eqn: JaxprEqn, out: jax.Array, x: Any) -> jax.Array:
+    """A pooling: the lanes of the live windows (tiling windows: a broadcast; others: by the
+    transpose of the window sum)."""
+    window = _tiling(eqn)
+    if window is None:
+        return reads_as(primitives.reduce_window_sum_p)(eqn, out, x)
+    counts = out.shape
+    tiled_shape = [d for n, w in zip(counts, window, strict=True) for d in (n, w)]
+    up = lax.broadcast_in_dim(_per_window(out, counts), tiled_shape, tuple(range(len(tiled_shape))))
+    return _untiled(up, np.shape(x), counts, window)
+
+
+def window_choice(eqn: JaxprEqn, outs: list[Mask], x: Any, out: Any) -> jax.Array:
+    """A pooling whose windows tile the operand: in each live window, the first lane (in
+    row-major window order) equal to the window's result, the lane JAX's derivative
+    (`select_and_scatter_add`, keeping the earlier lane on a tie) hands it to. Elementwise
+    work, where the derivative would be a select-and-scatter; other windows: the derivative."""
+    window = _tiling(eqn)
+    if window is None:
+        return _chosen_by_derivative(eqn, outs, x, out)
+    counts = out.shape
+    xt = _tiled(x, counts, window)
+    shape = xt.shape
+    every = tuple(range(len(shape)))
+    at = lax.broadcast_in_dim(_per_window(out, counts), shape, every)
+    live = lax.broadcast_in_dim(_per_window(materialize(outs[0], counts), counts), shape, every)
+    position = np.zeros(shape, np.int32)  # each lane's place in its window, row-major
+    stride = 1
+    for axis in range(len(shape) - 1, 0, -2):
+        position = position + stride * lax.broadcasted_iota(np.int32, shape, axis)
+        stride *= shape[axis]
+    equal = lax.eq(xt, at)
+    first = lax.reduce_min(lax.select_n(equal, lax.full_like(position, stride), position),
+                           tuple(range(1, len(shape), 2)))
+    first = lax.broadcast_in_dim(_per_window(first, counts), shape, every)
+    chosen = lax.bitwise_and(lax.bitwise_and(equal, lax.eq(position, first)), live)
+    return _untiled(chosen, np.shape(x), counts, window)
 
 
 def sort_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],

@@ -87,7 +87,15 @@ HAZARDS = {
     "recip": ("jnp.reciprocal({})", 1.0),
 }
 DIV_SAFE = 1.0  # the denominator of a / b
-POOL = 'lax.reduce_window({}, -jnp.inf, lax.max, (2,), (1,), "VALID")'
+POOLS = {  # max pooling: (operand shape, result shape, source, the window sum's source)
+    # overlapping windows (2, stride 1), and windows that tile the operand (stride = window)
+    "slide": ("V", "R", 'lax.reduce_window({}, -jnp.inf, lax.max, (2,), (1,), "VALID")',
+              'lax.reduce_window({}, 0., lax.add, (2,), (1,), "VALID")'),
+    "cols": ("M", "V", 'lax.reduce_window({}, -jnp.inf, lax.max, (3, 1), (3, 1), "VALID")[0]',
+             'lax.reduce_window({}, 0., lax.add, (3, 1), (3, 1), "VALID")[0]'),
+    "all": ("V", "S", 'lax.reduce_window({}, -jnp.inf, lax.max, (4,), (4,), "VALID")[0]',
+            'lax.reduce_window({}, 0., lax.add, (4,), (4,), "VALID")[0]'),
+}
 
 SAFE_UNARY = {
     "sin": "jnp.sin({})",
@@ -137,7 +145,7 @@ class Program:
 #   ("cum", "max"|"min", a)            lax.cummax/cummin(a, axis=0)  (shape kept)
 #   ("sort", "tail"|"head", a)         jnp.sort(a)[1:] / [:3]      V -> R
 #   ("topk", a)                        lax.top_k(a, 3)[0]          V -> R
-#   ("pool", a)                        max pooling, window 2, stride 1   V -> R
+#   ("pool", kind, a)                  max pooling (POOLS): V -> R, M -> V, V -> S
 #   ("set", i, a, b)                   a.at[i].set(b)              V, S -> V
 #   ("scan", xs, init, t, y, out)      lax.scan(lambda c, xi: (c + t, y), init, xs)[out]
 #   ("cond", pred, u, tb, fb)          lax.cond(pred, lambda u: tb, lambda u: fb, u)
@@ -165,8 +173,10 @@ def shape_of(node, env: dict) -> str:
         return shape_of(node[3], env)
     if k == "clip":
         return shape_of(node[1], env)
-    if k in ("slice", "sort", "topk", "pool"):
+    if k in ("slice", "sort", "topk"):
         return "R"
+    if k == "pool":
+        return POOLS[node[1]][1]
     if k == "cum":
         return shape_of(node[2], env)
     if k == "set":
@@ -210,9 +220,9 @@ def _diff_children(node):
         return (node[3], node[4])
     if k == "clip":
         return (node[1],)
-    if k in ("slice", "index", "row", "col", "bcast", "cum", "sort"):
+    if k in ("slice", "index", "row", "col", "bcast", "cum", "sort", "pool"):
         return (node[2],)
-    if k in ("topk", "pool"):
+    if k == "topk":
         return (node[1],)
     if k == "set":
         return (node[2], node[3])
@@ -387,7 +397,7 @@ class Gen:
         sub = lambda shp, drop=under_drop: self.expr(shp, env, True, d, drop)  # noqa: E731
         reduce_op = lambda: self.pick(["sum", "max", "mean"])  # noqa: E731
         options = {
-            "S": ["index", "reduceV", "reduceR", "dotVV"],
+            "S": ["index", "reduceV", "reduceR", "dotVV", "poolall"],
             "R": ["slice", "col", "reduceM1", "dotMV", "bcastS", "cum", "sort", "topk", "pool"],
             "V": ["row", "reduceM0", "dotRM", "bcastS", "cum", "set"],
             "M": ["bcastV", "bcastR", "bcastS", "cum"],
@@ -422,8 +432,9 @@ class Gen:
             return ("sort", self.pick(["tail", "head"]), sub("V", True))
         if kind == "topk":
             return ("topk", sub("V", True))
-        if kind == "pool":
-            return ("pool", sub("V", True))
+        if kind in ("pool", "poolcols", "poolall"):
+            pool = {"pool": "slide", "poolcols": "cols", "poolall": "all"}[kind]
+            return ("pool", pool, sub(POOLS[pool][0], True))
         if kind == "set":
             return ("set", self.draw(st.integers(0, 3)), sub("V", True), sub("S", True))
         if kind == "bcastS":
@@ -598,13 +609,15 @@ def defang(program: Program) -> Program:
             # under a live hazard a chooser is selected on its choice: a slice (or the
             # operand) instead; a running max or a pooling reads values: made non-finite
             # below, its derivative may be too
-            child = node[1] if k in ("topk", "pool") else node[2]
+            child = node[1] if k == "topk" else node[2]
             if below:
                 if k == "cum":
                     return g(child)
+                if k == "pool" and node[1] != "slide":  # M -> V, V -> S
+                    return ("row" if node[1] == "cols" else "index", 0, g(child, True))
                 return ("slice", node[1] if k == "sort" else "head", g(child, True))
             kid = g(child, True, k in ("cum", "pool") and made_nonfinite(child))
-            return (*node[:-1], kid) if k in ("cum", "sort") else (k, kid)
+            return (*node[:-1], kid) if k != "topk" else (k, kid)
         if k == "set":
             return ("set", node[1], g(node[2], True), g(node[3], True))
         if k == "dot":
@@ -731,7 +744,7 @@ class _Emitter:
         if k == "topk":
             return self.let(f"lax.top_k({ev(node[1])}, 3)[0]")
         if k == "pool":
-            return self.let(POOL.format(ev(node[1])))
+            return self.let(POOLS[node[1]][2].format(ev(node[2])))
         if k == "set":
             a = ev(node[2])
             return self.let(f"{a}.at[{node[1]}].set({ev(node[3])})")
@@ -875,16 +888,18 @@ class _Emitter:
         """Max pooling: the lane each live window hands its derivative to (JAX's own
         derivative, one lane per window), and every lane of a live window that is NaN or
         holds a NaN."""
-        ao = self.orig(node[1], env2)
-        live = self.full(m, (3,))
-        out = self.let(POOL.format(ao))
-        ct = self.let(f"jax.vjp(lambda v: {POOL.format('v')}, lax.stop_gradient({ao}))[1]("
+        _, kind, a = node
+        src, dst, pool, window_sum = POOLS[kind]
+        ao = self.orig(a, env2)
+        live = self.full(m, SHAPES[dst])
+        out = self.let(pool.format(ao))
+        ct = self.let(f"jax.vjp(lambda v: {pool.format('v')}, lax.stop_gradient({ao}))[1]("
                       f"{live}.astype({ao}.dtype))[0]")
         nan_out = self.let(f"{live} & jnp.isnan({out})", "k")
 
-        def reads(x):  # window j reads lanes j and j + 1
-            return (f"(jnp.concatenate([{x}, jnp.zeros(1, bool)]) | "
-                    f"jnp.concatenate([jnp.zeros(1, bool), {x}]))")
+        def reads(x):  # the lanes of the windows where x is True
+            return (f"(jax.vjp(lambda v: {window_sum.format('v')}, jnp.zeros({SHAPES[src]}))"
+                    f"[1]({x}.astype(jnp.float32))[0] > 0)")
         return self.let(f"({ct} != 0) | {reads(nan_out)} | (jnp.isnan({ao}) & {reads(live)})",
                         "k")
 
@@ -1148,7 +1163,8 @@ class _Emitter:
             # output takes the guarded values' own result (no -inf there to meet a zero)
             a = gs[0]
             op = node[1] if k == "cum" else "max"
-            fn = (lambda v: f"lax.cum{op}({v}, axis=0)") if k == "cum" else POOL.format
+            fn = (lambda v: f"lax.cum{op}({v}, axis=0)") if k == "cum" else \
+                POOLS[node[1]][2].format
             ident = "-jnp.inf" if op == "max" else "jnp.inf"
             out = self.let(fn(self.let(f"jnp.where({cms[0]}, {a}, {ident})", "g")))
             if m is not None:
@@ -1307,7 +1323,8 @@ class _Emitter:
 DROPS = frozenset({"where", "swhere", "max", "min", "clip", "slice", "index", "row", "col",
                    "cum", "sort", "topk", "pool", "set"})
 CHOOSERS = ("cum", "pool", "sort", "topk")  # issue 13: re-emitted on the original choice
-CHOOSER_KINDS = {"V": ["set", "cum"], "R": ["topk", "sort", "pool", "cum"], "M": ["cum"]}
+CHOOSER_KINDS = {"V": ["set", "cum", "poolcols"], "R": ["topk", "sort", "pool", "cum"],
+                 "M": ["cum"]}
 
 NONE, PART, ALL = 0, 1, 2
 """Which lanes of a value carry a derivative of the arguments (jaxsafe/_carries.py)."""

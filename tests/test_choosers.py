@@ -88,3 +88,28 @@ def test_indexing_forms_that_worked_before_keep_working():
         twin = jax.grad(lambda v, f=f, live=live: f(jnp.where(jnp.asarray(live) > 0, v, 1.)))(x)
         assert_close(jax.grad(nan_safe(f))(x), twin)
         assert np.isfinite(np.asarray(jax.grad(nan_safe(f))(x))).all()
+
+
+def test_pooling_windows_that_tile_are_chosen_as_jaxs_derivative_chooses():
+    # the tiling fast path (elementwise: the first lane equal to the window's result) against
+    # the lanes JAX's own derivative (select_and_scatter_add) hands each live window to, on
+    # inputs full of ties, signed zeros and infinities, with lanes after the last whole window
+    from jax.extend import core as jex
+
+    from jaxsafe import _choosers as C
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        rank = int(rng.integers(1, 4))
+        window = tuple(int(rng.integers(1, 4)) for _ in range(rank))
+        shape = tuple(int(rng.integers(1, 4)) * w + int(rng.integers(0, 2)) for w in window)
+        x = rng.choice(np.array([0., -0., 1., 2., -1., np.inf, -np.inf], np.float32), shape)
+        for init, op in ((-jnp.inf, lax.max), (jnp.inf, lax.min)):
+            def f(v, init=init, op=op, window=window):
+                return lax.reduce_window(v, init, op, window, window, "VALID")
+            eqn = jax.make_jaxpr(f)(x).jaxpr.eqns[0]
+            out = f(x)
+            live = [jnp.asarray(rng.random(out.shape) < 0.6)]
+            np.testing.assert_array_equal(C.window_choice(eqn, live, jnp.asarray(x), out),
+                                          C._chosen_by_derivative(eqn, live, jnp.asarray(x), out))
+            sums = C.reads_as(jex.primitives.reduce_window_sum_p)(eqn, live[0], x)
+            np.testing.assert_array_equal(C.window_reads(eqn, live[0], x), sums)
