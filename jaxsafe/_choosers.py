@@ -34,7 +34,7 @@ import numpy as np
 from jax import lax
 
 from ._atoms import is_float, literal_value, shape_of
-from ._compat import JaxprEqn, Literal, bind_eqn, primitives
+from ._compat import JaxprEqn, Literal, bind_eqn
 from ._liveness_rules import aligned_syms, elementwise_masks, pulled_back
 from ._masks import (
     all_of,
@@ -197,16 +197,20 @@ def _per_window(v: Any, counts: Sequence[int]) -> jax.Array:
     return lax.reshape(v, [d for n in counts for d in (n, 1)])
 
 
-def window_reads(eqn: JaxprEqn, out: jax.Array, x: Any) -> jax.Array:
-    """A pooling: the lanes of the live windows (tiling windows: a broadcast; others: by the
-    transpose of the window sum)."""
-    window = _tiling(eqn)
-    if window is None:
-        return reads_as(primitives.reduce_window_sum_p)(eqn, out, x)
-    counts = out.shape
-    tiled_shape = [d for n, w in zip(counts, window, strict=True) for d in (n, w)]
-    up = lax.broadcast_in_dim(_per_window(out, counts), tiled_shape, tuple(range(len(tiled_shape))))
-    return _untiled(up, np.shape(x), counts, window)
+def window_reads(window_sum: Any) -> ReadsRule:
+    """A pooling: the lanes of the live windows. Windows that tile the operand: a broadcast;
+    others: as `window_sum` (the window-sum primitive) reads, by its transpose."""
+    by_transpose = reads_as(window_sum)
+
+    def reads(eqn: JaxprEqn, out: jax.Array, x: Any) -> jax.Array:
+        window = _tiling(eqn)
+        if window is None:
+            return by_transpose(eqn, out, x)
+        counts = out.shape
+        shape = [d for n, w in zip(counts, window, strict=True) for d in (n, w)]
+        up = lax.broadcast_in_dim(_per_window(out, counts), shape, tuple(range(len(shape))))
+        return _untiled(up, np.shape(x), counts, window)
+    return reads
 
 
 def window_choice(eqn: JaxprEqn, outs: list[Mask], x: Any, out: Any) -> jax.Array:

@@ -249,7 +249,8 @@ register(prims.cummin_p, masks=comparison_masks(reads_as(prims.cumsum_p),
                                                 running_choice(lax.cummax, -np.inf)),
          drops=_always, chooser=FILL, identity=np.inf, foldable=True)
 for prim, identity in ((prims.reduce_window_max_p, -np.inf), (prims.reduce_window_min_p, np.inf)):
-    register(prim, masks=comparison_masks(window_reads, window_choice), drops=_always,
+    register(prim, masks=comparison_masks(window_reads(prims.reduce_window_sum_p),
+                                          window_choice), drops=_always,
              chooser=FILL, identity=identity, foldable=True)
 register(prims.sort_p, masks=sort_masks, drops=_always, chooser=Chooser(by_permutation),
          linear=True, foldable=True)
