@@ -25,6 +25,9 @@ def issue_19089_hand_fix(x):
     return jnp.sum(jnp.where(delta > 0, safe ** 0.5, 0.))
 
 
+# numerics of many eager calls: without jax.checking_leaks (it turns JAX's caches off, and each
+# eager call traces again); the tests below run the value tracer under it
+@pytest.mark.no_leak_check
 def test_the_reporters_boolean_index_gives_the_hand_fix_gradient_at_first_and_second_order():
     assert np.isnan(jax.grad(issue_19089)(1.))
     for jit in (True, False):
@@ -52,6 +55,7 @@ def test_under_jit_or_vmap_the_values_are_abstract_and_nan_safe_names_the_line_a
         assert isinstance(info.value.__cause__, jax.errors.NonConcreteBooleanIndexError)
 
 
+@pytest.mark.no_leak_check
 def test_nonzero_without_size_equals_the_program_with_the_dropped_lanes_removed():
     x = jnp.array([-1., 0., 2., 3., 0.])
     picked = np.nonzero(np.asarray(x) > 1.)[0]  # known ahead: a static gather
