@@ -15,6 +15,10 @@ from jax import lax
 import jaxsafe
 from jaxsafe import nan_safe
 
+# Numerics: conftest's leak checker is for the modules that exercise the API's tracing paths
+# (test_api, test_composition, ...); here it would only turn JAX's caches off (2-3x slower).
+pytestmark = pytest.mark.no_leak_check
+
 
 def h(x):
     return jnp.sqrt(jnp.abs(x))
@@ -91,7 +95,6 @@ def test_indexing_forms_that_worked_before_keep_working():
         assert np.isfinite(np.asarray(jax.grad(nan_safe(f))(x))).all()
 
 
-@pytest.mark.no_leak_check  # helpers on concrete arrays, no tracing of ours: caches stay on
 def test_pooling_windows_that_tile_are_chosen_as_jaxs_derivative_chooses():
     # the tiling fast path (elementwise: the first lane equal to the window's result) against
     # the lanes JAX's own derivative (select_and_scatter_add) hands each live window to, on

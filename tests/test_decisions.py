@@ -13,6 +13,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import assert_bitwise, assert_close, assert_finite
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,6 +21,10 @@ from hypothesis import strategies as st
 from jaxsafe import _symbolic as S
 from jaxsafe import nan_safe
 from jaxsafe._compat import Var
+
+# Numerics: conftest's leak checker is for the modules that exercise the API's tracing paths
+# (test_api, test_composition, ...); here it would only turn JAX's caches off (2-3x slower).
+pytestmark = pytest.mark.no_leak_check
 
 P = jax.extend.core.primitives
 Primitive = jax.extend.core.Primitive

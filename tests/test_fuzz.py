@@ -50,6 +50,10 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 import jaxsafe
 
+# Numerics: conftest's leak checker is for the modules that exercise the API's tracing paths
+# (test_api, test_composition, ...); here it would only turn JAX's caches off (2-3x slower).
+pytestmark = pytest.mark.no_leak_check
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 FUZZ_DB = os.path.join(HERE, ".hypothesis-fuzz")
 COUNTS_FILE = os.environ.get("JAXSAFE_FUZZ_COUNTS") or os.path.join(HERE, ".fuzz-counts.json")
@@ -342,7 +346,6 @@ def test_nothing_to_guard_is_unchanged(program, args):
 
 
 @pytest.mark.slow
-@pytest.mark.no_leak_check
 @seed(FUZZ_SEED)
 @fuzz("forward_bitwise")
 @given(G.programs(), G.inputs())
@@ -351,7 +354,6 @@ def test_fuzz_forward_bitwise(program, args):
 
 
 @pytest.mark.slow
-@pytest.mark.no_leak_check
 @seed(FUZZ_SEED)
 @fuzz("derivatives_match_twin")
 @given(G.programs(), G.inputs())
@@ -360,7 +362,6 @@ def test_fuzz_derivatives_match_twin(program, args):
 
 
 @pytest.mark.slow
-@pytest.mark.no_leak_check
 @seed(FUZZ_SEED)
 @fuzz("nothing_to_guard_is_unchanged")
 @given(G.programs(hazard_free=True), G.inputs())

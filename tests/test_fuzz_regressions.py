@@ -21,6 +21,10 @@ from test_fuzz import _all_derivatives, compare_to_twin
 import jaxsafe
 from jaxsafe import nan_safe
 
+# Numerics: conftest's leak checker is for the modules that exercise the API's tracing paths
+# (test_api, test_composition, ...); here it would only turn JAX's caches off (2-3x slower).
+pytestmark = pytest.mark.no_leak_check
+
 f32 = np.float32
 M0 = np.zeros((3, 4), f32)
 K1 = np.ones((3, 4), bool)  # the generated programs' mask argument (fuzzgen.MASK_ARG)

@@ -14,6 +14,10 @@ import jaxsafe
 from jaxsafe import _masks as M
 from jaxsafe import nan_safe
 
+# Numerics: conftest's leak checker is for the modules that exercise the API's tracing paths
+# (test_api, test_composition, ...); here it would only turn JAX's caches off (2-3x slower).
+pytestmark = pytest.mark.no_leak_check
+
 P = jax.extend.core.primitives
 Primitive = jax.extend.core.Primitive
 SHAPE = (2, 3, 4)

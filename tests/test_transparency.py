@@ -39,8 +39,9 @@ marked `slow` (`make fuzz`). If a group fails as a whole (a jaxsafe bug in one o
 is split in halves until each failing case holds its own error, and the others still pass.
 
 dtypes: without x64 this file runs float16, bfloat16 and float32; with `JAX_ENABLE_X64=1` it runs
-float64 only (the others ran in the normal session). `test_x64_transparency.py` picks the
-float64 cases up with `from test_transparency import *`. The eager/vmap rotation runs through
+float64 only (the others ran in the normal session). `test_x64_transparency.py` (the table)
+and `test_x64_where.py` (the where-wrapped ops) import the tests, so that two workers share the
+float64 cases. The eager/vmap rotation runs through
 all four dtypes, so each function has those two checks in one session or the other (about a
 quarter in the x64 one).
 """
@@ -342,6 +343,8 @@ def transparency_programs_built_before_the_leak_checker(request):
     its own error, the other checks compute again (and raise) under the test.
     """
     for item in request.session.items:
+        if item.getparent(pytest.Module) is not request.node:
+            continue  # another module's (test_x64_where.py imports the where tests)
         fn = getattr(item, "function", None)
         if getattr(fn, "__module__", None) != __name__ or fn.__name__ not in _PRECOMPUTE:
             continue

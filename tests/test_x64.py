@@ -1,7 +1,8 @@
 """The guard-table cases of test_guard_table.py in float64.
 
-Run in its own session with test_x64_transparency.py: `JAX_ENABLE_X64=1 pytest tests/test_x64.py
-tests/test_x64_transparency.py` (the Makefile does, one file per worker). Without x64,
+Run in its own session with test_x64_transparency.py and test_x64_where.py: `JAX_ENABLE_X64=1
+pytest tests/test_x64.py tests/test_x64_transparency.py tests/test_x64_where.py` (the Makefile
+does, one file per worker). Without x64,
 `test_session_runs_with_x64` fails, and so does every case (asking for float64 then warns, and
 warnings are errors).
 """
