@@ -313,12 +313,19 @@ OperandMasks = Callable[[], list]
 
 def by_wins(eqn: JaxprEqn, guarded: list, originals: Sequence[Any], operand_masks: OperandMasks,
             out_masks: OperandMasks) -> list:
-    """`max`, `min`, `clamp`: each operand where it wins alone on the original values."""
+    """`max`, `min`, `clamp`: each operand where it wins alone on the original values. An
+    unguarded operand whose rivals are all literals needs no select: where it wins, the
+    operation is that operand, and its derivative hands the literals' share (0 * a non-finite
+    cotangent) to nothing (`max(x, 0.)` before a `sqrt`)."""
     selection = rule_for(eqn.primitive).selection
     assert selection is not None and selection.wins is not None
     out = bind_eqn(eqn, guarded)[0]
     cases = [broadcast(lax.convert_element_type(x, out.dtype), out.shape) for x in guarded]
-    for win, case in zip(selection.wins(eqn, originals), cases, strict=True):
+    wins = selection.wins(eqn, originals)
+    for i, (win, case) in enumerate(zip(wins, cases, strict=True)):
+        rivals = [v for j, v in enumerate(eqn.invars) if j != i]
+        if guarded[i] is originals[i] and all(isinstance(v, Literal) for v in rivals):
+            continue
         out = lax.select_n(win, out, case)  # disjoint wins: the order is free
     return [out]
 

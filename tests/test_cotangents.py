@@ -44,6 +44,22 @@ def test_sqrt_of_relu_gives_zero_where_relu_drops_x():
     assert np.isinf(np.asarray(g)[2])  # the tie at 0 stays live: a real singularity
 
 
+def test_a_winner_against_a_literal_alone_needs_no_select():
+    """In `max(x, 0.)` the literal's wins are a select (x's lane gets an exact 0); x's own wins
+    need none: max's derivative gives x the cotangent times 1 and the literal's share goes
+    nowhere. One select fewer than when the rival is differentiable, the same derivatives."""
+    def selects(f, *args):
+        return sum(e.primitive.name == "select_n" for e in jaxsafe.make_jaxpr(f)(*args).eqns)
+    y = jnp.zeros_like(X)
+    assert selects(lambda x: jnp.sqrt(jnp.maximum(x, 0.)), X) + 1 == \
+        selects(lambda x, y: jnp.sqrt(jnp.maximum(x, y)), X, y)
+    g = jax.grad(lambda v: nan_safe(lambda u: jnp.sqrt(jnp.maximum(u, 0.)))(v).sum())(X)
+    want = np.where(np.asarray(X) > 0, 0.5 / np.sqrt(np.maximum(np.asarray(X), 1e-30)), 0.)
+    g, want = np.asarray(g), want.astype(np.float32)
+    assert (g[np.asarray(X) < 0] == 0).all() and np.isinf(g[np.asarray(X) == 0]).all()
+    np.testing.assert_allclose(g[np.asarray(X) > 0], want[np.asarray(X) > 0], rtol=1e-6)
+
+
 def test_min_and_clip_losers_get_zero():
     f = lambda x: jnp.log(jnp.minimum(x, 1.)) + jnp.sqrt(jnp.clip(x, 0., 2.))
     def hand(x):
