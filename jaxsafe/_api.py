@@ -237,6 +237,9 @@ class NanSafeFunction:
         self._lock = threading.Lock()
         self._jitted: Callable | None = None
         self._generation = -1
+        # signatures whose trace asked for a value: later eager calls go straight to the
+        # value tracer, without the jit front's and make_jaxpr's failed traces (LRU, as _cache)
+        self._needs_values: collections.OrderedDict = collections.OrderedDict()
         # name, doc and __wrapped__ only: merging fun.__dict__ would let a jitted function's own
         # `_fun` (the undecorated Python function) replace ours and drop its custom rules
         functools.update_wrapper(self, fun, updated=())
@@ -283,7 +286,7 @@ class NanSafeFunction:
             return self._fun(*args, **kwargs)
         return flat
 
-    def _trace(self, args, kwargs) -> tuple[_Traced, list]:
+    def _signature(self, args, kwargs):
         static_pos, static_kw, dyn_args, dyn_kwargs = self._split(args, kwargs)
         leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         if not all(isinstance(x, _ARRAY_TYPES) for x in leaves):
@@ -291,6 +294,30 @@ class NanSafeFunction:
                 _check_leaf(leaf, self._describe(path, static_pos), "nan_safe")
         avals = tuple(jax.typeof(x) for x in leaves)
         key = (in_tree, avals, static_pos, static_kw, _guards.GENERATION)
+        return key, leaves, in_tree, avals, static_pos, static_kw, dyn_kwargs
+
+    def _remember_needs_values(self, key) -> None:
+        if not self._cache_size:
+            return
+        with self._lock:
+            self._needs_values[key] = True
+            self._needs_values.move_to_end(key)
+            while len(self._needs_values) > self._cache_size:
+                self._needs_values.popitem(last=False)
+
+    def _known_to_need_values(self, args, kwargs) -> bool:
+        """An eager call of a signature whose trace asked for a value before."""
+        if not self._needs_values:
+            return False
+        try:
+            key, leaves, *_ = self._signature(args, kwargs)
+        except (TypeError, ValueError):
+            return False
+        return key in self._needs_values and concrete_values(leaves) is not None
+
+    def _trace(self, args, kwargs) -> tuple[_Traced, list]:
+        key, leaves, in_tree, avals, static_pos, static_kw, dyn_kwargs = \
+            self._signature(args, kwargs)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -298,16 +325,22 @@ class NanSafeFunction:
                 return hit, leaves
         flat_fun = self._flat_fun(static_pos, static_kw, in_tree)
         by_value = False
-        try:
-            closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*avals)
-        except _NEEDS_VALUES as e:
-            values = concrete_values(leaves)
-            if values is None:  # under jit or vmap
-                if not _shape_from_data(e):
-                    raise  # Python control flow on a traced value: JAX's error says what to do
-                raise DataDependentShapeError(_data_dependent_message(self._fun, e)) from e
+        values = concrete_values(leaves) if key in self._needs_values else None
+        if values is not None:
             closed, out_shape = self._trace_by_value(flat_fun, leaves, values)
             by_value = True
+        else:
+            try:
+                closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*avals)
+            except _NEEDS_VALUES as e:
+                values = concrete_values(leaves)
+                if values is None:  # under jit or vmap
+                    if not _shape_from_data(e):
+                        raise  # Python control flow on a traced value: JAX's error says so
+                    raise DataDependentShapeError(_data_dependent_message(self._fun, e)) from e
+                closed, out_shape = self._trace_by_value(flat_fun, leaves, values)
+                by_value = True
+                self._remember_needs_values(key)
         finite = _finite_leaves(self._finite_args, args, {i for i, _ in static_pos},
                                 dyn_kwargs, "nan_safe")
         new, report = rewrite_with_report(closed, finite)
@@ -354,7 +387,7 @@ class NanSafeFunction:
             _check_leaf(leaf, self._describe(path, static_pos), "nan_safe")
 
     def __call__(self, *args, **kwargs):
-        if not self._use_jit:
+        if not self._use_jit or self._known_to_need_values(args, kwargs):
             return self._staged(*args, **kwargs)
         try:
             return self._front()(*args, **kwargs)

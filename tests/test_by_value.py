@@ -143,3 +143,23 @@ def test_calls_traced_at_their_values_are_not_cached():
 def test_make_jaxpr_at_values_shows_the_gather_at_this_calls_indices():
     closed = jaxsafe.make_jaxpr(issue_19089)(1.)
     assert "gather" in str(closed) and "f32[1]" in str(closed)
+
+
+def test_a_signature_that_needed_values_is_traced_at_its_values_directly_next_time():
+    """The first eager call learns that the program needs values (the jit front's trace and
+    make_jaxpr's both fail); later calls of that signature trace once, at the values. The
+    result is the same; under jit the same signature still gets nan_safe's error."""
+    runs = []
+
+    def f(x):
+        runs.append(1)
+        return issue_19089(x)
+    safe = nan_safe(f)
+    x = jnp.float32(1.)
+    first = jax.grad(safe)(x)
+    runs.clear()
+    assert_bitwise(jax.grad(safe)(x), first)
+    assert len(runs) == 1  # the value trace only
+    assert_bitwise(safe(x), issue_19089(x))
+    with pytest.raises(jaxsafe.DataDependentShapeError):
+        jax.jit(safe)(x)
