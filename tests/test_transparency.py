@@ -285,7 +285,7 @@ def _wrapped(wid, dtype):
 
 def _wrapped_values(wids, dtype):
     """Per op: x, its `live(x)` as JAX sees it (subnormals are flushed to zero on CPU), the jit
-    and nan_safe forward values, and the nan_safe, hand-written and plain gradients. Where
+    and nan_safe forward values, and the nan_safe and hand-written gradients. Where
     `live(x)`, the hand-written gradient is the taken branch's derivative op'(x) itself."""
     ws = [WBY_ID[w] for w in wids]
     x = inputs("unary", dtype)[0]
@@ -297,7 +297,7 @@ def _wrapped_values(wids, dtype):
     safe = nan_safe(f)
     grad = lambda fn: jax.grad(lambda xs: sum(jnp.sum(y).astype(jnp.float32) for y in fn(xs)))
     taken, *grads = jax.jit(lambda xs: ([w.live(x) for w, x in zip(ws, xs, strict=True)],
-                                        *(grad(g)(xs) for g in (safe, hand, f))))(xs)
+                                        *(grad(g)(xs) for g in (safe, hand))))(xs)
     forward = zip(jax.jit(f)(xs), safe(xs), strict=True)
     return [(x, t, fw, *g) for t, fw, *g in zip(taken, forward, *grads, strict=True)]
 
@@ -484,7 +484,7 @@ def test_every_unary_float_function_is_also_wrapped_in_a_where():
 def test_where_wrapped_op_hand_twin_gradient_is_one_on_the_dropped_side(wid, dtype):
     """The reference is what a double where gives: on the dropped side (finite x, x > 0 false),
     exactly the derivative of the `x` branch, whatever op' is at the twin's safe value."""
-    x, taken, _, _, g_hand, _ = _wrapped(wid, dtype)
+    x, taken, _, _, g_hand = _wrapped(wid, dtype)
     x, taken, g_hand = np.asarray(x, np.float64), np.asarray(taken), np.asarray(g_hand, np.float64)
     dropped = np.isfinite(x) & ~taken
     np.testing.assert_array_equal(g_hand[dropped], 1.0)
@@ -512,7 +512,7 @@ def _reference(wid, x, taken, g_hand):
 @wpairs
 def test_where_wrapped_op_gradient_is_finite_on_the_dropped_side_and_where_the_branch_is(
         wid, dtype):
-    x, taken, _, g_safe, g_hand, _ = _wrapped(wid, dtype)
+    x, taken, _, g_safe, g_hand = _wrapped(wid, dtype)
     g_branch = _reference(wid, x, taken, g_hand)
     x, g_safe = (np.asarray(a, np.float64) for a in (x, g_safe))
     taken = np.asarray(taken)  # where taken, the reference is op'(x)
@@ -527,7 +527,7 @@ def test_where_wrapped_op_gradient_is_finite_on_the_dropped_side_and_where_the_b
 
 @wpairs
 def test_where_wrapped_op_gradient_equals_the_hand_written_double_where(wid, dtype):
-    x, taken, _, g_safe, g_hand, _ = _wrapped(wid, dtype)
+    x, taken, _, g_safe, g_hand = _wrapped(wid, dtype)
     assert g_safe.dtype == g_hand.dtype
     # every lane, the edge inputs included (+-inf, NaN, +-max, 0, -0, subnormals)
     assert_close(np.asarray(g_safe, np.float64), _reference(wid, x, taken, g_hand),

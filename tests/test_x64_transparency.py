@@ -6,6 +6,7 @@ test_x64_where.py (part 2): files of their own, so that pytest-xdist runs them s
 
 import jax.numpy as jnp
 from test_transparency import (  # noqa: F401  (pytest collects the imported tests)
+    pytestmark,
     test_case_table_has_at_least_150_functions,
     test_every_function_runs_in_every_dtype_of_the_session_it_supports,
     test_nan_safe_forward_is_bitwise_equal_to_jit,

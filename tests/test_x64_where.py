@@ -4,6 +4,7 @@
 
 import jax.numpy as jnp
 from test_transparency import (  # noqa: F401  (pytest collects the imported tests)
+    pytestmark,
     test_every_unary_float_function_is_also_wrapped_in_a_where,
     test_where_wrapped_op_forward_is_bitwise_equal_to_jit,
     test_where_wrapped_op_gradient_equals_the_hand_written_double_where,
