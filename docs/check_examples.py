@@ -19,7 +19,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FILES = ["README.md", "docs/index.md", "docs/how-it-works.md", "docs/api.md", "docs/nn.md"]
+FILES = ["README.md", "docs/index.md", "docs/how-it-works.md", "docs/api.md", "docs/nn.md",
+         "docs/scale.md"]
 BLOCK = re.compile(r"```python\n(.*?)```\n(\n*```text\n(.*?)```\n)?", re.S)
 RUNNER = ("import sys; src = sys.stdin.read(); "
           "exec(compile(src, 'example.py', 'exec'), {'__name__': '__main__'})")

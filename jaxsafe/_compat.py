@@ -3,8 +3,9 @@
 jaxsafe works on public APIs only: `jax.make_jaxpr`, `jax.extend.core` (the jaxpr types and the
 primitives), `jax.extend.source_info_util` (the user's source lines on re-emitted equations),
 `jax.interpreters.partial_eval.dce_jaxpr` (JAX's dead-code pass) and `jax.core` (`Tracer`,
-`eval_jaxpr`, some of whose neighbours JAX 0.11 removes). Nothing is imported from `jax._src`.
-They are all spelled here, so that a JAX upgrade breaks in this file only.
+`eval_jaxpr`, some of whose neighbours JAX 0.11 removes). The few `jax._src` names that have
+no public spelling (`shard_map`'s primitive and the context its body is traced in) are imported
+here too, each with why. They are all spelled here, so that a JAX upgrade breaks in this file only.
 """
 
 from __future__ import annotations
@@ -65,8 +66,55 @@ def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any], params: dict | None = None) -
 
 
 def trace_to_jaxpr(fun: Any, avals: Sequence[Any]) -> ClosedJaxpr:
-    """`jax.make_jaxpr` over abstract values (avals keep weak_type, ShapeDtypeStruct would not)."""
+    """`jax.make_jaxpr` over abstract values (avals keep weak_type, ShapeDtypeStruct would not).
+    Avals of a `shard_map` body vary over manual mesh axes (`{V:d}`), which `jax.make_jaxpr`
+    drops: those are traced as they are, by JAX's own staging."""
+    if any(_varying_axes(a) for a in avals):
+        return _trace_keeping_varying_axes(fun, avals)
     return jax.make_jaxpr(fun)(*avals)
+
+
+def _varying_axes(aval: Any) -> frozenset:
+    mat = getattr(aval, "mat", None)
+    return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def _trace_keeping_varying_axes(fun: Any, avals: Sequence[Any]) -> ClosedJaxpr:
+    # No public API stages a function over avals with varying manual axes: jax.make_jaxpr
+    # re-abstracts its arguments and loses them (a psum of the body then fails its type check).
+    from jax._src import api_util
+    from jax._src import linear_util as lu
+    from jax._src.interpreters import partial_eval as pe
+    debug = api_util.debug_info("jaxsafe", fun, tuple(avals), {})
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fun, debug_info=debug), list(avals))
+    return ClosedJaxpr(jaxpr, consts)
+
+
+def _shard_map_primitive() -> Primitive | None:
+    # `shard_map`'s primitive is not in jax.extend.core.primitives (JAX 0.10).
+    try:
+        from jax._src.shard_map import shard_map_p
+    except ImportError:  # pragma: no cover - another JAX layout: shard_map stays unknown
+        return None
+    return shard_map_p
+
+
+shard_map_p = _shard_map_primitive()
+
+
+@contextlib.contextmanager
+def shard_map_body_context(params: dict):
+    """The context `shard_map` traces its body in: its manual mesh axes bound (collectives and
+    `pvary` name them), the manual abstract mesh, and its varying-axes checking. JAX has no
+    public way to re-enter it (jax._src.shard_map builds it inline)."""
+    from jax._src import config as jax_config
+    from jax._src import shard_map as jax_shard_map
+    from jax._src.mesh import use_abstract_mesh
+    mesh, manual = params["mesh"], params["newly_manual_axes"]
+    with (jax_shard_map._extend_axis_env(mesh, manual),
+          use_abstract_mesh(jax_shard_map._as_manual_mesh(mesh, manual)),
+          jax_config._check_vma(params["check_vma"])):
+        yield
 
 
 # -- tracing with the values in hand (_by_value) ------------------------------------------------

@@ -41,7 +41,7 @@ from ._choosers import (
     window_choice,
     window_reads,
 )
-from ._compat import JaxprEqn, Primitive
+from ._compat import JaxprEqn, Primitive, shard_map_body_context, shard_map_p
 from ._compat import primitives as prims
 from ._dropped import chosen_scalar, reshaped_scalar, same_scalar, summed_scalar
 from ._lanewise import scan_kinds, scan_masks
@@ -275,3 +275,8 @@ register(prims.scan_p, masks=scan_masks, kinds=scan_kinds, nested_params=("jaxpr
          masked_body=ScanBody(),
          body_inputs=scan_body_inputs)
 register(prims.while_p, nested_params=("body_jaxpr",), body_inputs=while_body_inputs)
+# a shard_map body: rewritten on its own (its outputs and inputs live: liveness does not cross
+# the per-device split yet), traced in shard_map's context (its mesh axes, varying types)
+if shard_map_p is not None:
+    register(shard_map_p, nested_params=("jaxpr",), body_inputs=direct_body_inputs,
+             body_context=shard_map_body_context)

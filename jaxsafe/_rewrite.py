@@ -26,6 +26,7 @@ When nothing needs a guard, the original ClosedJaxpr is returned as it is.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence, Set
 from functools import partial
 
@@ -114,9 +115,12 @@ def rewrite_nested_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
         try:
             finite = _finite_body_inputs(eqn, nonfinite)
             cotangents = body_cotangents(eqn, bad, nonfinite)
-            for name in names:
-                new_params[name] = _rewrite_param(eqn, eqn.params[name], report, sweeps,
-                                                  finite, cotangents)
+            context = (rule.body_context(eqn.params) if rule.body_context is not None
+                       else contextlib.nullcontext())
+            with context:
+                for name in names:
+                    new_params[name] = _rewrite_param(eqn, eqn.params[name], report, sweeps,
+                                                      finite, cotangents)
         except Exception as e:
             note_failure(e, eqn, "nested-body")
             raise

@@ -13,6 +13,7 @@ module can import it without a cycle.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 from collections.abc import Callable, Mapping, Sequence
@@ -250,6 +251,9 @@ class PrimitiveRule:
     """Given which operands may be non-finite, which inputs of each body in `nested_params`
     may be. None: all of them."""
     masked_body: MaskedBody | None = None
+    body_context: Callable[[dict], contextlib.AbstractContextManager] | None = None
+    """The context a body in `nested_params` is traced in, given the equation's parameters
+    (`shard_map`: its mesh axes bound). None: none."""
     custom_rule: bool = False
     """A call whose derivative is the user's rule (`custom_jvp`, `custom_vjp`): not rewritten;
     its dropped input lanes are cut from differentiation when its body is NaN-prone."""
