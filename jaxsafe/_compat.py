@@ -102,6 +102,22 @@ def _shard_map_primitive() -> Primitive | None:
 shard_map_p = _shard_map_primitive()
 
 
+def _private_primitives(*names: str) -> list[Primitive]:
+    """Collectives of `shard_map` bodies that jax.extend.core.primitives does not list (JAX 0.10
+    keeps `pvary`, `psum_invariant`, `pmin`, `reduce_scatter` private); absent ones are skipped
+    (they stay unknown: live, reported)."""
+    try:
+        from jax._src.lax import parallel
+    except ImportError:  # pragma: no cover - another JAX layout
+        return []
+    return [getattr(parallel, n) for n in names if hasattr(parallel, n)]
+
+
+PRIVATE_LINEAR_COLLECTIVES = _private_primitives(
+    "pvary_p", "psum_invariant_p", "reduce_scatter_p", "all_gather_invariant_p", "pbroadcast_p")
+PRIVATE_OTHER_COLLECTIVES = _private_primitives("pmin_p")
+
+
 @contextlib.contextmanager
 def shard_map_body_context(params: dict):
     """The context `shard_map` traces its body in: its manual mesh axes bound (collectives and

@@ -41,7 +41,14 @@ from ._choosers import (
     window_choice,
     window_reads,
 )
-from ._compat import JaxprEqn, Primitive, shard_map_body_context, shard_map_p
+from ._compat import (
+    PRIVATE_LINEAR_COLLECTIVES,
+    PRIVATE_OTHER_COLLECTIVES,
+    JaxprEqn,
+    Primitive,
+    shard_map_body_context,
+    shard_map_p,
+)
 from ._compat import primitives as prims
 from ._dropped import chosen_scalar, reshaped_scalar, same_scalar, summed_scalar
 from ._lanewise import scan_kinds, scan_masks
@@ -176,6 +183,8 @@ register_elementwise(prims.convert_element_type_p, linear=True, bound=bounds.con
 register_elementwise(prims.reduce_precision_p, linear=True,
                      bound=bounds.non_negative_if_bounded)
 register_elementwise(prims.copy_p, linear=True, bound=bounds.moved)
+# `with_sharding_constraint`: the value itself, placed; re-emitted with its sharding
+register_elementwise(prims.sharding_constraint_p, linear=True, bound=bounds.moved)
 register_elementwise(prims.tanh_p, prims.logistic_p, prims.sin_p, prims.cos_p, prims.atan_p,
                      prims.asinh_p, prims.erf_p, prims.erfc_p, prims.bessel_i0e_p,
                      prims.bessel_i1e_p)
@@ -275,6 +284,12 @@ register(prims.scan_p, masks=scan_masks, kinds=scan_kinds, nested_params=("jaxpr
          masked_body=ScanBody(),
          body_inputs=scan_body_inputs)
 register(prims.while_p, nested_params=("body_jaxpr",), body_inputs=while_body_inputs)
+# collectives (in shard_map and pmap bodies): every lane live, as the other devices' lanes are
+# not seen; the sums, gathers and permutations are linear
+register(prims.psum_p, prims.all_gather_p, prims.all_to_all_p, prims.ppermute_p,
+         *PRIVATE_LINEAR_COLLECTIVES, linear=True)
+register(prims.pmax_p, *PRIVATE_OTHER_COLLECTIVES)
+register(prims.axis_index_p)
 # a shard_map body: rewritten on its own (its outputs and inputs live: liveness does not cross
 # the per-device split yet), traced in shard_map's context (its mesh axes, varying types)
 if shard_map_p is not None:

@@ -59,7 +59,7 @@ def test_shard_map_keeps_mesh_specs_and_checks():
     assert [v.aval for v in new.params["jaxpr"].invars] == \
         [v.aval for v in old.params["jaxpr"].invars]  # varying types kept
     report = nan_safe(f).trace(xs)[1]
-    assert report.changed and not any(e.primitive.name == "shard_map" for e in report.unknown)
+    assert report.changed and not report.unknown  # shard_map, pvary, psum: all known
 
 
 def test_shard_map_with_nothing_to_guard_is_unchanged():
@@ -93,3 +93,82 @@ def test_nan_safe_of_pmap_rewrites_its_body():
     assert np.isnan(jax.grad(loss(jax.pmap(f)))(x)).any()
     assert_close(jax.grad(loss(nan_safe(jax.pmap(f))))(x), jax.grad(loss(jax.pmap(hand)))(x))
     assert_bitwise(nan_safe(jax.pmap(f))(x), jax.pmap(f)(x))
+
+
+def test_collectives_in_a_shard_map_body_pass_liveness_conservatively():
+    """A ring step (`ppermute`), a gather and a `pmax` after the where: every lane they read
+    stays live (the other devices' lanes are not seen), the where's own drop is guarded."""
+    mesh = jax.make_mesh((8,), ("d",))
+    xs = jax.device_put(jnp.linspace(-1., 1., 16), NamedSharding(mesh, P("d")))
+    ring = [(i, (i + 1) % 8) for i in range(8)]
+
+    def make(guard):
+        def body(x):
+            safe = jnp.where(x > 0, x, 1.) if guard else x
+            y = jnp.where(x > 0, jnp.sqrt(safe), 0.)
+            shifted = jax.lax.ppermute(y, "d", ring)
+            gathered = jax.lax.all_gather(shifted, "d", tiled=True)
+            top = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(y)), "d")  # JAX: no pmax rule
+            return jax.lax.psum(jnp.sum(gathered * gathered), "d") / (1. + top * top)
+        return jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P())
+    f, hand = make(False), make(True)
+    assert np.isnan(jax.jit(jax.grad(f))(xs)).any()
+    assert_close(jax.jit(jax.grad(nan_safe(f)))(xs), jax.jit(jax.grad(hand))(xs))
+    assert_bitwise(nan_safe(f)(xs), jax.jit(f)(xs))
+    assert not nan_safe(f).trace(xs)[1].unknown
+
+
+_COLLECTIVES = ("all-reduce", "all-gather", "collective-permute", "all-to-all", "reduce-scatter")
+
+
+def _collectives(compiled_text: str) -> dict:
+    import re
+    return {c: len(re.findall(rf"\b{c}(-start)?\(", compiled_text)) for c in _COLLECTIVES}
+
+
+def test_data_parallel_step_adds_no_collective():
+    """A batch-sharded masked loss (replicated weights): the compiled gradient of the rewritten
+    program has the collectives of the original's, no more; masks follow the batch sharding."""
+    mesh = jax.make_mesh((8,), ("d",))
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.device_put(jax.random.normal(kx, (64, 16)), NamedSharding(mesh, P("d")))
+    w = jax.device_put(jax.random.normal(kw, (16, 16)) / 4., NamedSharding(mesh, P()))
+
+    def loss(w, x):
+        h = x @ w
+        return jnp.mean(jnp.where(h > 0, jnp.sqrt(h), 0.))
+
+    def hand(w, x):
+        h = x @ w
+        return jnp.mean(jnp.where(h > 0, jnp.sqrt(jnp.where(h > 0, h, 1.)), 0.))
+
+    texts = {name: jax.jit(jax.grad(fn)).lower(w, x).compile().as_text()
+             for name, fn in (("original", loss), ("nan_safe", nan_safe(loss)))}
+    counts = {name: _collectives(t) for name, t in texts.items()}
+    assert sum(counts["original"].values()) > 0  # the weight gradient is summed over devices
+    assert counts["nan_safe"] == counts["original"], counts
+    g = jax.jit(jax.grad(nan_safe(loss)))(w, x)
+    assert_close(g, jax.jit(jax.grad(hand))(w, x))
+    assert g.sharding.is_equivalent_to(NamedSharding(mesh, P()), 2)
+
+
+def test_sharding_constraints_are_kept_and_liveness_passes_through_them():
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharded = NamedSharding(mesh, P("d"))
+    xs = jax.device_put(jnp.linspace(-1., 1., 16), sharded)
+
+    def f(x):
+        y = jax.lax.with_sharding_constraint(jnp.sqrt(x), sharded)
+        return jnp.sum(jnp.where(x > 0, y, 0.))
+
+    def hand(x):
+        y = jax.lax.with_sharding_constraint(jnp.sqrt(jnp.where(x > 0, x, 1.)), sharded)
+        return jnp.sum(jnp.where(x > 0, y, 0.))
+    assert np.isnan(jax.jit(jax.grad(f))(xs)).any()
+    assert_close(jax.jit(jax.grad(nan_safe(f)))(xs), jax.jit(jax.grad(hand))(xs))
+    assert_bitwise(nan_safe(f)(xs), jax.jit(f)(xs))
+    report = nan_safe(f).trace(xs)[1]
+    assert report.changed and not report.unknown
+    old = [e for e in jax.make_jaxpr(f)(xs).jaxpr.eqns if "sharding" in e.primitive.name]
+    new = [e for e in jaxsafe.make_jaxpr(f)(xs).jaxpr.eqns if "sharding" in e.primitive.name]
+    assert old and [e.params for e in new] == [e.params for e in old]
