@@ -296,14 +296,15 @@ class NanSafeFunction:
         key = (in_tree, avals, static_pos, static_kw, _guards.GENERATION)
         return key, leaves, in_tree, avals, static_pos, static_kw, dyn_kwargs
 
-    def _remember_needs_values(self, key) -> None:
-        if not self._cache_size:
-            return
+    def _remember(self, store: collections.OrderedDict, key, value) -> bool:
+        """Put `key` in an LRU store of `cache_size` entries; whether one was evicted."""
         with self._lock:
-            self._needs_values[key] = True
-            self._needs_values.move_to_end(key)
-            while len(self._needs_values) > self._cache_size:
-                self._needs_values.popitem(last=False)
+            store[key] = value
+            store.move_to_end(key)
+            evicted = len(store) > self._cache_size
+            while len(store) > self._cache_size:
+                store.popitem(last=False)
+        return evicted
 
     def _known_to_need_values(self, args, kwargs) -> bool:
         """An eager call of a signature whose trace asked for a value before."""
@@ -340,20 +341,18 @@ class NanSafeFunction:
                     raise DataDependentShapeError(_data_dependent_message(self._fun, e)) from e
                 closed, out_shape = self._trace_by_value(flat_fun, leaves, values)
                 by_value = True
-                self._remember_needs_values(key)
+                if self._cache_size:
+                    self._remember(self._needs_values, key, True)
         finite = _finite_leaves(self._finite_args, args, {i for i, _ in static_pos},
                                 dyn_kwargs, "nan_safe")
         new, report = rewrite_with_report(closed, finite)
         traced = _Traced(closed, new, report, jax.tree_util.tree_structure(out_shape),
                          self._use_jit)
-        if not traced.closes_over_tracers and self._cache_size and not by_value:
-            with self._lock:
-                self._cache[key] = traced
-                while len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
-                    # jax.jit keeps its own trace per signature: start a fresh front so that
-                    # an evicted signature's program is really released
-                    self._jitted = None
+        cacheable = not traced.closes_over_tracers and self._cache_size and not by_value
+        if cacheable and self._remember(self._cache, key, traced):
+            # jax.jit keeps its own trace per signature: start a fresh front so that an
+            # evicted signature's program is really released
+            self._jitted = None
         return traced, leaves
 
     def _trace_by_value(self, flat_fun: Callable, leaves: list, values: list):
