@@ -26,7 +26,7 @@ from jax import lax
 from ._atoms import is_float, literal_value, shape_of
 from ._compat import Literal, Var, bind_eqn
 from ._liveness import LazyOperands, RuntimeMasks
-from ._masks import broadcast, mask_scope
+from ._masks import all_of, broadcast, mask_scope, materialize, not_mask
 from ._plan import Plan
 from ._report import Site, note_failure
 from ._rules import Kind, Mask, rule_for
@@ -143,9 +143,15 @@ class _Emitter:
             return
         invals = [safe[v] if g else orig[v] for g, v in zip(as_guarded, eqn.invars, strict=True)]
         site = plan.sites.get(i)
+        free = None
         if site is not None:
             self._guard(i, site, invals)
+            free = self._guard_free(site, invals)
         outs = self._bind(i, invals)
+        if free is not None:
+            assert site is not None
+            original = bind_eqn(site.eqn, [orig[v] for v in site.eqn.invars])[0]
+            outs = [lax.select_n(free, outs[0], lax.stop_gradient(original))]
         self._record(i, outs, shared and site is None)
 
     def _guard(self, i: int, site: Site, invals: list) -> None:
@@ -177,6 +183,30 @@ class _Emitter:
             live = in_masks[k]
             if live is not None:
                 invals[k] = lax.select_n(live, lax.stop_gradient(invals[k]), invals[k])
+
+    def _guard_free(self, site: Site, invals: list) -> Any:
+        """Replace the `free` operands by their safe value in the live output lanes that carry
+        no derivative (`_free.py`); those lanes, or None where there are none."""
+        if not site.free:
+            return None
+        out = site.eqn.outvars[0]
+        sweep = self.plan.sweep
+        carrying = sweep.carry_mask(out, self.orig)
+        if carrying is None:
+            return None
+        free = not_mask(carrying)
+        if sweep.kind(out) != Kind.LIVE:
+            live = self.mask_of(out)
+            if live is not None:
+                free = all_of([free, live])
+        shape = shape_of(out)
+        free = materialize(free, shape)
+        for k, value in site.free.items():
+            operand = invals[k]
+            if np.shape(operand) != shape:
+                operand = broadcast(operand, shape)
+            invals[k] = lax.select_n(free, operand, lax.full_like(operand, value))
+        return free
 
     def _bind(self, i: int, invals: list) -> list:
         plan = self.plan

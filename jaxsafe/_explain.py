@@ -15,7 +15,9 @@ def format_report(report: Report, indent: str = "") -> str:
         ops = ", ".join([f"operand {k} -> {v!r} ({site.reasons[k]})"
                          for k, v in sorted(site.replace.items())] +
                         [f"operand {k}: no derivative in dropped lanes ({site.reasons[k]})"
-                         for k in sorted(site.cut)])
+                         for k in sorted(site.cut)] +
+                        [f"operand {k} -> {v!r} where it carries no derivative (forward mode)"
+                         for k, v in sorted(site.free.items())])
         lines.append(f"{indent}guarded {site.eqn.primitive.name}: {ops}  at "
                      f"{source_summary(site.eqn)}")
     for eqn in report.selections:

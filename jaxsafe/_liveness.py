@@ -269,6 +269,10 @@ class Sweep:
         return carrying_lanes(atom, self._carry_classes(), self._producer_eqns, memo,
                               lambda v: read(env, v))
 
+    def carry_classes(self) -> dict:
+        """Each variable's `Carry` class (one forward pass, on first demand)."""
+        return self._carry_classes()
+
     def _carry_classes(self) -> dict:
         if self._carries is None:  # one forward pass, the first time a product asks
             self._carries = carry_classes(self.jaxpr, self.diff)

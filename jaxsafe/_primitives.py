@@ -23,6 +23,14 @@ from jax import lax
 from . import _bounds as bounds
 from ._atoms import dtype_of
 from ._bodies import CondBody, RematBody, ScanBody
+from ._carries import (
+    moved_lanes,
+    moved_static,
+    product_lanes,
+    product_static,
+    winner_lanes,
+    winner_static,
+)
 from ._choosers import (
     by_fill,
     by_original,
@@ -51,6 +59,7 @@ from ._compat import (
 )
 from ._compat import primitives as prims
 from ._dropped import chosen_scalar, reshaped_scalar, same_scalar, summed_scalar
+from ._free import moved_held, product_held, winner_held
 from ._lanewise import scan_kinds, scan_masks
 from ._liveness_rules import (
     aligned_syms,
@@ -88,7 +97,7 @@ from ._liveness_rules import (
     transpose_masks,
     winner_masks,
 )
-from ._rules import Chooser, Guard, Selection, register
+from ._rules import Carries, Chooser, Guard, Selection, register
 from ._taint import (
     compared_with_nonfinite,
     cond_body_inputs,
@@ -136,32 +145,47 @@ def _complex_operand(eqn: JaxprEqn) -> bool:
     return np.issubdtype(dtype_of(eqn.invars[0]), np.complexfloating)
 
 
+# Lanes that carry no derivative (`_carries.py`, `_free.py`): constants moved in, constants that
+# win a comparison, zero factors that carry nothing.
+MOVED = Carries(moved_static, moved_lanes, moved_held)
+WINNER = Carries(winner_static, winner_lanes, winner_held)
+PRODUCT = Carries(product_static, product_lanes, product_held)
+
 ONE = Guard({0: 1.0})  # roots, logs, poles at 0 and below: 1 is inside every domain
 ZERO = Guard({0: 0.0})  # overflow, inverse trig: the middle of the domain
+# singular only where the value is inf or NaN too (a pole, log at 0, an overflow): a lane that
+# carries no derivative shows it in the forward value and takes no forward-mode guard
+POLE_AT_ONE = Guard({0: 1.0}, finite_at_singularities=False)
+POLE_AT_ZERO = Guard({0: 0.0}, finite_at_singularities=False)
 
 # --------------------------------------------------------------------------- elementwise
 # NaN-prone (the guard table): each listed operand takes the safe value in dropped lanes.
 register_elementwise(prims.sqrt_p, guard=ONE, decreasing=True,
                      bound=bounds.non_negative_if_bounded)
-register_elementwise(prims.rsqrt_p, prims.cbrt_p, prims.log_p, guard=ONE, decreasing=True)
-register_elementwise(prims.log1p_p, guard=ZERO)                      # singular at -1
-register_elementwise(prims.div_p, guard=Guard({1: 1.0}), bound=bounds.quotient,
+register_elementwise(prims.cbrt_p, guard=ONE, decreasing=True)
+register_elementwise(prims.rsqrt_p, prims.log_p, guard=POLE_AT_ONE, decreasing=True)
+register_elementwise(prims.log1p_p, guard=POLE_AT_ZERO)              # singular at -1
+register_elementwise(prims.div_p, guard=Guard({1: 1.0}, finite_at_singularities=False),
+                     bound=bounds.quotient,
                      derivative_reads=(frozenset({1}), frozenset({0, 1})))
-register_elementwise(prims.rem_p, guard=Guard({1: 1.0}))
+register_elementwise(prims.rem_p, guard=Guard({1: 1.0}, finite_at_singularities=False))
 register_elementwise(prims.pow_p, guard=ONE)          # x ** y: singular at 0 for y < 1, NaN below
-register_elementwise(prims.integer_pow_p, guard=Guard({0: 1.0}, _negative_exponent),
+register_elementwise(prims.integer_pow_p,
+                     guard=Guard({0: 1.0}, _negative_exponent, finite_at_singularities=False),
                      bound=bounds.even_power)
 register_elementwise(prims.abs_p, guard=Guard({0: 1.0}, _complex_operand),
                      bound=bounds.non_negative)
-register_elementwise(prims.acos_p, prims.asin_p, prims.atanh_p, prims.erf_inv_p, guard=ZERO)
+register_elementwise(prims.acos_p, prims.asin_p, guard=ZERO)
+register_elementwise(prims.atanh_p, prims.erf_inv_p, guard=POLE_AT_ZERO)
 register_elementwise(prims.acosh_p, guard=Guard({0: 2.0}))
 register_elementwise(prims.atan2_p, guard=Guard({0: 0.0, 1: 1.0}))
 # overflow: inf in the forward, inf * 0 = NaN in the backward
-register_elementwise(prims.exp_p, prims.exp2_p, guard=ZERO, bound=bounds.non_negative)
-register_elementwise(prims.expm1_p, prims.sinh_p, prims.cosh_p, prims.tan_p, guard=ZERO)
+register_elementwise(prims.exp_p, prims.exp2_p, guard=POLE_AT_ZERO, bound=bounds.non_negative)
+register_elementwise(prims.expm1_p, prims.sinh_p, prims.cosh_p, prims.tan_p, guard=POLE_AT_ZERO)
 # special functions with poles at the non-positive integers
-register_elementwise(prims.lgamma_p, prims.digamma_p, guard=ONE)
-register_elementwise(prims.polygamma_p, guard=Guard({1: 1.0}), no_derivative=frozenset({0}))
+register_elementwise(prims.lgamma_p, prims.digamma_p, guard=POLE_AT_ONE)
+register_elementwise(prims.polygamma_p, guard=Guard({1: 1.0}, finite_at_singularities=False),
+                     no_derivative=frozenset({0}))
 register_elementwise(prims.igamma_p, prims.igammac_p, guard=Guard({0: 1.0, 1: 1.0}))
 register_elementwise(prims.igamma_grad_a_p, guard=Guard({0: 1.0, 1: 1.0}),
                      no_derivative=frozenset({0, 1}))
@@ -175,7 +199,7 @@ register_elementwise(prims.sub_p, prims.neg_p, prims.add_jaxvals_p, prims.real_p
                      prims.complex_p, prims.conj_p, linear=True)
 BILINEAR = (frozenset({1}), frozenset({0}))  # each operand's derivative is the other operand
 # a factor that carries no derivative masks the other where it is 0 (`_choosers.py`)
-register_elementwise(prims.mul_p, bound=bounds.product, derivative_reads=BILINEAR,
+register_elementwise(prims.mul_p, bound=bounds.product, derivative_reads=BILINEAR, carries=PRODUCT,
                      masks=product_masks, static=product_syms,
                      chooser=Chooser(by_original, product_applies))
 register_elementwise(prims.square_p, bound=bounds.non_negative)
@@ -207,37 +231,39 @@ register_selection(prims.select_n_p, masks=select_masks, static=select_syms,
 # max, min, clamp are not linear, but their derivative only selects (weights 0, 1/2, 1 from
 # comparisons): a NaN operand never meets a cotangent in a product, and a guard there would
 # bend the decision.
-register_selection(prims.max_p, masks=winner_masks, static=selected_syms,
+register_selection(prims.max_p, masks=winner_masks, static=selected_syms, carries=WINNER,
                    selection=Selection(by_predicate=False, wins=max_wins),
                    chooser=Chooser(by_wins), identity=-np.inf, bound=bounds.of_all(max))
-register_selection(prims.min_p, masks=winner_masks, static=selected_syms,
+register_selection(prims.min_p, masks=winner_masks, static=selected_syms, carries=WINNER,
                    selection=Selection(by_predicate=False, wins=min_wins),
                    chooser=Chooser(by_wins), identity=np.inf)
-register_selection(prims.clamp_p, masks=winner_masks, static=selected_syms,
+register_selection(prims.clamp_p, masks=winner_masks, static=selected_syms, carries=WINNER,
                    selection=Selection(by_predicate=False, wins=clamp_wins),
                    chooser=Chooser(by_wins))
 
 # --------------------------------------------------------------------------- data movement
-register_movement(prims.slice_p, masks=slice_masks, drops=_always, bound=bounds.moved)
-register_movement(prims.gather_p, masks=gather_masks, drops=_always)
+register_movement(prims.slice_p, masks=slice_masks, drops=_always, bound=bounds.moved,
+                  carries=MOVED)
+register_movement(prims.gather_p, masks=gather_masks, drops=_always, carries=MOVED)
 register_movement(prims.dynamic_slice_p, prims.dynamic_update_slice_p,
-                  masks=by_transpose_masks, drops=_always)
-register_movement(prims.pad_p, masks=by_transpose_masks, drops=pad_drops)
-register_movement(prims.rev_p, masks=by_transpose_masks)
+                  masks=by_transpose_masks, drops=_always, carries=MOVED)
+register_movement(prims.pad_p, masks=by_transpose_masks, drops=pad_drops, carries=MOVED)
+register_movement(prims.rev_p, masks=by_transpose_masks, carries=MOVED)
 register_movement(prims.transpose_p, masks=transpose_masks, align=transpose_alignment,
-                  static=aligned_syms, bound=bounds.moved)
+                  static=aligned_syms, bound=bounds.moved, carries=MOVED)
 register_movement(prims.reshape_p, masks=reshape_masks, align=reshape_alignment,
-                  static=aligned_syms, scalar_move=reshaped_scalar, bound=bounds.moved)
+                  static=aligned_syms, scalar_move=reshaped_scalar, bound=bounds.moved,
+                  carries=MOVED)
 register_movement(prims.squeeze_p, masks=squeeze_masks, align=reshape_alignment,
-                  static=aligned_syms, scalar_move=same_scalar, bound=bounds.moved)
+                  static=aligned_syms, scalar_move=same_scalar, bound=bounds.moved, carries=MOVED)
 register_movement(prims.broadcast_in_dim_p, masks=broadcast_in_dim_masks,
                   align=broadcast_in_dim_alignment, static=aligned_syms, broadcast=True,
                   scalar_move=same_scalar, bound=bounds.moved)
-register_movement(prims.concatenate_p, masks=concatenate_masks)
+register_movement(prims.concatenate_p, masks=concatenate_masks, carries=MOVED)
 if hasattr(lax, "split_p"):
     register(lax.split_p, masks=split_masks, foldable=True)
 # an overwrite drops the operand lanes it writes (and updates that a duplicate index overwrites)
-register_movement(prims.scatter_p, masks=by_transpose_masks, drops=_always)
+register_movement(prims.scatter_p, masks=by_transpose_masks, drops=_always, carries=MOVED)
 register(prims.scatter_add_p, linear=True)  # no liveness rule: every lane live
 
 # --------------------------------------------------------------------------- reductions

@@ -10,12 +10,15 @@ from ._compat import JaxprEqn, source_summary
 @dataclasses.dataclass
 class Site:
     """One guarded equation: which operands take which value in its dropped lanes, and why;
-    `cut` operands keep their value but pass no derivative there (a custom rule's call)."""
+    `cut` operands keep their value but pass no derivative there (a custom rule's call); `free`
+    operands take a value in the live lanes of its output that carry no derivative, where the
+    output keeps its original value (`_free.py`)."""
 
     eqn: JaxprEqn
     replace: dict[int, float]
     reasons: dict[int, str]
     cut: frozenset[int] = frozenset()
+    free: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

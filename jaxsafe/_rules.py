@@ -117,6 +117,31 @@ NonfiniteTest = Callable[[JaxprEqn], "list[Var]"]
 """(equation) -> the variables it tests for NaN or inf (`is_finite(x)`, `x != x`, `x == inf`)."""
 
 
+CarryClassRule = Callable[[JaxprEqn, list], "Any"]
+"""(equation, each operand's carry class: NONE, PART, ALL, `_carries.Carry`) -> the class of its
+outputs."""
+
+CarryLanesRule = Callable[[JaxprEqn, list, Callable[[int], Any]], Mask]
+"""(equation, each operand's carrying lanes (None: every lane may carry; a Literal's: all
+False), operand k's original value) -> the output lanes that carry a derivative (None: all)."""
+
+
+CarryHeldRule = Callable[[JaxprEqn, list, list], "tuple | None"]
+"""(equation, each operand's carry class, the values each operand holds in its lanes that carry
+nothing (None: unknown)) -> the values the output holds in its such lanes (`_free.py`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Carries:
+    """How lanes that carry no derivative of the inputs pass through a primitive that is not
+    lane to lane (`_carries.py`): a constant that `pad` adds, the lanes a `max` takes from a
+    constant, a product's zero factor; and what those lanes hold (`_free.py`)."""
+
+    static: CarryClassRule
+    lanes: CarryLanesRule
+    held: CarryHeldRule
+
+
 def _always(eqn: JaxprEqn) -> bool:
     return True
 
@@ -136,6 +161,11 @@ class Guard:
 
     safe: Mapping[int, float]
     applies: Callable[[JaxprEqn], bool] = _always
+    finite_at_singularities: bool = True
+    """Whether the value can be finite where the derivative is not (`sqrt` at 0). False for a
+    primitive whose derivative is inf or NaN only where its value is too (`exp`'s overflow, `log`
+    at 0, a pole): a live lane that carries no derivative needs no forward-mode guard there
+    (`_free.py`), since the forward value itself shows the singularity."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +250,9 @@ class PrimitiveRule:
     reads it."""
     selection: Selection | None = None
     chooser: Chooser | None = None
+    carries: Carries | None = None
+    """Which output lanes carry a derivative, for a primitive that is not lane to lane. None:
+    every lane may, where any operand lane may (`_carries.py`)."""
     guard: Guard | None = None
     """NaN-prone: the in-domain value each listed operand takes in dropped lanes."""
     identity: float | None = None

@@ -19,6 +19,10 @@ An equation is guarded when its output has dropped lanes (static liveness says M
   from differentiation (`select_n(live, stop_gradient(x), x)`), since no safe value is known for
   the user's rule.
 
+Independently of dropped lanes, a NaN-prone equation whose output has live lanes that carry no
+derivative (`sqrt(jnp.where(x > 0, x, 0.))`) takes the safe value there, its output the original
+value with its derivative cut (`Site.free`, `_free.py`): forward mode's 0 * inf.
+
 One forward walk over the equations does it, carrying the taint along, because a guard cleans
 the taint of what it guards, and a later guard may be a no-op thanks to an earlier one.
 
@@ -37,6 +41,7 @@ from ._bounds import Bounds
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._constants import finite_with_derivatives
 from ._dropped import DroppedValues
+from ._free import FreeValues
 from ._liveness import Sweep, operand_kinds
 from ._nested import sub_jaxprs
 from ._report import Report, Site, note_failure
@@ -51,6 +56,7 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report) 
     sites: dict[int, Site] = {}
     tainted = set(seeds)
     dropped = DroppedValues(closed, sites, sweep)
+    free = FreeValues(closed, sweep)
     bounds = Bounds(jaxpr.eqns, sweep.producer,
                     {v: c for v, c in zip(jaxpr.constvars, closed.consts, strict=True)
                      if not isinstance(c, Tracer)})
@@ -60,7 +66,7 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report) 
             rule = rule_for(eqn.primitive)
             if not rule.known:
                 report.unknown.append(eqn)
-            site = _site(i, eqn, rule, sweep, tainted, dropped, bounds, report)
+            site = _site(i, eqn, rule, sweep, tainted, dropped, bounds, report, free)
             if site is not None:
                 sites[i] = site
                 report.sites.append(site)
@@ -73,13 +79,17 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report) 
 
 
 def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set,
-          dropped: DroppedValues, bounds: Bounds, report: Report) -> Site | None:
+          dropped: DroppedValues, bounds: Bounds, report: Report,
+          free_values: FreeValues) -> Site | None:
+    if eqn.effects:
+        return None
     out_kinds = [sweep.kind(o) for o in eqn.outvars]
+    free = free_values.guards(i, eqn, rule) if rule.guard is not None else {}
     has_dropped = any(is_float(o) and (k == Kind.MAYBE or k == Kind.DEAD and
                                        sweep.reached_by_derivative(o))
                       for k, o in zip(out_kinds, eqn.outvars, strict=True))
-    if not has_dropped or eqn.effects:
-        return None
+    if not has_dropped:
+        return Site(eqn, {}, {}, frozenset(), free) if free else None
     diff = sweep.diff[i]
     guarded = [k != Kind.LIVE for k in operand_kinds(eqn, out_kinds, sweep)]
     replace, reasons = _value_guards(eqn, rule, diff, guarded, tainted, dropped, bounds)
@@ -104,9 +114,9 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
             if diff[k] and k not in replace and guarded[k]:
                 cut.add(k)
                 reasons[k] = "custom derivative rule"
-    if not replace and not cut:
+    if not replace and not cut and not free:
         return None
-    return Site(eqn, replace, reasons, frozenset(cut))
+    return Site(eqn, replace, reasons, frozenset(cut), free)
 
 
 def _nonfinite_operands(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool],

@@ -1,0 +1,239 @@
+"""Lanes that carry no derivative: forward mode's dropped lanes.
+
+A lane of a value carries no derivative of the inputs when the program's structure cuts every
+path to it from them (`_carries.py`): `jnp.where(x > 0, x, 0.)` takes a constant there,
+`jnp.maximum(x, 0.)` a constant that wins, `m * x` a zero factor that carries nothing, `jnp.pad`
+a padding constant. Its tangent is an exact zero. A NaN-prone primitive whose derivative is
+infinite there (`sqrt` of the 0 that the `where` put in) multiplies that zero by inf: forward mode
+(`jvp`, `jacfwd`) gets NaN in every lane that the sum of the output mixes it into, while reverse
+mode gets 0 (the `where` hands the inf cotangent to the constant). The mirror image of a dropped
+lane, whose zero cotangent meets an infinite derivative in reverse mode.
+
+**The guard** (`Site.free`, emitted by `_emit.py`): in the live lanes of such an equation's
+output that carry no derivative, its NaN-prone operands take the table's safe value, and the
+output takes the original value back with its derivative cut,
+`select_n(free, f(safe), stop_gradient(f(x)))`: the forward value is the original bit for bit,
+the tangent and the cotangent there are exact zeros, and no lane computes `0 * inf` at any
+order. Dropped lanes keep their own guard.
+
+**No guard where the values are known** (`FreeValues`): the lanes that carry nothing hold values
+the program fixes (the constant a `where` takes, a padding value), often known when the rewrite is
+planned. Where the primitive and its derivatives are finite at every such value, there is nothing
+to guard: `jnp.where(x > 0, x, 1.)`, the inner half of a hand-written double where, or
+`jnp.maximum(x, 1e-12)` before a `sqrt`, cost nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Generator
+from typing import Any
+
+import numpy as np
+
+from ._atoms import dtype_of, is_float, literal_value, shape_of
+from ._carries import Carry
+from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
+from ._constants import finite_with_derivatives, fold
+from ._liveness import Sweep
+from ._rules import PrimitiveRule, guard_for, rule_for
+from ._symbolic import (
+    FALSE,
+    TRUE,
+    Sym,
+    disjoint,
+    negate,
+    opaque,
+    predicate_literal,
+    sym_and,
+    sym_and_literal,
+    sym_or,
+)
+from ._walk import demand
+
+MAX_VALUES = 8
+"""At most this many distinct values are followed per variable; more count as unknown."""
+
+MAX_POINTS = 16
+"""At most this many combinations of operand values are evaluated per equation."""
+
+Held = tuple | None
+"""The values (NumPy scalars) that a value holds in its lanes that carry no derivative (every
+lane, for a value that carries none), or None when unknown."""
+
+
+def _distinct(values: Any) -> Held:
+    flat = np.unique(np.asarray(values).reshape(-1)) if np.size(values) else np.asarray([])
+    if flat.size > MAX_VALUES:
+        return None
+    return tuple(flat[j] for j in range(flat.size))
+
+
+def _union(parts: list[Held]) -> Held:
+    if any(p is None for p in parts):
+        return None
+    merged = [x for p in parts if p is not None for x in p]
+    return _distinct(np.asarray(merged)) if merged else ()
+
+
+class FreeValues:
+    """What the lanes of one jaxpr's values that carry no derivative hold, computed on demand."""
+
+    def __init__(self, closed: ClosedJaxpr, sweep: Sweep):
+        self.eqns, self.sweep = closed.jaxpr.eqns, sweep
+        self.memo: dict[Any, Held] = {}
+        self.syms: dict[Any, Sym] = {}
+        for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True):
+            if not isinstance(c, Tracer) and np.size(c) <= 1 << 16:
+                self.memo[v] = _distinct(np.asarray(c))
+
+    def carry(self, atom: Any) -> Carry:
+        if isinstance(atom, Literal):
+            return Carry.NONE
+        return self.sweep.carry_classes().get(atom, Carry.NONE)
+
+    def held(self, atom: Any) -> Held:
+        if isinstance(atom, Literal):
+            return _distinct(literal_value(atom))
+        return demand(atom, self.memo, self._compute)
+
+    def _compute(self, v: Any) -> Generator[Any, Held, Held]:
+        """The rule `demand` runs: yields each operand it needs, receives what it holds."""
+        if not is_float(v):
+            return (np.bool_(False), np.bool_(True)) if dtype_of(v) == np.bool_ else None
+        i = self.sweep.producer.get(v)
+        if i is None or self.carry(v) == Carry.ALL:
+            return None
+        eqn = self.eqns[i]
+        rule = rule_for(eqn.primitive)
+        diff = self.sweep.diff[i]
+        classes = [self.carry(u) if d else Carry.NONE for u, d in zip(eqn.invars, diff,
+                                                                      strict=True)]
+        helds: list[Held] = []
+        for u, c in zip(eqn.invars, classes, strict=True):
+            if c == Carry.ALL:
+                helds.append(None)
+            elif isinstance(u, Literal):
+                helds.append(self.held(u))
+            else:
+                helds.append((yield u))
+        if rule.selection is not None and rule.selection.by_predicate:
+            return _union([h for h, c in zip(helds[1:], classes[1:], strict=True)
+                           if c != Carry.ALL])
+        if rule.carries is not None and len(eqn.outvars) == 1:
+            return rule.carries.held(eqn, classes, helds)
+        if rule.broadcast:
+            return helds[0]
+        if rule.elementwise and rule.foldable and len(eqn.outvars) == 1:
+            return evaluate_at(eqn, helds)
+        return None
+
+    def free_sym(self, atom: Any) -> Sym:
+        """The lanes of `atom` that carry no derivative, as a static formula that holds every
+        such lane (and maybe more): `~p` for `jnp.where(p, x, 0.)`."""
+        if isinstance(atom, Literal):
+            return TRUE
+        return demand(atom, self.syms, self._free_sym)
+
+    def _free_sym(self, v: Any) -> Generator[Any, Sym, Sym]:
+        carry = self.carry(v)
+        if carry != Carry.PART:
+            return TRUE if carry == Carry.NONE else FALSE
+        i = self.sweep.producer.get(v)
+        if i is None:  # pragma: no cover - a PART value has a producer
+            return opaque()
+        eqn, diff, shape = self.eqns[i], self.sweep.diff[i], shape_of(v)
+        rule = rule_for(eqn.primitive)
+        pred = eqn.invars[0]
+        if rule.selection is not None and rule.selection.by_predicate and len(eqn.invars) == 3 \
+                and isinstance(pred, Var) and dtype_of(pred) == np.bool_ \
+                and shape_of(pred) in (shape, ()):
+            cases = []
+            for u, d in zip(eqn.invars[1:], diff[1:], strict=True):
+                cases.append((yield u) if isinstance(u, Var) and d else TRUE)
+            lit = predicate_literal(pred, True, self.sweep.broadcast_of)
+            return sym_or(sym_and_literal(cases[0], negate(lit)), sym_and_literal(cases[1], lit))
+        if rule.elementwise and rule.carries is None and len(eqn.outvars) == 1:
+            out: Sym | None = TRUE
+            for u, d in zip(eqn.invars, diff, strict=True):
+                if not (isinstance(u, Var) and d and is_float(u)):
+                    continue
+                if shape_of(u) != shape:
+                    part = TRUE if self.carry(u) == Carry.NONE else opaque()
+                else:
+                    part = yield u
+                out = None if out is None else sym_and(out, part)
+            return opaque() if out is None else out
+        return opaque()
+
+    # -- the guard ---------------------------------------------------------------------------
+
+    def guards(self, i: int, eqn: JaxprEqn, rule: PrimitiveRule) -> dict[int, float]:
+        """The operands of a NaN-prone equation that take the safe value in the live lanes of
+        its output that carry no derivative (empty: nothing to guard)."""
+        guard = guard_for(eqn)
+        if guard is None or not guard.finite_at_singularities or not rule.elementwise \
+                or len(eqn.outvars) != 1 \
+                or not is_float(eqn.outvars[0]) or self.carry(eqn.outvars[0]) != Carry.PART:
+            return {}
+        diff = self.sweep.diff[i]
+        operands = {k: value for k, value in guard.safe.items()
+                    if k < len(eqn.invars) and is_float(eqn.invars[k]) and (
+                        diff[k] or isinstance(eqn.invars[k], Literal))}
+        if not operands or disjoint(self.free_sym(eqn.outvars[0]), self.sweep.sym(eqn.outvars[0])):
+            return {}  # its such lanes are all dropped (a hand-written double where's inner half)
+        if self._finite_there(eqn):
+            return {}
+        return operands
+
+    def _finite_there(self, eqn: JaxprEqn) -> bool:
+        """Whether `eqn` and its derivatives are finite at every value its operands may hold
+        where its output carries no derivative."""
+        helds = [self.held(u) for u in eqn.invars]
+        points = _points(helds)
+        return points is not None and all(finite_with_derivatives(eqn, p) for p in points)
+
+
+def _points(helds: list[Held]) -> list[tuple] | None:
+    if any(h is None for h in helds):
+        return None
+    sizes = [len(h) for h in helds if h is not None]
+    if int(np.prod(sizes)) > MAX_POINTS:
+        return None
+    return list(itertools.product(*[h for h in helds if h is not None]))
+
+
+def evaluate_at(eqn: JaxprEqn, helds: list[Held]) -> Held:
+    """`eqn` at every combination of its operands' values (an elementwise equation)."""
+    points = _points(helds)
+    if points is None:
+        return None
+    return _union([_distinct(fold(eqn, [np.asarray(x) for x in p])[0]) for p in points])
+
+
+# --------------------------------------------------------------------------- rows' rules
+# What the lanes that carry nothing hold, for the primitives with a `Carries` rule.
+
+def moved_held(eqn: JaxprEqn, classes: list, helds: list[Held]) -> Held:
+    """A pad, concatenate, scatter, ...: what its operands' such lanes hold."""
+    return _union([h for u, c, h in zip(eqn.invars, classes, helds, strict=True)
+                   if is_float(u) and c != Carry.ALL])
+
+
+def winner_held(eqn: JaxprEqn, classes: list, helds: list[Held]) -> Held:
+    """`max`, `min`, `clamp`: what the operands hold where they carry nothing (the lanes where
+    such an operand wins alone)."""
+    return _union([h for u, c, h in zip(eqn.invars, classes, helds, strict=True)
+                   if is_float(u) and c != Carry.ALL])
+
+
+def product_held(eqn: JaxprEqn, classes: list, helds: list[Held]) -> Held:
+    """`a * b`: the products, when neither factor carries everywhere; beside a factor that does,
+    nothing when the other is never zero, else unknown (`0 * a`: a zero of either sign, or
+    NaN)."""
+    if Carry.ALL not in classes:
+        return evaluate_at(eqn, helds)
+    other = [h for c, h in zip(classes, helds, strict=True) if c != Carry.ALL]
+    if len(other) != 1 or other[0] is None:
+        return None
+    return () if all(float(np.abs(x)) != 0 for x in other[0]) else None

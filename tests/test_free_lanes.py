@@ -1,0 +1,164 @@
+"""Lanes that carry no derivative: forward mode's dropped lanes (jaxsafe/_free.py).
+
+`jnp.sqrt(jnp.where(x > 0, x, 0.))`: where `x <= 0` the `where` takes the constant, so the lane's
+tangent is an exact zero, and `sqrt`'s derivative at that 0 is inf: plain JAX's forward mode
+(`jvp`, `jacfwd`) gives `0 * inf = NaN`, mixed by the sum into every column, while reverse mode
+gives 0 there (the `where` hands the inf cotangent to the constant). The reference for each case
+is its hand fix: the NaN-prone operand replaced by a safe value in those lanes and the constant
+result put back with `jnp.where`; derivatives are compared in both modes, at first and second
+order, under `jit` and `vmap`, and the forward value bit for bit.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_bitwise, assert_close, structure
+from jax import lax
+
+import jaxsafe
+from jaxsafe import nan_safe
+
+pytestmark = pytest.mark.no_leak_check  # numerics only (see conftest)
+
+X = jnp.array([-2., -0.5, 0.25, 1., 2., 4.], jnp.float32)
+MASK = jnp.array([0., 1., 0., 1., 1., 1.], jnp.float32)
+
+
+def _fixed(free, v):
+    """The hand fix of `sqrt(v)` where the lanes `free` carry no derivative and hold 0."""
+    return jnp.where(free, 0., jnp.sqrt(jnp.where(free, 1., v)))
+
+
+CASES = {
+    "where": (lambda x: jnp.sqrt(jnp.where(x > 0, x, 0.)),
+              lambda x: _fixed(x <= 0, jnp.where(x > 0, x, 0.))),
+    "maximum": (lambda x: jnp.sqrt(jnp.maximum(x, 0.)),
+                lambda x: _fixed(x < 0, jnp.where(x > 0, x, 0.))),
+    "minimum": (lambda x: jnp.sqrt(-jnp.minimum(x, 0.)),
+                lambda x: _fixed(x > 0, -jnp.where(x < 0, x, 0.))),
+    "clip": (lambda x: jnp.sqrt(jnp.clip(x, 0., 3.)),
+             lambda x: jnp.where(x > 3., jnp.sqrt(3.), _fixed(x < 0, jnp.where(x > 0, x, 0.)))),
+    "constant mask": (lambda x: jnp.sqrt(MASK * jnp.abs(x)),
+                      lambda x: _fixed(MASK == 0, MASK * jnp.abs(x))),
+    "boolean mask": (lambda x: jnp.sqrt((x > 0).astype(x.dtype) * x),
+                     lambda x: _fixed(x <= 0, jnp.where(x > 0, x, 0.))),
+    "overwrite": (lambda x: jnp.sqrt(jnp.abs(x).at[2].set(0.)),
+                  lambda x: _fixed(jnp.arange(6) == 2, jnp.abs(x).at[2].set(0.))),
+    "dynamic_update_slice": (
+        lambda x: jnp.sqrt(lax.dynamic_update_slice(jnp.abs(x), jnp.zeros(2), (1,))),
+        lambda x: _fixed((jnp.arange(6) >= 1) & (jnp.arange(6) < 3),
+                         lax.dynamic_update_slice(jnp.abs(x), jnp.zeros(2), (1,)))),
+    "pad": (lambda x: jnp.sqrt(jnp.pad(jnp.abs(x[1:]), (1, 0))),
+            lambda x: _fixed(jnp.arange(6) == 0, jnp.pad(jnp.abs(x[1:]), (1, 0)))),
+    "concatenate": (lambda x: jnp.sqrt(jnp.concatenate([jnp.abs(x[:4]), jnp.zeros(2)])),
+                    lambda x: _fixed(jnp.arange(6) >= 4,
+                                     jnp.concatenate([jnp.abs(x[:4]), jnp.zeros(2)]))),
+    "moved": (lambda x: jnp.sqrt(jnp.where(x > 0, x, 0.).reshape(2, 3).T).T.reshape(6),
+              lambda x: _fixed(x <= 0, jnp.where(x > 0, x, 0.))),
+}
+
+
+def _loss(f):
+    return lambda v: jnp.sum(f(v) * jnp.arange(1., 7.)) if f(v).ndim else f(v)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_mode_matches_the_hand_fix(name):
+    f, hand = CASES[name]
+    assert_bitwise(nan_safe(f)(X), jax.jit(f)(X))
+    assert_close(nan_safe(f)(X), hand(X))
+    safe = nan_safe(f)
+    assert np.isnan(np.asarray(jax.jacfwd(f)(X))).any()  # plain JAX: the bug this fixes
+    assert_close(jax.jacfwd(safe)(X), jax.jacfwd(hand)(X))
+    assert_close(jax.jacrev(safe)(X), jax.jacrev(hand)(X))
+    t = jnp.linspace(-1., 1., 6)
+    assert_close(jax.jvp(safe, (X,), (t,))[1], jax.jvp(hand, (X,), (t,))[1])
+    assert_close(jax.jit(jax.jacfwd(safe))(X), jax.jacfwd(hand)(X))
+    assert_close(jax.vmap(lambda v: jax.jvp(safe, (v,), (t,))[1])(jnp.stack([X, X + 0.25])),
+                 jax.vmap(lambda v: jax.jvp(hand, (v,), (t,))[1])(jnp.stack([X, X + 0.25])))
+    loss_safe, loss_hand = _loss(safe), _loss(hand)
+    assert_close(jax.hessian(loss_safe)(X), jax.hessian(loss_hand)(X))
+    assert_close(jax.jacrev(jax.grad(loss_safe))(X), jax.jacrev(jax.grad(loss_hand))(X))
+    assert_close(jax.jacfwd(jax.jacfwd(safe))(X), jax.jacfwd(jax.jacfwd(hand))(X))
+
+
+@pytest.mark.parametrize("f", [lambda x: jnp.log(jnp.where(x > 0, x, 0.)),
+                               lambda x: 1. / jnp.where(x > 0, x, 0.),
+                               lambda x: jnp.exp(jnp.where(x > 0, x, 1e30))],
+                         ids=["log", "div", "exp"])
+def test_a_singularity_that_the_forward_value_shows_takes_no_forward_mode_guard(f):
+    """`log(0) = -inf`, `1 / 0 = inf`, an overflowing `exp`: the output lane is itself non-finite
+    where the derivative is, so the forward value shows it (as a real singularity); no guard, and
+    plain JAX's forward mode."""
+    assert structure(jaxsafe.make_jaxpr(f)(X)) == structure(jax.make_jaxpr(f)(X))
+    assert not np.isfinite(np.asarray(f(X))).all()
+
+
+def test_a_singularity_of_a_lane_that_carries_stays():
+    """`x >= 0` keeps x at 0 itself: sqrt's infinite derivative there is real."""
+    f = lambda x: jnp.sqrt(jnp.where(x >= 0, x, 0.))
+    x = jnp.array([-1., 0., 4.])
+    jac = np.asarray(jax.jacfwd(nan_safe(f))(x))
+    assert jac[0, 0] == 0 and np.isinf(jac[1, 1])
+    assert_close(jac[2], np.array([0., 0., 0.25]))
+
+
+def test_a_product_of_two_carrying_zeros_is_no_drop():
+    """`sqrt(x * x)` at 0: both factors carry, the zero is the inputs' own (a real
+    singularity), as for `sqrt(x) * sqrt(x)` in the product rule."""
+    f = lambda x: jnp.sqrt(x * x)
+    x = jnp.array([0., 2.])
+    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    assert np.isnan(np.asarray(jax.jacfwd(nan_safe(f))(x))[0, 0])
+
+
+def _double_where(x):
+    positive = x > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, x, 1.)), 0.)
+
+
+@pytest.mark.parametrize("f", [
+    lambda x: jnp.sqrt(jnp.where(x > 0, x, 1.)),  # the double where's inner half
+    lambda x: jnp.log(jnp.pad(jnp.abs(x) + 1., (1, 1), constant_values=1.)),
+    lambda x: jnp.sqrt(2. * jnp.abs(x) + 1.),  # a nonzero literal factor
+], ids=["inner", "pad-one", "scaled"])
+def test_known_safe_constants_need_no_guard(f):
+    """The lanes that carry nothing hold values known when the rewrite is planned, where the
+    primitive and its derivative are finite: the program is unchanged."""
+    assert structure(jaxsafe.make_jaxpr(f)(X)) == structure(jax.make_jaxpr(f)(X))
+    assert_bitwise(nan_safe(f)(X), jax.jit(f)(X))
+
+
+@pytest.mark.parametrize("f", [lambda x: jnp.sqrt(jnp.maximum(x, 1e-12)), _double_where],
+                         ids=["clamp", "double-where"])
+def test_known_safe_constants_take_no_forward_mode_guard(f):
+    """(Other guards may stay: see issue 15 for hand-guarded code.)"""
+    assert not any(site.free for site in nan_safe(f).trace(X)[1].sites)
+    assert_close(jax.jacfwd(nan_safe(f))(X), jax.jacfwd(f)(X))
+
+
+def test_a_zero_placeholder_inside_a_double_where_takes_no_free_lane_guard():
+    """jax-md's `safe_mask` puts 0 under the sqrt where the outer `where` drops the result: those
+    lanes are dropped lanes (guarded as such); no lane is both live and free."""
+    def f(x):
+        mask = x > 0
+        return jnp.where(mask, jnp.sqrt(jnp.where(mask, x, 0.)), 0.)
+    sites = nan_safe(f).trace(X)[1].sites
+    assert len(sites) == 1 and not sites[0].free and sites[0].replace == {0: 1.0}
+    assert_close(jax.jacfwd(nan_safe(f))(X), jax.jacfwd(f)(X))
+
+
+def test_explain_names_the_forward_mode_guard():
+    text = jaxsafe.explain(lambda x: jnp.sqrt(jnp.where(x > 0, x, 0.)))(X)
+    assert "carries no derivative (forward mode)" in text and "guarded sqrt" in text
+
+
+def test_an_unknown_constant_under_the_hazard_is_guarded_where_zero():
+    """A constant array of unknown values (a closed-over device array) in the lanes that carry
+    nothing: guarded, and the hand fix's derivatives where it is zero."""
+    data = jnp.array([0., 4., 0., 9., 1., 0.])
+    f = lambda x: jnp.sqrt(jnp.where(x > 0, x, data))
+    hand = lambda x: jnp.where(x > 0, jnp.sqrt(jnp.where(x > 0, x, 1.)), jnp.sqrt(data))
+    assert_bitwise(nan_safe(f)(X), jax.jit(f)(X))
+    assert_close(jax.jacfwd(nan_safe(f))(X), jax.jacfwd(hand)(X))
