@@ -549,6 +549,21 @@ def features(program: Program, args) -> set:
 # --------------------------------------------------------------------------- hazard-free
 
 
+def _may_hold_constants(node) -> bool:
+    """Whether some lanes of `node` may carry no derivative of the inputs: a selection, a
+    comparison's winner, an overwrite, a product, a constant, a body (conservative)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, tuple) or not n:
+            continue
+        if n[0] in ("where", "swhere", "max", "min", "clip", "set", "const", "cond", "scan") \
+                or n[0] == "bin" and n[1] == "mul":
+            return True
+        stack.extend(x for x in n[1:] if isinstance(x, tuple))
+    return False
+
+
 def defang(program: Program) -> Program:
     """The same program with nothing for jaxsafe to guard: every hazard that sits under a
     selection (or anywhere in a scan/cond body, or in a scan or cond operand, which the body
@@ -569,7 +584,9 @@ def defang(program: Program) -> Program:
         if k in ("in", "const"):
             return node
         if k == "haz":
-            if dropped or body:
+            if dropped or body or _may_hold_constants(node[2]):
+                # (a live hazard whose operand may hold a constant in some lanes is guarded
+                # there for forward mode: jaxsafe/_free.py)
                 return ("un", "sin", g(node[2]))
             return ("haz", node[1], g(node[2], b=True))
         if k == "div":
