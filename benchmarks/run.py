@@ -189,6 +189,42 @@ def md_table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+# --------------------------------------------------------------------------- sharded rows
+
+SHARDED_HEAD = ["mesh", "B x T x D", "nan_safe ms", "hand ms", "unguarded ms", "nan_safe/hand",
+                "min-max", "compile nan_safe/hand", "collectives f", "collectives nan_safe",
+                "rounds", "check"]
+
+
+def run_sharded(quick: bool) -> tuple[dict | None, str | None]:
+    """benchmarks/sharded.py in a child process: the device count is fixed when JAX starts (on
+    CPU: 8 simulated devices; on an accelerator: the devices it has)."""
+    env = dict(os.environ)
+    if jax.default_backend() == "cpu":
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                            " --xla_force_host_platform_device_count=8").strip()
+    cmd = [sys.executable, str(HERE / "sharded.py"), *(["--quick"] if quick else [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if proc.returncode:
+        return None, f"benchmarks/sharded.py failed:\n{proc.stderr[-2000:]}"
+    return json.loads(proc.stdout), None
+
+
+def _count_cells(counts: dict) -> str:
+    return ", ".join(f"{n} {c}" for c, n in counts.items() if n) or "none"
+
+
+def sharded_cells(r: dict) -> list[str]:
+    c = r["check"]
+    check = ("ok, unguarded grad NaN" if c["unguarded_has_nan"] else "ok") if c["agree"] else \
+        f"MISMATCH (rel err {c['max_rel_err']:.1e})"
+    return [r["name"], " x ".join(map(str, r["sizes"])),
+            *(fmt_ms(r["median_s"][v]) for v in ("nan_safe", "hand", "unguarded")),
+            *fmt_ratio(r["ratio"]), f"{r['compile_ratio']['median']:.2f}",
+            _count_cells(r["collectives"]["unguarded"]),
+            _count_cells(r["collectives"]["nan_safe"]), str(r["rounds"]), check]
+
+
 # --------------------------------------------------------------------------- jaxsafe.nn rows
 
 def run_nn(cfg: Config, seed: int) -> tuple[list[dict], str | None]:
@@ -424,6 +460,21 @@ def markdown(res: dict, images: list[tuple[str, str]]) -> str:
         lines += [f"![{alt}]({path})" for alt, path in images if "nn_ratio" in path] + [""]
     else:
         lines += [res.get("nn_note") or "Not run.", ""]
+    lines += ["## Sharded: a masked-attention step on a device mesh", ""]
+    sharded = res.get("sharded")
+    if sharded:
+        lines += [(f"From `benchmarks/sharded.py`, run in a child process on "
+                   f"{sharded['device_count']} {sharded['device_kind']} device(s)"
+                   + (" (simulated: `--xla_force_host_platform_device_count=8`)"
+                      if sharded["platform"] == "cpu" else "") +
+                   ": `jax.jit(jax.grad(loss))` of one masked-attention block with padded rows "
+                   "(an RMS norm's 0/0 dropped by a `where`), data parallel and data x model "
+                   "parallel (weights split over `model`). Ratios per round, as above; compile "
+                   "time is `lower` + `compile`; collectives are counted in each compiled "
+                   "program's HLO (*f*: the unguarded program)."), "",
+                  md_table(SHARDED_HEAD, [sharded_cells(r) for r in sharded["rows"]]), ""]
+    else:
+        lines += [res.get("sharded_note") or "Not run.", ""]
     lines += ["## Cost of the transformation", ""]
     if res["runtime"]:
         head = ["workload", "mode", "trace+rewrite ms", "trace ms (f)", "compile nan_safe s",
@@ -586,7 +637,7 @@ def main(argv=None) -> int:
                         help="run only the workloads whose name contains this (skips the "
                              "other sections)")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: "
-                        "runtime, nn, scaling, collector, dispatch")
+                        "runtime, nn, sharded, scaling, collector, dispatch")
     parser.add_argument("--base", default=None, metavar="REV",
                         help="also compare the rewrite's cost with commit REV, in the same run "
                              "(a temporary git worktree; section 'Against REV')")
@@ -596,7 +647,7 @@ def main(argv=None) -> int:
     cfg = Config(opts.quick)
     skip = set(filter(None, opts.skip.split(",")))
     if opts.only:
-        skip |= {"nn", "scaling", "collector", "dispatch"}
+        skip |= {"nn", "sharded", "scaling", "collector", "dispatch"}
     write_docs = (not opts.quick) if opts.docs is None else opts.docs
     if opts.base:
         try:   # fail now, not after the other sections
@@ -611,7 +662,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     env = environment(cmd)
     res = {"quick": opts.quick, "note": opts.note, "env": env, "targets_def": TARGETS,
-           "runtime": [], "nn": [], "nn_note": None, "scaling": [], "scaling_slope": None,
+           "runtime": [], "nn": [], "nn_note": None, "sharded": None, "sharded_note": None,
+           "scaling": [], "scaling_slope": None,
            "chain": [], "chain_slope": None, "collector": [], "dispatch": [], "against": None}
     log(f"jax {env['jax']} / jaxlib {env['jaxlib']}, {env['device_kind']} ({env['platform']}), "
         f"{env['cpu_count']} CPUs, load {fmt_load(env['load_avg_start'])}"
@@ -638,6 +690,16 @@ def main(argv=None) -> int:
     if "nn" not in skip:
         log("\n== jaxsafe.nn vs jax.nn ==")
         res["nn"], res["nn_note"] = run_nn(cfg, opts.seed + 1000)
+    if "sharded" not in skip:
+        log("\n== sharded: a masked-attention step on a device mesh ==")
+        res["sharded"], res["sharded_note"] = run_sharded(opts.quick)
+        if res["sharded"] is None:
+            failures += 1
+            log(f"  FAILED: {res['sharded_note']}")
+        else:
+            for r in res["sharded"]["rows"]:
+                log("  " + "  ".join(sharded_cells(r)))
+                failures += not r["check"]["agree"]
     if "scaling" not in skip:
         log("\n== rewrite time vs make_jaxpr ==")
         for key, family, sizes in (("scaling", cost.GENERATED, cfg.scaling),
@@ -691,6 +753,9 @@ def main(argv=None) -> int:
     if res["nn"]:
         log("")
         print_table(NN_HEAD, [nn_cells(r) for r in res["nn"]])
+    if res["sharded"]:
+        log("")
+        print_table(SHARDED_HEAD, [sharded_cells(r) for r in res["sharded"]["rows"]])
     if res["scaling"]:
         log("\nrewrite time vs make_jaxpr, generated programs")
         print_table(SCALING_HEAD, [scaling_cells(r) for r in res["scaling"]])

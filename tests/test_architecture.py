@@ -134,6 +134,41 @@ def test_only_the_table_names_particular_primitives():
     assert offenders == []
 
 
+PROCESS_LOCAL = ("process_index", "process_count", "local_devices", "devices", "device_count",
+                 "environ", "getenv", "random", "time", "perf_counter", "getpid", "hostname")
+
+
+def test_the_rewrite_reads_nothing_process_local():
+    """On many hosts every process traces the same program and must rewrite it the same way:
+    no module of the rewrite reads the process, the devices, the environment, the clock or a
+    random source (`_collector.py` times nothing either; `nn.py` builds programs)."""
+    offenders = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else \
+                node.id if isinstance(node, ast.Name) else None
+            if name in PROCESS_LOCAL:
+                offenders.append(f"{path.name}:{node.lineno}: {name}")
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                mods = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                offenders += [f"{path.name}:{node.lineno}: import {m}" for m in mods
+                              if m.split(".")[0] in ("random", "time", "os", "socket")]
+    assert offenders == []
+
+
+def test_the_same_program_rewrites_to_the_same_program():
+    """Determinism, the other half of the many-hosts argument: two rewrites of one program, by
+    fresh `nan_safe` objects with JAX's caches cleared in between, are structurally equal."""
+    def f(x, m):
+        y = jnp.where(m, jnp.sqrt(x), 0.)
+        return jnp.max(jnp.log(jnp.abs(y) + 1.) * x, axis=-1), jnp.sort(y)[..., 2:]
+    x = jnp.linspace(-1., 2., 12).reshape(3, 4)
+    m = x > 0
+    first = jaxsafe.make_jaxpr(f)(x, m)
+    jax.clear_caches()
+    assert structure(jaxsafe.make_jaxpr(f)(x, m)) == structure(first)
+
+
 def _self_calls(path: pathlib.Path) -> list[str]:
     """Functions that call themselves by name (`f(...)` or `self.f(...)`)."""
     found = []

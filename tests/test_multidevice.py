@@ -245,3 +245,16 @@ def test_sharded_transformer_step_keeps_shardings_and_adds_no_collective(shape):
     plain, g = _step(f)(params, x, valid), _step(nan_safe(f))(params, x, valid)
     for leaf, ref in zip(jax.tree.leaves(g), jax.tree.leaves(plain), strict=True):
         assert leaf.sharding.is_equivalent_to(ref.sharding, ref.ndim)
+
+
+def test_the_sharded_benchmark_rows_run_and_count_collectives():
+    """`make bench`'s sharded rows (benchmarks/sharded.py) at toy sizes: the gradient agrees with
+    the hand fix's, and the data-parallel step has the original's collectives."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import sharded
+    row = sharded.row("dp", (8, 1), (8, 8, 16), budget_s=0.01, rounds=(1, 1), compile_rounds=1)
+    assert row["check"]["agree"] and row["check"]["unguarded_has_nan"]
+    assert row["collectives"]["nan_safe"] == row["collectives"]["unguarded"]
+    assert row["collectives"]["unguarded"]["all-reduce"] >= 1
