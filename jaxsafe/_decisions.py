@@ -120,8 +120,9 @@ def _plan_equation(i: int, eqn: JaxprEqn, sweep: Sweep, sites: Mapping[int, Site
                           for d, v in zip(diff, eqn.invars, strict=True))
     if not (i in sites or operand_changed or safe_read or i in masked) or eqn.effects \
             or not read_differentiably:
-        if read_differentiably and not eqn.effects and selects_by_value(eqn, sweep) and any(
-                o in bad_cotangents for o in eqn.outvars) and any(
+        picks = rule.chooser is not None and rule.chooser.picks  # a picker never weighs
+        if read_differentiably and not eqn.effects and not picks and selects_by_value(
+                eqn, sweep) and any(o in bad_cotangents for o in eqn.outvars) and any(
                 d and isinstance(v, Var) for d, v in zip(diff, eqn.invars, strict=True)):
             # its derivative weighs a cotangent that may be inf or NaN: select it instead
             out.selections.add(i)
@@ -132,6 +133,9 @@ def _plan_equation(i: int, eqn: JaxprEqn, sweep: Sweep, sites: Mapping[int, Site
                                      if is_float(o) and sweep.kind(o) != Kind.LIVE)
         return
     out.reemit.add(i)
+    if i in sites and not sites[i].replace and not operand_changed and not safe_read \
+            and i not in masked:
+        return  # cuts only: every value is the original's, only derivatives differ
     # a LIVE output has no dropped lane, so it is bitwise the original: not "changed"
     lanes.changed.update(o for o in eqn.outvars if is_float(o) and sweep.kind(o) != Kind.LIVE)
     if selects_by_value(eqn, sweep):

@@ -150,7 +150,10 @@ class _Emitter:
         outs = self._bind(i, invals)
         if free is not None:
             assert site is not None
-            original = bind_eqn(site.eqn, [orig[v] for v in site.eqn.invars])[0]
+            if site.free_cut:  # every operand's such lanes come from a selection
+                original = outs[0]
+            else:
+                original = bind_eqn(site.eqn, [orig[v] for v in site.eqn.invars])[0]
             outs = [lax.select_n(free, outs[0], lax.stop_gradient(original))]
         self._record(i, outs, shared and site is None)
 
@@ -185,8 +188,9 @@ class _Emitter:
                 invals[k] = lax.select_n(live, lax.stop_gradient(invals[k]), invals[k])
 
     def _guard_free(self, site: Site, invals: list) -> Any:
-        """Replace the `free` operands by their safe value in the live output lanes that carry
-        no derivative (`_free.py`); those lanes, or None where there are none."""
+        """Replace the `free` operands by their safe value in the output lanes that carry no
+        derivative (`_free.py`; live ones only beside a value guard of dropped lanes); those
+        lanes, or None where there are none."""
         if not site.free:
             return None
         out = site.eqn.outvars[0]
@@ -195,12 +199,16 @@ class _Emitter:
         if carrying is None:
             return None
         free = not_mask(carrying)
-        if sweep.kind(out) != Kind.LIVE:
+        if site.replace and not site.free_cut and sweep.kind(out) != Kind.LIVE:
+            # dropped lanes keep their value guard's result (`_dropped.py` may count on it);
+            # elsewhere the original value comes back anyway
             live = self.mask_of(out)
             if live is not None:
                 free = all_of([free, live])
         shape = shape_of(out)
         free = materialize(free, shape)
+        if site.free_cut:
+            return free
         for k, value in site.free.items():
             operand = invals[k]
             if np.shape(operand) != shape:

@@ -16,8 +16,10 @@ def format_report(report: Report, indent: str = "") -> str:
                          for k, v in sorted(site.replace.items())] +
                         [f"operand {k}: no derivative in dropped lanes ({site.reasons[k]})"
                          for k in sorted(site.cut)] +
-                        [f"operand {k} -> {v!r} where it carries no derivative (forward mode)"
-                         for k, v in sorted(site.free.items())])
+                        (["output: no derivative where it carries none (forward mode)"]
+                         if site.free_cut else
+                         [f"operand {k} -> {v!r} where it carries no derivative (forward mode)"
+                          for k, v in sorted(site.free.items())]))
         lines.append(f"{indent}guarded {site.eqn.primitive.name}: {ops}  at "
                      f"{source_summary(site.eqn)}")
     for eqn in report.selections:

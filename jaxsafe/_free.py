@@ -9,12 +9,17 @@ infinite there (`sqrt` of the 0 that the `where` put in) multiplies that zero by
 mode gets 0 (the `where` hands the inf cotangent to the constant). The mirror image of a dropped
 lane, whose zero cotangent meets an infinite derivative in reverse mode.
 
-**The guard** (`Site.free`, emitted by `_emit.py`): in the live lanes of such an equation's
-output that carry no derivative, its NaN-prone operands take the table's safe value, and the
-output takes the original value back with its derivative cut,
-`select_n(free, f(safe), stop_gradient(f(x)))`: the forward value is the original bit for bit,
-the tangent and the cotangent there are exact zeros, and no lane computes `0 * inf` at any
-order. Dropped lanes keep their own guard.
+**The guard** (`Site.free`, emitted by `_emit.py`), in the lanes of such an equation's output
+that carry no derivative: where every such lane of its operands was made so by a selection
+(`selected`: a `select_n`, a pad, a scatter, a `max` that a constant wins, which is emitted as a
+`select_n` below a NaN-prone primitive), a cut of the output, `select_n(free, y,
+stop_gradient(y))` (`Site.free_cut`): the tangent there is an exact zero, and the `0 * inf` that
+reverse mode then computes in the operand's cotangent stays in those lanes until the selection
+that made them drops it, at every order. Otherwise (a product's zero factor would weigh it,
+`0 * NaN`) its NaN-prone operands take the table's safe value there and the output takes the
+original value back with its derivative cut, `select_n(free, f(safe), stop_gradient(f(x)))`
+(live lanes only beside a value guard of dropped lanes). The forward value is the original,
+bit for bit, either way.
 
 **No guard where the values are known** (`FreeValues`): the lanes that carry nothing hold values
 the program fixes (the constant a `where` takes, a padding value), often known when the rewrite is
@@ -83,6 +88,7 @@ class FreeValues:
         self.eqns, self.sweep = closed.jaxpr.eqns, sweep
         self.memo: dict[Any, Held] = {}
         self.syms: dict[Any, Sym] = {}
+        self.selections: dict[Any, bool] = {}
         for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True):
             if not isinstance(c, Tracer) and np.size(c) <= 1 << 16:
                 self.memo[v] = _distinct(np.asarray(c))
@@ -166,11 +172,41 @@ class FreeValues:
             return opaque() if out is None else out
         return opaque()
 
+    def selected(self, atom: Any) -> bool:
+        """Whether every lane of `atom` that carries nothing was made so by a selection
+        (`select_n`, a `Carries` rule that `selects`), through lane-to-lane equations: its
+        derivative stops whatever reaches that lane's cotangent."""
+        if isinstance(atom, Literal) or self.carry(atom) != Carry.PART:
+            return True
+        return demand(atom, self.selections, self._selected)
+
+    def _selected(self, v: Any) -> Generator[Any, bool, bool]:
+        i = self.sweep.producer.get(v)
+        if i is None:  # pragma: no cover - a PART value has a producer
+            return False
+        eqn, diff = self.eqns[i], self.sweep.diff[i]
+        rule = rule_for(eqn.primitive)
+        if rule.carries is not None:
+            if not rule.carries.selects:
+                return False
+        elif not ((rule.selection is not None and rule.selection.by_predicate)
+                  or rule.broadcast or (rule.elementwise and len(eqn.outvars) == 1)):
+            return False
+        for u, d in zip(eqn.invars, diff, strict=True):
+            if isinstance(u, Var) and d and self.carry(u) == Carry.PART and not (yield u):
+                return False
+        return True
+
     # -- the guard ---------------------------------------------------------------------------
 
-    def guards(self, i: int, eqn: JaxprEqn, rule: PrimitiveRule) -> dict[int, float]:
-        """The operands of a NaN-prone equation that take the safe value in the live lanes of
-        its output that carry no derivative (empty: nothing to guard)."""
+    def guards(self, i: int, eqn: JaxprEqn, rule: PrimitiveRule) -> tuple[dict[int, float], bool]:
+        """The operands of a NaN-prone equation that take the safe value in the lanes of its
+        output that carry no derivative (empty: nothing to guard), and whether a cut of the
+        output suffices there instead (`selected`: no second evaluation, no operand changed)."""
+        found = self._guards(i, eqn, rule)
+        return found, bool(found) and all(self.selected(u) for u in eqn.invars)
+
+    def _guards(self, i: int, eqn: JaxprEqn, rule: PrimitiveRule) -> dict[int, float]:
         guard = guard_for(eqn)
         if guard is None or not guard.finite_at_singularities or not rule.elementwise \
                 or len(eqn.outvars) != 1 \

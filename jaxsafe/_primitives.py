@@ -146,10 +146,11 @@ def _complex_operand(eqn: JaxprEqn) -> bool:
 
 
 # Lanes that carry no derivative (`_carries.py`, `_free.py`): constants moved in, constants that
-# win a comparison, zero factors that carry nothing.
+# win a comparison (re-decided as a `select_n` below a NaN-prone primitive, `_cotangents.py`),
+# zero factors that carry nothing.
 MOVED = Carries(moved_static, moved_lanes, moved_held)
 WINNER = Carries(winner_static, winner_lanes, winner_held)
-PRODUCT = Carries(product_static, product_lanes, product_held)
+PRODUCT = Carries(product_static, product_lanes, product_held, selects=False)
 
 ONE = Guard({0: 1.0})  # roots, logs, poles at 0 and below: 1 is inside every domain
 ZERO = Guard({0: 0.0})  # overflow, inverse trig: the middle of the domain
@@ -286,7 +287,8 @@ register(prims.cummin_p, masks=comparison_masks(reads_as(prims.cumsum_p),
 for prim, identity in ((prims.reduce_window_max_p, -np.inf), (prims.reduce_window_min_p, np.inf)):
     register(prim, masks=comparison_masks(window_reads(prims.reduce_window_sum_p),
                                           window_choice), drops=_always,
-             chooser=FILL, identity=identity, foldable=True)
+             chooser=Chooser(by_fill, keeps_dropped_values=False, picks=True),
+             identity=identity, foldable=True)
 register(prims.sort_p, masks=sort_masks, drops=_always, chooser=Chooser(by_permutation),
          linear=True, foldable=True)
 register(prims.top_k_p, masks=support_masks, drops=_always, chooser=Chooser(by_top_k),

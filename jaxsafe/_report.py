@@ -19,6 +19,8 @@ class Site:
     reasons: dict[int, str]
     cut: frozenset[int] = frozenset()
     free: dict[int, float] = dataclasses.field(default_factory=dict)
+    free_cut: bool = False
+    """The lanes that carry no derivative are cut at the output instead (`_free.py`)."""
 
 
 @dataclasses.dataclass

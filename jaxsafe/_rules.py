@@ -140,6 +140,11 @@ class Carries:
     static: CarryClassRule
     lanes: CarryLanesRule
     held: CarryHeldRule
+    selects: bool = True
+    """Whether its derivative hands a lane that carries nothing a zero by selection, not by a
+    zero weight: its transpose never reads the cotangent there (a pad, a scatter; a `max` that
+    a constant wins, emitted as a `select_n`), so a NaN that reaches that lane's cotangent
+    stops there. False for a product (`0 * NaN`)."""
 
 
 def _always(eqn: JaxprEqn) -> bool:
@@ -199,6 +204,11 @@ class Chooser:
     """Emitted on the original operands, every output lane holds the original value. False for
     a fill (`by_fill`): a dropped output lane may then hold the identity, so what reads it is
     emitted again, and a chooser there is re-decided."""
+    picks: bool = False
+    """Its derivative picks one operand lane per output lane (pooling's select-and-gather), never
+    weighs lanes: whatever tangent a dropped lane holds never reaches an output, and its zero
+    cotangent is written, not multiplied. A NaN-prone equation read by it alone, at live outputs
+    only, can cut its dropped lanes instead of replacing them (`_sites.py`)."""
 
 
 class MaskedBody(Protocol):

@@ -19,9 +19,14 @@ An equation is guarded when its output has dropped lanes (static liveness says M
   from differentiation (`select_n(live, stop_gradient(x), x)`), since no safe value is known for
   the user's rule.
 
-Independently of dropped lanes, a NaN-prone equation whose output has live lanes that carry no
-derivative (`sqrt(jnp.where(x > 0, x, 0.))`) takes the safe value there, its output the original
-value with its derivative cut (`Site.free`, `_free.py`): forward mode's 0 * inf.
+A NaN-prone equation that only a pooling reads, whose pooled lanes are all live, cuts its
+dropped lanes instead of replacing them (`select_n(live, stop_gradient(x), x)`): the pooling's
+derivative picks lanes and never weighs them, so the `0 * inf` a cut leaves in a dropped lane
+is never picked, and every value stays the original (the pooling runs once).
+
+Independently of dropped lanes, a NaN-prone equation whose output has lanes that carry no
+derivative (`sqrt(jnp.where(x > 0, x, 0.))`) has its derivative cut there (`Site.free`,
+`_free.py`): forward mode's 0 * inf.
 
 One forward walk over the equations does it, carrying the taint along, because a guard cleans
 the taint of what it guards, and a later guard may be a no-op thanks to an earlier one.
@@ -84,15 +89,16 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
     if eqn.effects:
         return None
     out_kinds = [sweep.kind(o) for o in eqn.outvars]
-    free = free_values.guards(i, eqn, rule) if rule.guard is not None else {}
+    free, free_cut = free_values.guards(i, eqn, rule) if rule.guard is not None else ({}, False)
     has_dropped = any(is_float(o) and (k == Kind.MAYBE or k == Kind.DEAD and
                                        sweep.reached_by_derivative(o))
                       for k, o in zip(out_kinds, eqn.outvars, strict=True))
     if not has_dropped:
-        return Site(eqn, {}, {}, frozenset(), free) if free else None
+        return Site(eqn, {}, {}, frozenset(), free, free_cut) if free else None
     diff = sweep.diff[i]
     guarded = [k != Kind.LIVE for k in operand_kinds(eqn, out_kinds, sweep)]
     replace, reasons = _value_guards(eqn, rule, diff, guarded, tainted, dropped, bounds)
+    cut = _cut_before_a_picker(eqn, rule, sweep, dropped, replace, reasons)
     guard = guard_for(eqn)
     # a body rewritten with its output masks guards its own reads of non-finite inputs
     body_guards_itself = rule.masked_body is not None and any(
@@ -100,10 +106,9 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
     nonfinite = [] if body_guards_itself else _nonfinite_operands(
         eqn, rule, diff, guarded, tainted, sweep, report)
     for k in nonfinite:
-        if k not in replace:
+        if k not in replace and k not in cut:
             safe = guard.safe.get(k, 0.0) if guard is not None else 0.0
             replace[k], reasons[k] = safe, "may be non-finite"
-    cut: set[int] = set()
     if rule.custom_rule and (
             any(_may_be_nonfinite(eqn, v, tainted) for v in eqn.invars)
             or any(contains_hazard(sub) for sub in sub_jaxprs(eqn))):
@@ -116,7 +121,40 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
                 reasons[k] = "custom derivative rule"
     if not replace and not cut and not free:
         return None
-    return Site(eqn, replace, reasons, frozenset(cut), free)
+    return Site(eqn, replace, reasons, frozenset(cut), free, free_cut)
+
+
+def _cut_before_a_picker(eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep,
+                         dropped: DroppedValues, replace: dict[int, float],
+                         reasons: dict[int, str]) -> set[int]:
+    """The table's value guards turned into cuts (moved out of `replace`), for an equation that
+    only a picker reads (`_read_only_by_a_picker`)."""
+    if not replace or not _read_only_by_a_picker(eqn, rule, sweep, dropped):
+        return set()
+    cut = {k for k in replace if reasons[k] == "table"}
+    for k in cut:
+        del replace[k]
+        reasons[k] = "only a pooling reads it: cut"
+    return cut
+
+
+def _read_only_by_a_picker(eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep,
+                           dropped: DroppedValues) -> bool:
+    """Whether `eqn` (lane to lane) is read by one equation only, whose derivative picks lanes
+    (`Chooser.picks`: max pooling) and whose outputs are all live: then a tangent that a cut
+    leaves in a dropped lane (`0 * inf`) is never picked, and the zero cotangent the picker
+    writes there meets the cut's `select_n`, at every order. A cut keeps every value, so the
+    pooling runs once, on the original values, instead of again on guarded ones."""
+    if not rule.elementwise or len(eqn.outvars) != 1:
+        return False
+    out = eqn.outvars[0]
+    readers = sweep.consumers.get(out, [])
+    if dropped.reads.get(out, 0) != 1 or len(readers) != 1:
+        return False
+    reader = sweep.jaxpr.eqns[readers[0][0]]
+    chooser = rule_for(reader.primitive).chooser
+    return (chooser is not None and chooser.picks and not sweep.structural
+            and all(sweep.kind(o) == Kind.LIVE for o in reader.outvars))
 
 
 def _nonfinite_operands(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool],

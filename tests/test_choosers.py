@@ -119,3 +119,78 @@ def test_pooling_windows_that_tile_are_chosen_as_jaxs_derivative_chooses():
             sums = C.reads_as(jex.primitives.reduce_window_sum_p)(eqn, live[0], x)
             reads = C.window_reads(jex.primitives.reduce_window_sum_p)
             np.testing.assert_array_equal(reads(eqn, live[0], x), sums)
+
+
+def _pool2(v):
+    return lax.reduce_window(v, -jnp.inf, lax.max, (2, 2), (2, 2), "VALID")
+
+
+def _pool_loss(guard, tail=None):
+    """A 2x2 max pooling of sqrt(max(x, 0)): the lanes the pooling drops and those the clamp
+    drops are sqrt's singular lanes. `guard`: the hand-written double where."""
+    def f(x):
+        if guard:
+            pos = x > 0
+            h = jnp.where(pos, jnp.sqrt(jnp.where(pos, x, 1.)), 0.)
+        else:
+            h = jnp.sqrt(jnp.maximum(x, 0.))
+        p = _pool2(h)
+        p = p + 0.5 * p * p  # a second derivative of its own
+        return p if tail is None else tail(p)
+    return f
+
+
+# zeros in every window (a zero-padded border, exact ties at 0), negatives, and positives
+X_POOL = jnp.array([[0., 0., 1., -2.], [0., -1., 0.5, 4.], [-3., -1., 2., 2.],
+                    [-0.5, -2., 0., 3.]])
+X_LIVE = X_POOL + jnp.array([[1., 1., 0., 0.], [1., 1., 0., 0.], [0.] * 4, [0.] * 4])
+
+
+@pytest.mark.parametrize("x", [X_POOL, X_LIVE], ids=["ties_at_zero", "no_ties"])
+def test_a_sqrt_read_only_by_a_pooling_is_cut_and_gives_the_hand_fix_at_every_order(x):
+    """Only the pooling reads the sqrt, and every pooled lane is live: the dropped lanes are
+    cut (`select_n(live, stop_gradient(x), x)`: the pooling runs once, on the original values)
+    instead of guarded and pooled again; the derivatives are the hand fix's, in both modes, to
+    the second order, wherever the lanes the hand fix treats alike (x < 0) are not exact ties
+    at 0 (where nan_safe keeps the tie live: a real singularity)."""
+    f, hand = _pool_loss(False), _pool_loss(True)
+    report = nan_safe(f).trace(x)[1]
+    sqrt_site = next(s for s in report.sites if s.eqn.primitive.name == "sqrt")
+    assert sqrt_site.cut == {0} and not sqrt_site.replace
+    assert not any(e.primitive.name == "reduce_window_max" for e in report.selections)
+    # the liveness pools the original values, the cut program pools values equal to them:
+    # XLA computes one pooling
+    hlo = jax.jit(nan_safe(f)).lower(x).compile().as_text()
+    assert hlo.count("reduce-window(") == 1
+    assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+    safe = nan_safe(f)
+    tie = np.asarray(x) == 0  # the hand fix gives 0 there, nan_safe the tie's real inf or 0
+    loss_s, loss_h = (lambda v: safe(v).sum()), (lambda v: hand(v).sum())
+    g = np.asarray(jax.grad(loss_s)(x))
+    assert_close(g[~tie], np.asarray(jax.grad(loss_h)(x))[~tie])
+    assert not np.isnan(g).any()
+    if not tie.any():
+        assert_close(jax.jacfwd(safe)(x), jax.jacfwd(hand)(x))
+        assert_close(jax.hessian(loss_s)(x), jax.hessian(loss_h)(x))
+        assert_close(jax.jacrev(jax.grad(loss_s))(x), jax.jacrev(jax.grad(loss_h))(x))
+        assert_close(jax.vmap(jax.grad(loss_s))(jnp.stack([x, x + 0.25])),
+                     jax.vmap(jax.grad(loss_h))(jnp.stack([x, x + 0.25])))
+    else:  # the windows without a tie at 0 still match at second order
+        rows = ~tie.reshape(-1)
+        hs, hh = jax.hessian(loss_s)(x).reshape(16, 16), jax.hessian(loss_h)(x).reshape(16, 16)
+        assert_close(np.asarray(hs)[np.ix_(rows, rows)], np.asarray(hh)[np.ix_(rows, rows)])
+
+
+def test_a_pooling_whose_windows_are_dropped_in_part_keeps_the_value_guard():
+    """Where a `where` drops some pooled windows, a cut's `0 * inf` there could reach a later
+    weighing derivative: the value guard and the pooling again on guarded values stay."""
+    keep = jnp.array([[True, False], [False, True]])
+    f = _pool_loss(False, tail=lambda p: jnp.where(keep, p, 0.))
+    hand = _pool_loss(True, tail=lambda p: jnp.where(keep, p, 0.))
+    report = nan_safe(f).trace(X_LIVE)[1]
+    sqrt_site = next(s for s in report.sites if s.eqn.primitive.name == "sqrt")
+    assert sqrt_site.replace == {0: 1.0} and not sqrt_site.cut
+    assert_bitwise(nan_safe(f)(X_LIVE), jax.jit(f)(X_LIVE))
+    loss_s, loss_h = (lambda v: nan_safe(f)(v).sum()), (lambda v: hand(v).sum())
+    assert_close(jax.grad(loss_s)(X_LIVE), jax.grad(loss_h)(X_LIVE))
+    assert_close(jax.hessian(loss_s)(X_LIVE), jax.hessian(loss_h)(X_LIVE))
