@@ -26,7 +26,7 @@ from jax import lax
 from ._atoms import is_float, literal_value, shape_of
 from ._compat import Literal, Var, bind_eqn
 from ._liveness import LazyOperands, RuntimeMasks
-from ._masks import all_of, broadcast, mask_scope, materialize, not_mask
+from ._masks import all_of, broadcast, mask_scope, materialize, not_mask, selecting
 from ._plan import Plan
 from ._report import Site, note_failure
 from ._rules import Kind, Mask, rule_for
@@ -154,7 +154,8 @@ class _Emitter:
                 original = outs[0]
             else:
                 original = bind_eqn(site.eqn, [orig[v] for v in site.eqn.invars])[0]
-            outs = [lax.select_n(free, outs[0], lax.stop_gradient(original))]
+            outs = [lax.select_n(selecting(free, np.shape(outs[0])), outs[0],
+                                 lax.stop_gradient(original))]
         self._record(i, outs, shared and site is None)
 
     def _guard(self, i: int, site: Site, invals: list) -> None:
@@ -179,13 +180,15 @@ class _Emitter:
                 if live is not None:
                     operand = broadcast(operand, out_shape)
             if live is not None:
-                invals[k] = lax.select_n(live, lax.full_like(operand, value), operand)
+                invals[k] = lax.select_n(selecting(live, np.shape(operand)),
+                                         lax.full_like(operand, value), operand)
                 if key is not None:
                     made[key] = (in_masks[k], invals[k])
         for k in site.cut:
             live = in_masks[k]
             if live is not None:
-                invals[k] = lax.select_n(live, lax.stop_gradient(invals[k]), invals[k])
+                invals[k] = lax.select_n(selecting(live, np.shape(invals[k])),
+                                         lax.stop_gradient(invals[k]), invals[k])
 
     def _guard_free(self, site: Site, invals: list) -> Any:
         """Replace the `free` operands by their safe value in the output lanes that carry no
@@ -213,7 +216,8 @@ class _Emitter:
             operand = invals[k]
             if np.shape(operand) != shape:
                 operand = broadcast(operand, shape)
-            invals[k] = lax.select_n(free, operand, lax.full_like(operand, value))
+            invals[k] = lax.select_n(selecting(free, shape), operand,
+                                     lax.full_like(operand, value))
         return free
 
     def _bind(self, i: int, invals: list) -> list:

@@ -189,6 +189,17 @@ def broadcast_mask(src, shape, dims: Sequence[int]) -> jax.Array:
     return out
 
 
+def selecting(mask, shape) -> jax.Array:
+    """`mask` at `shape` for one `select_n`: a broadcast is emitted afresh for each select that
+    reads it, so that XLA's sharding propagation can place each one as the value it selects (a
+    broadcast mask shared by values sharded differently makes it gather one of them)."""
+    mask = materialize(mask, shape)
+    core, axes = factor(mask)
+    if core is mask or _shape(core) == tuple(shape):
+        return mask
+    return lax.broadcast_in_dim(core, tuple(shape), axes)
+
+
 def register_broadcast(out, src, dims: Sequence[int]) -> None:
     """Record that `out`, a value of the original program, is `broadcast_in_dim(src, ..., dims)`."""
     table = _table()
