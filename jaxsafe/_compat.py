@@ -113,9 +113,30 @@ def _private_primitives(*names: str) -> list[Primitive]:
     return [getattr(parallel, n) for n in names if hasattr(parallel, n)]
 
 
+def _core_primitives(*names: str) -> list[Primitive]:
+    """`pvary` (a value marked varying over mesh axes: the value itself), kept in jax._src.core
+    by JAX 0.10; absent ones are skipped (they stay unknown: live, reported)."""
+    from jax._src import core
+    return [getattr(core, n) for n in names if hasattr(core, n)]
+
+
 PRIVATE_LINEAR_COLLECTIVES = _private_primitives(
-    "pvary_p", "psum_invariant_p", "reduce_scatter_p", "all_gather_invariant_p", "pbroadcast_p")
+    "pvary_p", "psum_invariant_p", "reduce_scatter_p", "all_gather_invariant_p",
+    "pbroadcast_p") + _core_primitives("pvary_p")
 PRIVATE_OTHER_COLLECTIVES = _private_primitives("pmin_p")
+
+
+def _pjit_primitives(*names: str) -> list[Primitive]:
+    """`jax.sharding.reshard`'s primitive (the value itself, placed anew under `Explicit` mesh
+    axes): JAX 0.10 keeps it in jax._src.pjit; absent, it stays unknown (live, reported)."""
+    try:
+        from jax._src import pjit
+    except ImportError:  # pragma: no cover - another JAX layout
+        return []
+    return [getattr(pjit, n) for n in names if hasattr(pjit, n)]
+
+
+PRIVATE_RESHARDS = _pjit_primitives("reshard_p")
 
 
 @contextlib.contextmanager

@@ -52,6 +52,7 @@ from ._choosers import (
 from ._compat import (
     PRIVATE_LINEAR_COLLECTIVES,
     PRIVATE_OTHER_COLLECTIVES,
+    PRIVATE_RESHARDS,
     JaxprEqn,
     Primitive,
     shard_map_body_context,
@@ -210,6 +211,10 @@ register_elementwise(prims.reduce_precision_p, linear=True,
 register_elementwise(prims.copy_p, linear=True, bound=bounds.moved)
 # `with_sharding_constraint`: the value itself, placed; re-emitted with its sharding
 register_elementwise(prims.sharding_constraint_p, linear=True, bound=bounds.moved)
+# `reshard` (Explicit mesh axes): its operand and output are typed with different shardings, so a
+# mask cannot cross it unchanged (a select of differently sharded operands is an error): every
+# operand lane is live where any output lane is (the default), no mask crosses.
+register(*PRIVATE_RESHARDS, linear=True)
 register_elementwise(prims.tanh_p, prims.logistic_p, prims.sin_p, prims.cos_p, prims.atan_p,
                      prims.asinh_p, prims.erf_p, prims.erfc_p, prims.bessel_i0e_p,
                      prims.bessel_i1e_p)
