@@ -132,9 +132,6 @@ def moved_lanes(eqn: JaxprEqn, masks: list, value: Callable[[int], Any]) -> Mask
     return bind_eqn(eqn, operands)[0]
 
 
-
-
-
 def winner_static(eqn: JaxprEqn, classes: list) -> Carry:
     found = _float_classes(eqn, classes)
     if Carry.NONE in found and len(set(found)) > 1:

@@ -7,6 +7,9 @@ mesh, the specs and the varying-axes types; checked against the hand-written dou
 body, and forward values bit for bit against `jax.jit` of the same program on the same mesh.
 """
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxsafe
 from jaxsafe import nan_safe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import sharded  # noqa: E402  (benchmarks/sharded.py: the masked-attention step it times)
 
 # A few compiled multi-device programs: the API's tracing paths are checked for leaks elsewhere.
 pytestmark = pytest.mark.no_leak_check
@@ -176,19 +182,9 @@ def test_sharding_constraints_are_kept_and_liveness_passes_through_them():
 
 def _transformer_loss(guard):
     """One masked-attention block with an RMS norm on padded token rows (zero embeddings: the
-    norm's 0/0 is dropped by the where, the classic leak), and attention masked to valid keys."""
-    def loss(params, x, valid):
-        h = x @ params["w_in"]
-        ms = jnp.mean(h * h, axis=-1, keepdims=True)
-        if guard:
-            ms = jnp.where(valid[..., None], ms, 1.)
-        h = jnp.where(valid[..., None], h / jnp.sqrt(ms), 0.)
-        q, k, v = h @ params["wq"], h @ params["wk"], h @ params["wv"]
-        s = jnp.einsum("btd,bsd->bts", q, k) / np.sqrt(q.shape[-1])
-        s = jnp.where(valid[:, None, :], s, -1e9)
-        o = jnp.einsum("bts,bsd->btd", jax.nn.softmax(s, axis=-1), v) @ params["wo"]
-        return jnp.mean(jnp.where(valid[..., None], o, 0.) ** 2)
-    return loss
+    norm's 0/0 is dropped by the where, the classic leak), and attention masked to valid keys:
+    the loss `make bench` times (benchmarks/sharded.py); `guard`: the hand fix."""
+    return sharded.transformer_loss(hand=guard)
 
 
 def _transformer_inputs(shape):
@@ -247,10 +243,6 @@ def test_sharded_transformer_step_keeps_shardings_and_adds_no_collective(shape):
 def test_the_sharded_benchmark_rows_run_and_count_collectives():
     """`make bench`'s sharded rows (benchmarks/sharded.py) at toy sizes: the gradient agrees with
     the hand fix's, and the data-parallel step has the original's collectives."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import sharded
     row = sharded.row("dp", (8, 1), (8, 8, 16), budget_s=0.01, rounds=(1, 1), compile_rounds=1)
     assert row["check"]["agree"] and row["check"]["unguarded_has_nan"]
     assert row["collectives"]["nan_safe"] == row["collectives"]["unguarded"]
