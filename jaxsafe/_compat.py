@@ -11,6 +11,7 @@ here too, each with why. They are all spelled here, so that a JAX upgrade breaks
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,41 +103,25 @@ def _shard_map_primitive() -> Primitive | None:
 shard_map_p = _shard_map_primitive()
 
 
-def _private_primitives(*names: str) -> list[Primitive]:
-    """Collectives of `shard_map` bodies that jax.extend.core.primitives does not list (JAX 0.10
-    keeps `pvary`, `psum_invariant`, `pmin`, `reduce_scatter` private); absent ones are skipped
-    (they stay unknown: live, reported)."""
+def _private_primitives(module: str, *names: str) -> list[Primitive]:
+    """Primitives that jax.extend.core.primitives does not list, from `module` (JAX 0.10 keeps
+    `shard_map` bodies' `psum_invariant`, `pmin`, `reduce_scatter`, ... in jax._src.lax.parallel,
+    `pvary` in jax._src.core and `jax.sharding.reshard`'s in jax._src.pjit); absent ones are
+    skipped (they stay unknown: live, reported)."""
     try:
-        from jax._src.lax import parallel
+        found = importlib.import_module(module)
     except ImportError:  # pragma: no cover - another JAX layout
         return []
-    return [getattr(parallel, n) for n in names if hasattr(parallel, n)]
+    return [getattr(found, n) for n in names if hasattr(found, n)]
 
 
-def _core_primitives(*names: str) -> list[Primitive]:
-    """`pvary` (a value marked varying over mesh axes: the value itself), kept in jax._src.core
-    by JAX 0.10; absent ones are skipped (they stay unknown: live, reported)."""
-    from jax._src import core
-    return [getattr(core, n) for n in names if hasattr(core, n)]
-
-
-PRIVATE_LINEAR_COLLECTIVES = _private_primitives(
-    "pvary_p", "psum_invariant_p", "reduce_scatter_p", "all_gather_invariant_p",
-    "pbroadcast_p") + _core_primitives("pvary_p")
-PRIVATE_OTHER_COLLECTIVES = _private_primitives("pmin_p")
-
-
-def _pjit_primitives(*names: str) -> list[Primitive]:
-    """`jax.sharding.reshard`'s primitive (the value itself, placed anew under `Explicit` mesh
-    axes): JAX 0.10 keeps it in jax._src.pjit; absent, it stays unknown (live, reported)."""
-    try:
-        from jax._src import pjit
-    except ImportError:  # pragma: no cover - another JAX layout
-        return []
-    return [getattr(pjit, n) for n in names if hasattr(pjit, n)]
-
-
-PRIVATE_RESHARDS = _pjit_primitives("reshard_p")
+PRIVATE_LINEAR_COLLECTIVES = (
+    _private_primitives("jax._src.lax.parallel", "psum_invariant_p", "reduce_scatter_p",
+                        "all_gather_invariant_p", "pbroadcast_p")
+    + _private_primitives("jax._src.core", "pvary_p"))
+PRIVATE_OTHER_COLLECTIVES = _private_primitives("jax._src.lax.parallel", "pmin_p")
+# the value itself, placed anew under `Explicit` mesh axes
+PRIVATE_RESHARDS = _private_primitives("jax._src.pjit", "reshard_p")
 
 
 @contextlib.contextmanager

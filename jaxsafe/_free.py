@@ -89,9 +89,8 @@ class FreeValues:
         self.memo: dict[Any, Held] = {}
         self.syms: dict[Any, Sym] = {}
         self.selections: dict[Any, bool] = {}
-        for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True):
-            if not isinstance(c, Tracer) and np.size(c) <= 1 << 16:
-                self.memo[v] = _distinct(np.asarray(c))
+        self.consts = {v: c for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
+                       if not isinstance(c, Tracer) and np.size(c) <= 1 << 16}
 
     def carry(self, atom: Any) -> Carry:
         if isinstance(atom, Literal):
@@ -107,6 +106,8 @@ class FreeValues:
         """The rule `demand` runs: yields each operand it needs, receives what it holds."""
         if not is_float(v):
             return (np.bool_(False), np.bool_(True)) if dtype_of(v) == np.bool_ else None
+        if v in self.consts:  # a concrete constant, read only when asked for
+            return _distinct(np.asarray(self.consts[v]))
         i = self.sweep.producer.get(v)
         if i is None or self.carry(v) == Carry.ALL:
             return None
@@ -123,16 +124,7 @@ class FreeValues:
                 helds.append(self.held(u))
             else:
                 helds.append((yield u))
-        if rule.selection is not None and rule.selection.by_predicate:
-            return _union([h for h, c in zip(helds[1:], classes[1:], strict=True)
-                           if c != Carry.ALL])
-        if rule.carries is not None and len(eqn.outvars) == 1:
-            return rule.carries.held(eqn, classes, helds)
-        if rule.broadcast:
-            return helds[0]
-        if rule.elementwise and rule.foldable and len(eqn.outvars) == 1:
-            return evaluate_at(eqn, helds)
-        return None
+        return _combined(eqn, rule, classes, helds)
 
     def free_sym(self, atom: Any) -> Sym:
         """The lanes of `atom` that carry no derivative, as a static formula that holds every
@@ -228,6 +220,20 @@ class FreeValues:
         helds = [self.held(u) for u in eqn.invars]
         points = _points(helds)
         return points is not None and all(finite_with_derivatives(eqn, p) for p in points)
+
+
+def _combined(eqn: JaxprEqn, rule: PrimitiveRule, classes: list, helds: list[Held]) -> Held:
+    """What `eqn`'s output holds where it carries nothing, from its operands' such values."""
+    if rule.selection is not None and rule.selection.by_predicate:
+        return _union([h for h, c in zip(helds[1:], classes[1:], strict=True)
+                       if c != Carry.ALL])
+    if rule.carries is not None and len(eqn.outvars) == 1:
+        return rule.carries.held(eqn, classes, helds)
+    if rule.broadcast:
+        return helds[0]
+    if rule.elementwise and rule.foldable and len(eqn.outvars) == 1:
+        return evaluate_at(eqn, helds)
+    return None
 
 
 def _points(helds: list[Held]) -> list[tuple] | None:
