@@ -8,6 +8,7 @@ from ._api import make_jaxpr as make_jaxpr
 from ._api import nan_safe as nan_safe
 from ._explain import explain as explain
 from ._guards import register_guard as register_guard
+from ._libraries import register_rule as register_rule
 from ._report import Report as Report
 
 __version__ = "0.1.0"

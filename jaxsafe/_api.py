@@ -17,7 +17,7 @@ from . import _guards
 from ._by_value import concrete_values, make_jaxpr_by_value
 from ._compat import ClosedJaxpr, Tracer, eval_jaxpr
 from ._report import Report
-from ._rewrite import rewrite_with_report
+from ._rewrite import rewrite_with_report, values_of
 
 DEFAULT_CACHE_SIZE = 256
 """Signatures (shapes, dtypes, static values) remembered per `nan_safe` function."""
@@ -178,28 +178,6 @@ def _hashable(value: Any, where: str, who: str) -> Hashable:
     return value
 
 
-def _values_of(original: ClosedJaxpr, rewritten: ClosedJaxpr) -> Callable:
-    """Original program for the values of a plain call, rewritten program under jvp/grad.
-
-    A call that is not differentiated runs exactly `f`'s program: its values are bit for bit
-    those of `jax.jit(f)` (a guarded program can fuse differently in XLA, which moves the last
-    bit of e.g. igamma) and it costs exactly what `f` costs. Under differentiation the rule runs
-    the rewritten program once, for the values and the tangents together.
-    """
-    @jax.custom_jvp
-    def run(orig_consts, new_consts, *args):
-        return eval_jaxpr(original.jaxpr, orig_consts, *args)
-
-    @run.defjvp
-    def run_jvp(primals, tangents):
-        _, new_consts, *args = primals
-        _, t_new_consts, *t_args = tangents
-        return jax.jvp(lambda c, *a: eval_jaxpr(rewritten.jaxpr, c, *a),
-                       (new_consts, *args), (t_new_consts, *t_args))
-
-    return functools.partial(run, list(original.consts), list(rewritten.consts))
-
-
 class _Traced:
     """One signature's rewritten program and how to evaluate it on the current trace."""
 
@@ -217,7 +195,7 @@ class _Traced:
             # for jax_debug_nans.
             self.evaluate = functools.partial(eval_jaxpr, closed.jaxpr, closed.consts)
         else:
-            self.evaluate = _values_of(original, closed)
+            self.evaluate = values_of(original, closed)
 
 
 class NanSafeFunction:
@@ -374,7 +352,10 @@ class NanSafeFunction:
         """`jax.jit` of the staged call: a cached call takes jit's C++ dispatch path, and a
         new signature traces (and rewrites) once. Re-made when a guard is registered."""
         if self._jitted is None or self._generation != _guards.GENERATION:
-            self._jitted = jax.jit(self._staged, static_argnums=self._static_argnums,
+            # a new callable each time: jax.jit shares its trace cache between jits of one
+            # function, and the old traces hold the programs rewritten before the registration
+            self._jitted = jax.jit(functools.partial(type(self)._staged, self),
+                                   static_argnums=self._static_argnums,
                                    static_argnames=self._static_argnames)
             self._generation = _guards.GENERATION
         return self._jitted

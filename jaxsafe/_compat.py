@@ -2,7 +2,8 @@
 
 jaxsafe works on public APIs only: `jax.make_jaxpr`, `jax.extend.core` (the jaxpr types and the
 primitives), `jax.extend.source_info_util` (the user's source lines on re-emitted equations),
-`jax.interpreters.partial_eval.dce_jaxpr` (JAX's dead-code pass) and `jax.core` (`Tracer`,
+`jax.interpreters.partial_eval.dce_jaxpr` (JAX's dead-code pass), `jax.extend.linear_util` and
+`jax.interpreters.ad.Zero` (how JAX binds a custom_vjp's backward rule) and `jax.core` (`Tracer`,
 `eval_jaxpr`, some of whose neighbours JAX 0.11 removes). The few `jax._src` names that have
 no public spelling (`shard_map`'s primitive and the context its body is traced in) are imported
 here too, each with why. They are all spelled here, so that a JAX upgrade breaks in this file only.
@@ -21,7 +22,8 @@ from jax.core import Tracer as Tracer
 from jax.core import eval_context as eval_context
 from jax.core import eval_jaxpr as eval_jaxpr
 from jax.extend import core as jex
-from jax.extend import source_info_util
+from jax.extend import linear_util, source_info_util
+from jax.interpreters.ad import Zero as SymbolicZero  # noqa: F401  (a bwd rule's "no cotangent")
 from jax.interpreters.partial_eval import dce_jaxpr
 
 Jaxpr = jex.Jaxpr
@@ -159,3 +161,9 @@ def reset_stores(fun: Any) -> None:
     for store in getattr(fun, "stores", ()):
         if store is not None:
             store.reset()
+
+
+def wrap_function(fun: Any, like: Any) -> Any:
+    """`fun` as a `linear_util.WrappedFun` (what JAX binds a custom_vjp's `bwd` as), with the
+    debug info of `like`, the wrapped function it stands for."""
+    return linear_util.wrap_init(fun, debug_info=like.debug_info)

@@ -29,6 +29,10 @@ def format_report(report: Report, indent: str = "") -> str:
         lines.append(f"{indent}unknown primitive {eqn.primitive.name}: passed through unguarded "
                      f"(treated as live, outputs treated as possibly non-finite)  at "
                      f"{source_summary(eqn)}")
+    for eqn in report.backward_rules:
+        lines.append(f"{indent}guarded the backward rule of {eqn.primitive.name}: a cotangent "
+                     f"lane that a drop made zero stays zero through its products  at "
+                     f"{source_summary(eqn)}")
     for eqn, reason in report.skipped:
         lines.append(f"{indent}left {eqn.primitive.name} {reason}  at "
                      f"{source_summary(eqn)}")

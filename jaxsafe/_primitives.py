@@ -21,6 +21,7 @@ import numpy as np
 from jax import lax
 
 from . import _bounds as bounds
+from . import _zero_lanes as zero_lanes
 from ._atoms import dtype_of
 from ._bodies import CondBody, RematBody, ScanBody
 from ._carries import (
@@ -98,7 +99,7 @@ from ._liveness_rules import (
     transpose_masks,
     winner_masks,
 )
-from ._rules import Carries, Chooser, Guard, Selection, register
+from ._rules import Carries, Chooser, Guard, Selection, Zeros, register, update
 from ._taint import (
     compared_with_nonfinite,
     cond_body_inputs,
@@ -309,8 +310,10 @@ register(prims.dot_general_p, masks=dot_general_masks, align=dot_general_alignme
 register(prims.jit_p, prims.closed_call_p, masks=call_masks, kinds=call_kinds, inline=True)
 register(prims.remat_p, masks=opaque_call_masks, kinds=opaque_call_kinds,
          nested_params=("jaxpr",), masked_body=RematBody(), body_inputs=direct_body_inputs)
-register(prims.custom_jvp_call_p, prims.custom_vjp_call_p, masks=opaque_call_masks,
-         kinds=opaque_call_kinds, custom_rule=True)
+register(prims.custom_jvp_call_p, masks=opaque_call_masks, kinds=opaque_call_kinds,
+         custom_rule=True)
+register(prims.custom_vjp_call_p, masks=opaque_call_masks, kinds=opaque_call_kinds,
+         custom_rule=True, backward_param="bwd")
 register(prims.cond_p, masks=cond_masks, kinds=cond_kinds, nested_params=("branches",),
          masked_body=CondBody(), body_inputs=cond_body_inputs)
 register(prims.scan_p, masks=scan_masks, kinds=scan_kinds, nested_params=("jaxpr",),
@@ -328,3 +331,23 @@ register(prims.axis_index_p)
 if shard_map_p is not None:
     register(shard_map_p, nested_params=("jaxpr",), body_inputs=direct_body_inputs,
              body_context=shard_map_body_context)
+
+# --------------------------------------------------------------------------- structural zeros
+# How a backward program's lanes that hold 0 whatever cotangent it receives pass through
+# (`_zero_lanes.py`); a product's zero factor and a quotient's zero numerator absorb.
+for _p in (prims.add_p, prims.sub_p, prims.add_jaxvals_p):
+    update(_p, zeros=Zeros(zero_lanes.every_operand))
+for _p in (prims.neg_p, prims.convert_element_type_p, prims.copy_p, prims.reduce_precision_p,
+           prims.real_p, prims.imag_p, prims.conj_p, prims.square_p, prims.sharding_constraint_p):
+    update(_p, zeros=Zeros(zero_lanes.like_operand(0)))
+update(prims.mul_p, zeros=Zeros(zero_lanes.any_operand, absorbs=frozenset({0, 1})))
+update(prims.div_p, zeros=Zeros(zero_lanes.like_operand(0), absorbs=frozenset({0})))
+update(prims.select_n_p, zeros=Zeros(zero_lanes.selected))
+for _p in (prims.broadcast_in_dim_p, prims.reshape_p, prims.squeeze_p, prims.transpose_p,
+           prims.rev_p, prims.slice_p, prims.dynamic_slice_p):
+    update(_p, zeros=Zeros(zero_lanes.moved((0,))))
+update(prims.pad_p, zeros=Zeros(zero_lanes.moved((0, 1))))
+update(prims.dynamic_update_slice_p, zeros=Zeros(zero_lanes.moved((0, 1))))
+update(prims.concatenate_p, zeros=Zeros(zero_lanes.moved()))
+update(prims.reduce_sum_p, zeros=Zeros(zero_lanes.summed))
+update(prims.scatter_add_p, zeros=Zeros(zero_lanes.scattered))

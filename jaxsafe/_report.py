@@ -34,7 +34,9 @@ class Report:
     - `nested`: the reports of rewritten bodies, with their equations (the nested-body pass and
       the masked-body pass);
     - `skipped`: equations (or operands) left unguarded although they could use a guard, with
-      what was left and why (the guard pass and the nested-body pass).
+      what was left and why (the guard pass and the nested-body pass);
+    - `backward_rules`: custom_vjp calls whose backward rule runs through the structural-zero
+      pass (`_backward.py`).
     """
 
     sites: list[Site] = dataclasses.field(default_factory=list)
@@ -42,11 +44,14 @@ class Report:
     unknown: list[JaxprEqn] = dataclasses.field(default_factory=list)
     nested: list[tuple[JaxprEqn, Report]] = dataclasses.field(default_factory=list)
     skipped: list[tuple[JaxprEqn, str]] = dataclasses.field(default_factory=list)
+    backward_rules: list[JaxprEqn] = dataclasses.field(default_factory=list)
+    """Custom rules whose backward program runs through the structural-zero pass."""
 
     @property
     def changed(self) -> bool:
         """Whether the rewritten program differs from the original."""
-        return bool(self.sites or self.selections or any(r.changed for _, r in self.nested))
+        return bool(self.sites or self.selections or self.backward_rules
+                    or any(r.changed for _, r in self.nested))
 
 
 def note_failure(error: BaseException, eqn: JaxprEqn, pass_name: str) -> None:

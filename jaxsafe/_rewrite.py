@@ -27,22 +27,37 @@ When nothing needs a guard, the original ClosedJaxpr is returned as it is.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence, Set
+import functools
+from collections.abc import Callable, Sequence, Set
 from functools import partial
 
+import jax
+
 from ._atoms import dtype_of, is_float, is_nonfinite_literal, shape_of
+from ._backward import guarded_backward
 from ._collector import fewer_collections
-from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Var, dce, source_summary, trace_to_jaxpr
+from ._compat import (
+    ClosedJaxpr,
+    Jaxpr,
+    JaxprEqn,
+    Tracer,
+    Var,
+    dce,
+    eval_jaxpr,
+    source_summary,
+    trace_to_jaxpr,
+)
 from ._cotangents import body_cotangents, needs_cotangents, nonfinite_cotangents
 from ._decisions import plan_decisions
 from ._emit import emit
 from ._flatten import flatten
 from ._liveness import Sweep, Sweeps
+from ._nested import sub_jaxprs
 from ._plan import Plan
 from ._report import Report, note_failure
 from ._rules import Kind, rule_for
 from ._sites import place_guards
-from ._taint import nonfinite_anywhere, nonfinite_seeds
+from ._taint import contains_hazard, nonfinite_anywhere, nonfinite_seeds
 
 
 def rewrite_with_report(closed: ClosedJaxpr, finite_invars: Sequence[bool] | None = None
@@ -64,6 +79,31 @@ def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps, finite_invars: Sequence[bool] 
         return closed, plan.report
     avals = [v.aval for v in closed.jaxpr.invars]
     return dce(trace_to_jaxpr(partial(emit, plan), avals)), plan.report
+
+
+def values_of(original: ClosedJaxpr, rewritten: ClosedJaxpr) -> Callable:
+    """Original program for the values of a plain call, rewritten program under jvp/grad.
+
+    A call that is not differentiated runs exactly `f`'s program: its values are bit for bit
+    those of `jax.jit(f)` (a guarded program can fuse differently in XLA, which moves the last
+    bit of e.g. igamma) and it costs exactly what `f` costs. Under differentiation the rule runs
+    the rewritten program once, for the values and the tangents together.
+    """
+    @jax.custom_jvp
+    def run(orig_consts, new_consts, *args):
+        return eval_jaxpr(original.jaxpr, orig_consts, *args)
+
+    @run.defjvp
+    def run_jvp(primals, tangents):
+        _, new_consts, *args = primals
+        _, _, *t_args = tangents
+        # The constants' tangents are zero (they are not tracers of an outer trace, see
+        # _Traced) but instantiated here: passed on, a custom_vjp call that reads one as a
+        # constant operand would count as differentiated with respect to a closed-over value.
+        return jax.jvp(lambda *a: eval_jaxpr(rewritten.jaxpr, new_consts, *a),
+                       tuple(args), tuple(t_args))
+
+    return functools.partial(run, list(original.consts), list(rewritten.consts))
 
 
 def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
@@ -88,6 +128,7 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
         outputs = bad_cotangents or [False] * len(closed.jaxpr.outvars)
         bad = nonfinite_cotangents(closed, sweep, anywhere, outputs)
     nested = rewrite_nested_bodies(closed, sweep, report, sweeps, anywhere, bad)
+    nested.update(guard_backward_rules(closed, sweep, report, anywhere, nested))
     sites = place_guards(closed, sweep, seeds, report)
     masked = plan_masked_bodies(closed, sweep, report, sweeps, anywhere, bad)
     decisions = plan_decisions(closed, sweep, sites, masked, report, bad)
@@ -127,6 +168,55 @@ def rewrite_nested_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
         if any(new_params[n] is not eqn.params[n] for n in names):
             nested[i] = new_params
     return nested
+
+
+def guard_backward_rules(closed: ClosedJaxpr, sweep: Sweep, report: Report, nonfinite: Set,
+                         nested: dict[int, dict]) -> dict[int, dict]:
+    """The backward-rule pass: equation index -> its parameters with the user's backward
+    function wrapped by the structural-zero pass (`_backward.py`), for the custom_vjp calls
+    whose body can make NaN or inf, or drops lanes of a value that may hold them: JAX calls
+    that function when it transposes the program, which the guards of this one never reach (a
+    rule that re-traces or differentiates its body meets the body's drops there)."""
+    out: dict[int, dict] = {}
+    for i, eqn in enumerate(closed.jaxpr.eqns):
+        param = rule_for(eqn.primitive).backward_param
+        if param is None or all(sweep.kind(o) == Kind.DEAD for o in eqn.outvars):
+            continue
+        bodies = sub_jaxprs(eqn)
+        if not (any(contains_hazard(sub) for sub in bodies) or (
+                any(isinstance(v, Var) and v in nonfinite for v in eqn.invars)
+                and any(_contains_drop(sub) for sub in bodies))):
+            continue
+        params: dict[str, object] = {**eqn.params, **nested.get(i, {})}
+        params[param] = guarded_backward(params[param], _rewrite_backward)
+        out[i] = params
+        report.backward_rules.append(eqn)
+    return out
+
+
+def _contains_drop(closed: ClosedJaxpr) -> bool:
+    """Whether a body drops lanes anywhere (a selection, a slice, a gather, a sort): what its
+    derivative's transpose writes zeros for."""
+    stack = [closed]
+    while stack:
+        for eqn in stack.pop().jaxpr.eqns:
+            rule = rule_for(eqn.primitive)
+            if rule.selection is not None or rule.drops(eqn):
+                return True
+            stack.extend(sub_jaxprs(eqn))
+    return False
+
+
+def _rewrite_backward(closed: ClosedJaxpr) -> Callable:
+    """A backward rule's program as a function: its values, and the derivatives of its rewrite
+    (reverse over reverse then drops the lanes its structural-zero guards drop). The values are
+    the program's own: a rewrite may fuse differently in XLA, and a solver's step-size control
+    turns a last bit into a different trajectory."""
+    rewritten = rewrite_with_report(closed)[0]
+    if rewritten is closed or any(isinstance(c, Tracer)
+                                  for c in (*closed.consts, *rewritten.consts)):
+        return partial(eval_jaxpr, rewritten.jaxpr, rewritten.consts)
+    return values_of(closed, rewritten)
 
 
 def _finite_body_inputs(eqn: JaxprEqn, nonfinite: Set) -> dict[int, list[bool]]:

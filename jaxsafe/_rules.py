@@ -147,6 +147,23 @@ class Carries:
     stops there. False for a product (`0 * NaN`)."""
 
 
+ZeroRule = Callable[[JaxprEqn, list, list], list]
+"""(equation, each operand's structural zeros (None: none known; True: every lane; else a boolean
+array), operand values) -> the output's (`_zero_lanes.py`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Zeros:
+    """How the lanes of a backward program that hold 0 whatever cotangent it is handed pass
+    through a primitive (`_zero_lanes.py`, used by the structural-zero pass, `_backward.py`)."""
+
+    lanes: ZeroRule
+    absorbs: frozenset[int] = frozenset()
+    """Operands whose zero lane makes the output's lane zero whatever the others hold (a
+    product's factors, a quotient's numerator): there `0 * inf` must read 0, and the pass
+    selects 0."""
+
+
 def _always(eqn: JaxprEqn) -> bool:
     return True
 
@@ -301,6 +318,18 @@ class PrimitiveRule:
     """A call whose derivative is the user's rule (`custom_jvp`, `custom_vjp`): not rewritten;
     its dropped input lanes are cut from differentiation when its body is NaN-prone."""
 
+    zeros: Zeros | None = None
+    """How structural zeros of a backward program pass through it (None: no output lane is
+    known to be zero)."""
+    backward_param: str | None = None
+    """The parameter holding a user's backward function (custom_vjp's `bwd`), which JAX calls
+    when it transposes the program: wrapped so that the structural-zero pass runs on the
+    program it makes (`_backward.py`)."""
+
+    makes_nonfinite: bool = False
+    """May make NaN or inf from finite operands, with no guard known (a library's linear solve on
+    a singular operator): its outputs may be non-finite, as an unknown primitive's."""
+
     known: bool = True
     """False for a primitive jaxsafe knows nothing about: reported, outputs possibly non-finite."""
 
@@ -322,12 +351,21 @@ JAX_PRIMITIVES: frozenset[Primitive] = frozenset(
     v for module in (prims, lax) for v in vars(module).values() if isinstance(v, Primitive))
 
 
+LIBRARY_ROWS: list[Callable[[], bool]] = []
+"""Loaders of the rows of other libraries' primitives (`_libraries.py`): each registers the rows
+of the libraries imported since it last ran, and says whether it registered any."""
+
+
 def rule_for(primitive: Primitive) -> PrimitiveRule:
     """The row of `primitive`, or the conservative default."""
     rule = RULES.get(primitive)
     if rule is not None:
         return rule
-    return CONSERVATIVE if primitive in JAX_PRIMITIVES else UNKNOWN
+    if primitive in JAX_PRIMITIVES:
+        return CONSERVATIVE
+    if any([load() for load in LIBRARY_ROWS]) and primitive in RULES:
+        return RULES[primitive]
+    return UNKNOWN
 
 
 def register(*primitives: Primitive, **facts: Any) -> None:

@@ -251,7 +251,7 @@ def _taints_outputs(eqn: JaxprEqn, rule: PrimitiveRule, tainted: set, site: Site
     if any(isinstance(v, Var) and v in tainted and k not in replaced
            for k, v in enumerate(eqn.invars)):
         return True
-    if not rule.known or any(isinstance(v, Literal) and literal_taints(eqn, v)
-                             for v in eqn.invars):
+    if not rule.known or rule.makes_nonfinite or any(
+            isinstance(v, Literal) and literal_taints(eqn, v) for v in eqn.invars):
         return True
     return rule.has_body and any(contains_hazard(s) for s in sub_jaxprs(eqn))

@@ -69,9 +69,11 @@ def may_be_nonfinite_const(value: Any) -> bool:
 
 
 def _makes_nonfinite_itself(eqn: JaxprEqn) -> bool:
-    """A NaN-prone primitive, an unknown one, or a non-finite literal operand (its body aside)."""
+    """A NaN-prone primitive, an unknown one (or one that may make NaN, with no guard), or a
+    non-finite literal operand (its body aside)."""
     rule = rule_for(eqn.primitive)
-    return not rule.known or nan_prone(eqn) or any(literal_taints(eqn, v) for v in eqn.invars)
+    return (not rule.known or rule.makes_nonfinite or nan_prone(eqn)
+            or any(literal_taints(eqn, v) for v in eqn.invars))
 
 
 def nan_prone(eqn: JaxprEqn) -> bool:

@@ -1,0 +1,198 @@
+"""The structural-zero pass: backward rules that JAX calls, made safe where a drop wrote zeros.
+
+A `custom_vjp`'s backward rule is the user's (or a library's) Python: equinox's checkpointed
+while loop, which diffrax solves run in, re-traces its loop body there and differentiates it with
+`jax.vjp`. The rewritten primal program never reaches that code, so a `jnp.where` inside it leaks
+as in plain JAX: the transpose of the `where` hands the untaken branch a zero cotangent, and
+`0 * inf` from the branch's `sqrt` makes NaN.
+
+The pass runs where JAX transposes the rewritten program: each such call's `bwd` is wrapped
+(`guarded_backward`), and when JAX calls it, the program it makes is traced with
+`jax.make_jaxpr` and evaluated again by an interpreter that follows *structural zeros* (the
+lanes that hold 0 whatever cotangent the rule is handed: what a drop's transpose writes,
+`_zero_lanes.py`). Wherever a product (or a quotient's numerator) has a structurally zero
+factor, the other operands read 1 there (the double where's inner half), so the output is that
+zero and `0 * inf` never happens. A live lane's cotangent is never a structural zero (it
+depends on the cotangent handed in), so real singularities stay: an inf that reaches a live
+lane is kept.
+
+It runs only on the calls whose body can make NaN or inf (or that take a value that may hold
+them); bodies (`while`, `scan`, `cond`) are guarded on their own, their inputs counted as not
+zero. The guarded program keeps the rule's values; its own derivative (`jax.hessian`'s forward
+over reverse, or reverse over reverse) is that of its jaxsafe rewrite, which guards the lanes
+the new selections drop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+
+from ._atoms import is_float, literal_value, shape_of
+from ._compat import (
+    ClosedJaxpr,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    SymbolicZero,
+    Tracer,
+    bind_eqn,
+    eval_jaxpr,
+    trace_to_jaxpr,
+    wrap_function,
+)
+from ._masks import broadcast
+from ._nested import call_jaxpr
+from ._rules import rule_for
+from ._zero_lanes import ZeroMask, as_array
+
+
+def guarded_backward(bwd: Any, runner: Callable[[ClosedJaxpr], Callable[..., list]]) -> Any:
+    """`bwd` (a custom_vjp's backward rule as JAX binds it) with the structural-zero pass run on
+    the program it makes, each time JAX calls it. `runner` (jaxsafe's rewrite) makes the guarded
+    program a function whose own derivative (reverse over reverse) is safe too."""
+    def run(*args: Any) -> list:
+        # arrays are traced; anything else (a symbolic zero, a Python flag) is handed on as is
+        traced = [k for k, a in enumerate(args) if isinstance(a, Tracer | jax.Array | np.ndarray)]
+        symbolic: dict[int, Any] = {}
+
+        def staged(*xs: Any) -> list:
+            full = list(args)
+            for k, x in zip(traced, xs, strict=True):
+                full[k] = x
+            outs = list(bwd.call_wrapped(*full))
+            symbolic.update((k, o) for k, o in enumerate(outs) if isinstance(o, SymbolicZero))
+            return [o for o in outs if not isinstance(o, SymbolicZero)]
+
+        closed = trace_to_jaxpr(staged, [jax.typeof(args[k]) for k in traced])
+        guarded = structural_zeros(closed)
+        run_guarded = (partial(eval_jaxpr, closed.jaxpr, closed.consts) if guarded is closed
+                       else runner(guarded))
+        values = iter(run_guarded(*[args[k] for k in traced]))
+        count = len(closed.jaxpr.outvars) + len(symbolic)
+        return [symbolic[k] if k in symbolic else next(values) for k in range(count)]
+    return wrap_function(run, bwd)
+
+
+def structural_zeros(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """`closed` with structural zeros kept zero through products; itself when none meets one."""
+    interpreter = _Interpreter()
+    new = trace_to_jaxpr(
+        lambda *xs: interpreter.run(closed.jaxpr, closed.consts, xs)[0],
+        [v.aval for v in closed.jaxpr.invars])
+    return new if interpreter.guards else closed
+
+
+class _Interpreter:
+    """Evaluates a program with each value's structural zeros beside it; counts its guards."""
+
+    def __init__(self) -> None:
+        self.guards = 0
+
+    def run(self, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+            masks: Sequence[ZeroMask] | None = None) -> tuple[list, list]:
+        values: dict = dict(zip(jaxpr.constvars, consts, strict=True))
+        values.update(zip(jaxpr.invars, args, strict=True))
+        zeros: dict = {v: _constant_zeros(c) for v, c in zip(jaxpr.constvars, consts,
+                                                              strict=True)}
+        if masks is not None:
+            zeros.update(zip(jaxpr.invars, masks, strict=True))
+
+        def read(a: Any) -> Any:
+            return literal_value(a) if isinstance(a, Literal) else values[a]
+
+        def mask(a: Any) -> ZeroMask:
+            if isinstance(a, Literal):
+                return _constant_zeros(literal_value(a))
+            return zeros.get(a)
+
+        for eqn in jaxpr.eqns:
+            invals = [read(a) for a in eqn.invars]
+            outs, out_masks = self.equation(eqn, invals, [mask(a) for a in eqn.invars])
+            values.update(zip(eqn.outvars, outs, strict=True))
+            zeros.update((o, m) for o, m in zip(eqn.outvars, out_masks, strict=True)
+                         if m is not None)
+        return [read(a) for a in jaxpr.outvars], [mask(a) for a in jaxpr.outvars]
+
+    def equation(self, eqn: JaxprEqn, invals: list, masks: list) -> tuple[list, list]:
+        rule = rule_for(eqn.primitive)
+        none = [None] * len(eqn.outvars)
+        if rule.inline:  # a call: its body is read as part of the program
+            body = call_jaxpr(eqn)
+            return self.run(body.jaxpr, body.consts, invals, masks)
+        if rule.nested_params and not rule.custom_rule:
+            return bind_eqn(eqn, invals, self.bodies(eqn)), none
+        zeros = rule.zeros
+        if zeros is None or all(m is None for m in masks) or len(eqn.outvars) != 1:
+            return bind_eqn(eqn, invals), none
+        if zeros.absorbs and is_float(eqn.outvars[0]):
+            invals = self.guard(eqn, invals, masks, zeros.absorbs)
+        return bind_eqn(eqn, invals), zeros.lanes(eqn, masks, invals)
+
+    def guard(self, eqn: JaxprEqn, invals: list, masks: list, absorbs: frozenset[int]) -> list:
+        """`eqn`'s operands with 1 wherever another operand that absorbs is a structural zero
+        (and the operand itself is not): the output is that zero there (`0 * 1`, `0 / 1`), as
+        with a hand-written double where, and so is the derivative at every order."""
+        shape = shape_of(eqn.outvars[0])
+        out = list(invals)
+        for j, atom in enumerate(eqn.invars):
+            if _finite_literal(atom) or not is_float(atom):
+                continue
+            others = [masks[k] for k in absorbs if k != j and masks[k] is not None]
+            if not others:
+                continue
+            where = as_array(others[0], shape)
+            for m in others[1:]:
+                where = lax.bitwise_or(where, as_array(m, shape))
+            if j in absorbs and masks[j] is not None:
+                where = lax.bitwise_and(where, lax.bitwise_not(as_array(masks[j], shape)))
+            operand = broadcast(invals[j], shape)
+            out[j] = lax.select_n(where, operand, lax.full_like(operand, 1))
+            self.guards += 1
+        return out
+
+    def bodies(self, eqn: JaxprEqn) -> dict | None:
+        """`eqn`'s parameters with each body guarded on its own (inputs not zero), or None when
+        no body needs a guard."""
+        params = dict(eqn.params)
+        changed = False
+        for name in rule_for(eqn.primitive).nested_params:
+            value = params[name]
+            bodies = value if isinstance(value, tuple) else (value,)
+            new = tuple(self.body(b) for b in bodies)
+            if any(n is not b for n, b in zip(new, bodies, strict=True)):
+                changed = True
+                params[name] = new if isinstance(value, tuple) else new[0]
+        return params if changed else None
+
+    def body(self, body: Any) -> Any:
+        closed = body if isinstance(body, ClosedJaxpr) else ClosedJaxpr(body, ())
+        new = structural_zeros(closed)
+        if new is closed or (isinstance(body, Jaxpr) and new.consts):
+            return body
+        self.guards += 1
+        return new if isinstance(body, ClosedJaxpr) else new.jaxpr
+
+
+def _constant_zeros(value: Any) -> ZeroMask:
+    """True for a constant that is 0 in every lane (a literal, `zeros_like`'s), else None."""
+    if isinstance(value, Tracer) or not hasattr(value, "shape") and not np.isscalar(value):
+        return None
+    if np.size(value) > 4096:
+        return None
+    array = np.asarray(value)
+    if array.dtype.kind not in "fciub":
+        return None
+    return True if not np.any(array) else None
+
+
+def _finite_literal(atom: Any) -> bool:
+    if not isinstance(atom, Literal):
+        return False
+    value = np.asarray(literal_value(atom))
+    return value.dtype.kind not in "fc" or bool(np.all(np.isfinite(value)))

@@ -1,0 +1,248 @@
+"""Backward rules that jaxsafe cannot rewrite: the structural-zero pass (`_backward.py`).
+
+A custom_vjp whose `bwd` re-traces its body and differentiates it (as equinox's checkpointed
+while loop does for every diffrax solve) leaks inside the rule: the rewritten primal program never
+reaches that code. The reference is the same rule written with the hand double where.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, assert_finite, structure
+
+import jaxsafe
+
+X = jnp.array([-1.0, 0.0, 0.25, 4.0, -2.0])
+W = jnp.arange(1.0, 6.0)
+
+
+def leaky(x):
+    """The branch that is not taken keeps x's lanes live (no cut at the call can help)."""
+    return jnp.where(x > 0, jnp.sqrt(x), x)
+
+
+def hand(x):
+    return jnp.where(x > 0, jnp.sqrt(jnp.where(x > 0, x, 1.0)), x)
+
+
+def retracing(body):
+    """A custom_vjp whose backward rule differentiates `body` again, from Python."""
+    @jax.custom_vjp
+    def f(x):
+        return body(x)
+
+    def fwd(x):
+        return body(x), x
+
+    def bwd(x, g):
+        return jax.vjp(body, x)[1](g)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def loss_of(f):
+    return lambda x: jnp.sum(f(x) * W)
+
+
+def test_a_leak_inside_a_backward_rule_is_fixed_at_first_order():
+    loss = loss_of(retracing(leaky))
+    assert np.isnan(np.asarray(jax.grad(loss)(X))).any()  # plain JAX leaks
+    assert_close(jax.grad(jaxsafe.nan_safe(loss))(X), jax.grad(loss_of(hand))(X))
+
+
+def test_a_leak_inside_a_backward_rule_is_fixed_in_the_hessian_too():
+    loss = loss_of(retracing(leaky))
+    got = jax.hessian(jaxsafe.nan_safe(loss))(X)
+    assert_finite(got)
+    assert_close(got, jax.hessian(loss_of(hand))(X))
+    assert_close(jax.jacrev(jax.grad(jaxsafe.nan_safe(loss)))(X), got)  # reverse over reverse
+
+
+def test_the_rule_s_forward_values_are_unchanged():
+    loss = loss_of(retracing(leaky))
+    np.testing.assert_array_equal(jaxsafe.nan_safe(loss)(X), jax.jit(loss)(X))
+    value, grad = jax.value_and_grad(jaxsafe.nan_safe(loss))(X)
+    np.testing.assert_array_equal(value, jax.jit(loss)(X))
+    assert_finite(grad)
+
+
+def test_a_live_singularity_inside_a_backward_rule_stays():
+    # x = 0 is taken by sqrt's branch here: its infinite derivative is the function's own
+    body = lambda x: jnp.where(x >= 0, jnp.sqrt(x), x)
+    loss = loss_of(retracing(body))
+    got = np.asarray(jax.grad(jaxsafe.nan_safe(loss))(X))
+    assert np.isposinf(got[1])
+    assert_close(got[[0, 2, 3, 4]], np.asarray(jax.grad(loss_of(hand))(X))[[0, 2, 3, 4]])
+
+
+def test_structural_zeros_inside_a_loop_of_the_backward_rule():
+    """The rule runs a loop whose body differentiates a `where` (as a checkpointed solve
+    does); the zeros it writes are local to the body."""
+    def step(y):
+        return y + 0.1 * jnp.where(y > 0, -jnp.sqrt(y), 0.0)
+
+    def step_hand(y):
+        return y + 0.1 * jnp.where(y > 0, -jnp.sqrt(jnp.where(y > 0, y, 1.0)), 0.0)
+
+    def solver(step):
+        @jax.custom_vjp
+        def solve(y):
+            return jax.lax.fori_loop(0, 3, lambda i, y: step(y), y)
+
+        def fwd(y):
+            ys = jax.lax.scan(lambda y, _: (step(y), y), y, None, length=3)[1]
+            return solve(y), ys
+
+        def bwd(ys, g):
+            def back(i, g):
+                return jax.vjp(step, ys[2 - i])[1](g)[0]
+            return (jax.lax.fori_loop(0, 3, back, g),)
+
+        solve.defvjp(fwd, bwd)
+        return solve
+
+    y0 = jnp.array([0.05, -1.0, 0.0, 2.0])
+    loss = lambda y: jnp.sum(solver(step)(y))
+    assert np.isnan(np.asarray(jax.grad(loss)(y0))).any()
+    assert_close(jax.grad(jaxsafe.nan_safe(loss))(y0),
+                 jax.grad(lambda y: jnp.sum(solver(step_hand)(y)))(y0))
+
+
+def test_a_zero_that_a_gather_s_transpose_writes_stays_zero():
+    body = lambda x: jnp.sqrt(x)[jnp.array([2, 3])]  # lanes 0, 1, 4 dropped by the gather
+    loss = lambda x: jnp.sum(retracing(body)(x))
+    got = jax.grad(jaxsafe.nan_safe(loss))(X)
+    assert_close(got, jnp.array([0.0, 0.0, 1.0, 0.25, 0.0]))
+
+
+def test_a_custom_vjp_with_a_closed_over_constant_differentiates():
+    """A custom_vjp's constant operands must keep a zero tangent: JAX refuses to differentiate
+    one with respect to a closed-over value (this failed inside every diffrax BacksolveAdjoint
+    solve under nan_safe)."""
+    scale = np.linspace(1.0, 2.0, 5).astype(np.float32)
+
+    @jax.custom_vjp
+    def f(x):
+        return x * scale
+
+    f.defvjp(lambda x: (f(x), None), lambda _, g: (g * scale,))
+
+    @jax.custom_vjp
+    def g(x):
+        return f(x)
+
+    def g_fwd(x):
+        return f(x), x
+
+    def g_bwd(x, ct):
+        return jax.vjp(f, x)[1](ct)
+
+    g.defvjp(g_fwd, g_bwd)
+    loss = lambda x: jnp.sum(jnp.where(x > 0, jnp.log(g(x)), 0.0))
+    expected = jnp.where(X > 0, 1.0 / jnp.where(X > 0, X, 1.0), 0.0)
+    assert_close(jax.grad(jaxsafe.nan_safe(loss))(X), expected)
+
+
+def test_nothing_to_guard_leaves_the_call_as_it_is():
+    loss = lambda x: jnp.sum(retracing(lambda x: 2.0 * x + 1.0)(x))
+    closed = jax.make_jaxpr(loss)(X)
+    assert structure(jaxsafe.make_jaxpr(loss)(X)) == structure(closed)
+    assert "nothing to guard" in jaxsafe.explain(loss)(X)
+
+
+def test_explain_names_the_guarded_backward_rule():
+    text = jaxsafe.explain(loss_of(retracing(leaky)))(X)
+    assert "guarded the backward rule of custom_vjp_call" in text
+    assert "test_backward_rules.py" in text
+
+
+def test_symbolic_zeros_and_python_residuals_pass_through():
+    """A rule with symbolic zeros, and residuals that are not arrays."""
+    @functools.partial(jax.custom_vjp)
+    def f(x, y):
+        return leaky(x) + y
+
+    def fwd(x, y):
+        return f(x, y), (x, True)
+
+    def bwd(res, g):
+        x, flag = res
+        assert flag is True
+        return jax.vjp(leaky, x)[1](g)[0], None
+
+    f.defvjp(fwd, bwd, symbolic_zeros=False)
+    loss = lambda x: jnp.sum(f(x, jnp.ones(5)) * W)
+    assert_close(jax.grad(jaxsafe.nan_safe(loss))(X), jax.grad(loss_of(hand))(X))
+
+
+# --------------------------------------------------------------------------- libraries
+
+diffrax = pytest.importorskip("diffrax")
+
+
+def _tanks(field):
+    def solve(h0, k):
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(field), diffrax.Tsit5(), 0.0, 3.0, 0.1, h0, args=k,
+            stepsize_controller=diffrax.PIDController(rtol=1e-4, atol=1e-6), max_steps=64)
+        return jnp.sum(sol.ys[-1])
+    return solve
+
+
+def _drain(t, h, k):
+    return jnp.where(h > 0, -k * jnp.sqrt(h), 0.0)
+
+
+def _drain_hand(t, h, k):
+    return jnp.where(h > 0, -k * jnp.sqrt(jnp.where(h > 0, h, 1.0)), 0.0)
+
+
+H0 = jnp.array([1.0, 0.5, 2.0])
+K = jnp.array([1.0, 1.0, 0.3])
+
+
+@pytest.mark.no_leak_check
+def test_diffrax_draining_tanks_gradient_equals_the_hand_fix():
+    """Two tanks run dry inside the solve: sqrt's branch is dropped there, inside equinox's
+    checkpointed while loop, whose backward rule re-traces the vector field."""
+    solve = _tanks(_drain)
+    plain = jax.grad(solve, (0, 1))(H0, K)
+    assert np.isnan(np.asarray(plain[0])).any()
+    got = jax.grad(jaxsafe.nan_safe(solve), (0, 1))(H0, K)
+    assert_close(got, jax.grad(_tanks(_drain_hand), (0, 1))(H0, K), rtol=1e-5)
+
+
+@pytest.mark.no_leak_check
+def test_library_programs_have_no_unknown_primitive():
+    import lineax as lx
+    import optimistix as optx
+
+    def newton(y0, k):
+        fn = lambda y, a: y ** 3 - a
+        return optx.root_find(fn, optx.Newton(rtol=1e-5, atol=1e-5), y0, args=k,
+                              max_steps=20).value.sum()
+
+    def linsolve(b, k):
+        a = jnp.eye(3) * 2 + jnp.outer(k, k) * 0.1
+        return lx.linear_solve(lx.MatrixLinearOperator(a), jnp.sqrt(b)).value.sum()
+
+    def backsolve(h0, k):
+        return diffrax.diffeqsolve(diffrax.ODETerm(_drain), diffrax.Dopri5(), 0.0, 1.0, 0.1,
+                                   h0, args=k, adjoint=diffrax.BacksolveAdjoint()).ys.sum()
+
+    for f in (_tanks(_drain), newton, linsolve, backsolve):
+        report = jaxsafe.nan_safe(f).trace(H0, K)[1]
+        text = jaxsafe.explain(f)(H0, K)
+        assert "unknown primitive" not in text, text
+        assert not _unknowns(report)
+    # a BacksolveAdjoint solve differentiates under nan_safe as it does without
+    assert_close(jax.grad(jaxsafe.nan_safe(backsolve), (0, 1))(H0, K),
+                 jax.grad(backsolve, (0, 1))(H0, K), rtol=1e-5)
+
+
+def _unknowns(report):
+    return list(report.unknown) + [e for _, sub in report.nested for e in _unknowns(sub)]
