@@ -413,12 +413,62 @@ def _moe(quick: bool) -> Workload:
                     moe_routing, moe_routing_hand, (w, x))
 
 
+# --------------------------------------------------------------------------- 9. unrolled Euler
+
+EULER_STEPS, EULER_DT = 40, 0.05
+
+
+def _draining_tanks(outflow: Callable):
+    """An explicit Euler integrator unrolled in Python (40 steps): tanks drain at k * sqrt(h)
+    while h > 0, a `where` clamp per step. The program is long and flat: its first call (trace,
+    rewrite, compile) is what users wait for."""
+    def simulate(h0, k):
+        h = h0
+        for _ in range(EULER_STEPS):
+            h = h + EULER_DT * outflow(h, k)
+        return h
+    return simulate
+
+
+def drain(h, k):
+    return jnp.where(h > 0, -k * jnp.sqrt(h), 0.0)
+
+
+def drain_hand(h, k):
+    return jnp.where(h > 0, -k * jnp.sqrt(jnp.where(h > 0, h, 1.0)), 0.0)
+
+
+def _euler(quick: bool) -> Workload:
+    n = 256 if quick else 4096
+    h0 = jax.random.uniform(jax.random.key(9), (n,), jnp.float32, 0.0, 2.0)
+    k = jnp.linspace(0.5, 3.0, n, dtype=jnp.float32)
+    return Workload("unrolled Euler (40 steps)", f"{n} tanks",
+                    _draining_tanks(drain), _draining_tanks(drain_hand), (h0, k),
+                    argnums=(0, 1))
+
+
+# --------------------------------------------------------------------------- 10. jax-md pairs
+
+def _jax_md(quick: bool) -> Workload | None:
+    """jax-md's soft-sphere pair energy (its own `safe_mask` double wheres, a `nan_to_num`):
+    code already guarded by hand, where jaxsafe should cost nothing."""
+    try:
+        from jax_md import energy, space
+    except ImportError:  # pragma: no cover - the bench extras install it
+        return None
+    n = 64 if quick else 512
+    displacement, _ = space.free()
+    f = energy.soft_sphere_pair(displacement)
+    pos = jax.random.uniform(jax.random.key(10), (n, 3), jnp.float32, 0.0, n ** (1 / 3))
+    return Workload("jax-md soft-sphere energy", f"{n} particles", f, f, (pos,))
+
+
 BUILDERS = (_piecewise, _lennard_jones, _attention, _gaussian, _transformer, _physics,
-            _pool_cnn, _moe)
+            _pool_cnn, _moe, _euler, _jax_md)
 
 
 def workloads(quick: bool) -> list[Workload]:
-    return [build(quick) for build in BUILDERS]
+    return [w for w in (build(quick) for build in BUILDERS) if w is not None]
 
 
 # --------------------------------------------------------------------------- checks

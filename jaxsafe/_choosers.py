@@ -34,7 +34,7 @@ import numpy as np
 from jax import lax
 
 from ._atoms import is_float, literal_value, shape_of
-from ._compat import JaxprEqn, Literal, bind_eqn
+from ._compat import JaxprEqn, Literal, Var, bind_eqn
 from ._liveness_rules import aligned_syms, elementwise_masks, pulled_back
 from ._masks import (
     all_of,
@@ -260,7 +260,7 @@ def product_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     shape = shape_of(eqn.outvars[0])
     for k, j in ((0, 1), (1, 0)):
         factor = eqn.invars[j]
-        if not is_float(eqn.invars[k]) or not _may_mask(factor, ctx):
+        if not _maskable(eqn.invars[k]) or not _may_mask(factor, ctx):
             continue
         if isinstance(factor, Literal):
             carries: Mask = zeros(shape_of(factor))
@@ -287,10 +287,16 @@ def _may_mask(factor: Any, ctx: Context) -> bool:
     return ctx.may_mask(factor)
 
 
+def _maskable(atom: Any) -> bool:
+    """A factor whose lanes a mask can drop: a floating-point variable (a literal passes no
+    derivative: `0.05 * where(p, x, 0.)` drops nothing)."""
+    return isinstance(atom, Var) and is_float(atom)
+
+
 def product_applies(eqn: JaxprEqn, ctx: Context) -> bool:
     """A product chooses only with a factor that may mask the other."""
     return not ctx.structural and any(
-        _may_mask(eqn.invars[j], ctx) and is_float(eqn.invars[k])
+        _may_mask(eqn.invars[j], ctx) and _maskable(eqn.invars[k])
         for k, j in ((0, 1), (1, 0)))
 
 
@@ -300,7 +306,7 @@ def product_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[S
     if syms is None or ctx.structural:
         return syms
     for k, j in ((0, 1), (1, 0)):
-        if syms[k] and _may_mask(eqn.invars[j], ctx):
+        if syms[k] and _maskable(eqn.invars[k]) and _may_mask(eqn.invars[j], ctx):
             shape = shape_of(eqn.invars[k])
             syms[k] = sym_and_literal(syms[k], unknown(i for i, n in enumerate(shape) if n != 1))
     return syms

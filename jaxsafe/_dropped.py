@@ -15,10 +15,11 @@ import numpy as np
 from ._atoms import SMALL_CONSTANT, dtype_of, literal_value, shape_of
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._constants import finite_with_derivatives, fold
+from ._free import FreeValues
 from ._liveness import Sweep
 from ._report import Site
 from ._rules import alignment, rule_for
-from ._symbolic import backward_mapping, forward_mapping, implies, move
+from ._symbolic import backward_mapping, forward_mapping, implies, move, sym_not
 from ._walk import demand
 
 CHAIN_SAFE_VALUES = (1.0, 0.5, 2.0)
@@ -56,6 +57,7 @@ class DroppedValues:
             if isinstance(v, Var):
                 self.reads[v] = self.reads.get(v, 0) + 1
         self.memo: dict[Any, Known] = {}
+        self.free: FreeValues | None = None  # set by the guard pass: what free lanes hold
         for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True):
             if not isinstance(c, Tracer) and np.size(c) <= SMALL_CONSTANT:
                 self.memo[v] = (np.asarray(c), True)
@@ -83,6 +85,23 @@ class DroppedValues:
 
     def _compute(self, v: Any) -> Generator[Any, Known, Known]:
         """The rule `demand` runs: yields each operand it needs, receives what it holds."""
+        known = yield from self._computed(v)
+        return known if known is not None else self._held_where_free(v)
+
+    def _held_where_free(self, v: Any) -> Known:
+        """What `v` holds in its dropped lanes when they all carry no derivative and hold one
+        value there (`jnp.where(norm <= eps, 1., x)` read only where `norm > eps`)."""
+        if self.free is None:
+            return None
+        dead = sym_not(self.sweep.sym(v))
+        if dead is None or not implies(dead, self.free.free_sym(v)):
+            return None
+        held = self.free.held(v)
+        if held is None or len(held) != 1:
+            return None
+        return np.asarray(held[0], dtype_of(v)), False
+
+    def _computed(self, v: Any) -> Generator[Any, Known, Known]:
         found = self._producer(v)
         if found is None:
             return None

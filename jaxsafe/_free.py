@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,7 +40,6 @@ from ._atoms import dtype_of, is_float, literal_value, shape_of
 from ._carries import Carry
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._constants import finite_with_derivatives, fold
-from ._liveness import Sweep
 from ._rules import PrimitiveRule, guard_for, rule_for
 from ._symbolic import (
     FALSE,
@@ -55,6 +54,9 @@ from ._symbolic import (
     sym_or,
 )
 from ._walk import demand
+
+if TYPE_CHECKING:
+    from ._liveness import Sweep
 
 MAX_VALUES = 8
 """At most this many distinct values are followed per variable; more count as unknown."""
@@ -84,13 +86,15 @@ def _union(parts: list[Held]) -> Held:
 class FreeValues:
     """What the lanes of one jaxpr's values that carry no derivative hold, computed on demand."""
 
-    def __init__(self, closed: ClosedJaxpr, sweep: Sweep):
-        self.eqns, self.sweep = closed.jaxpr.eqns, sweep
+    def __init__(self, closed: ClosedJaxpr | None, sweep: Sweep):
+        """`closed`: the program, for its constants' values (None: they are unknown)."""
+        self.eqns, self.sweep = sweep.jaxpr.eqns, sweep
         self.memo: dict[Any, Held] = {}
         self.syms: dict[Any, Sym] = {}
         self.selections: dict[Any, bool] = {}
-        self.consts = {v: c for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
-                       if not isinstance(c, Tracer) and np.size(c) <= 1 << 16}
+        self.consts = {} if closed is None else {
+            v: c for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
+            if not isinstance(c, Tracer) and np.size(c) <= 1 << 16}
 
     def carry(self, atom: Any) -> Carry:
         if isinstance(atom, Literal):
@@ -149,7 +153,8 @@ class FreeValues:
             cases = []
             for u, d in zip(eqn.invars[1:], diff[1:], strict=True):
                 cases.append((yield u) if isinstance(u, Var) and d else TRUE)
-            lit = predicate_literal(pred, True, self.sweep.broadcast_of)
+            lit = predicate_literal(pred, True, self.sweep.broadcast_of,
+                                    self.sweep.same_as)
             return sym_or(sym_and_literal(cases[0], negate(lit)), sym_and_literal(cases[1], lit))
         if rule.elementwise and rule.carries is None and len(eqn.outvars) == 1:
             out: Sym | None = TRUE

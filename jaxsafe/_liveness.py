@@ -34,9 +34,10 @@ from ._atoms import SMALL_CONSTANT, is_float, literal_value, shape_of
 from ._carries import Carry, carry_classes, carrying_lanes
 from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, bind_eqn
 from ._constants import fold
+from ._free import FreeValues
 from ._masks import any_of, broadcast, reduce_any, register_broadcast, scoped_memo, zeros
 from ._report import note_failure
-from ._rules import Kind, Mask, rule_for
+from ._rules import Kind, Mask, alignment, rule_for
 from ._symbolic import FALSE, TRUE, Sym, opaque, sym_or
 from ._walk import demand
 
@@ -183,6 +184,8 @@ class Sweep:
         self._dropped_whole: set | None = None
         self._carries: dict | None = None  # carry classes and producers: on a product's demand
         self._producer_eqns: dict = {}
+        self._numbering: dict | None = None  # same_as: on a predicate's demand
+        self._free_values: FreeValues | None = None  # what lanes carrying nothing hold
         self.syms = self._static_liveness(out_kinds)
         self.kinds = {v: kind_of_sym(m) for v, m in self.syms.items()}
         self.consumers: dict[Any, list[tuple[int, int]]] = {}
@@ -223,6 +226,14 @@ class Sweep:
         i = self.producer.get(v)
         return None if i is None else self.jaxpr.eqns[i]
 
+    def same_as(self, var: Var) -> Var:
+        """The first variable the program computes exactly as it computes `var` (the same
+        lane-to-lane equation on the same operands): `x > 0` written twice, by a hand-written
+        double where, is one predicate."""
+        if self._numbering is None:
+            self._numbering = _value_numbers(self.jaxpr)
+        return self._numbering.get(var, var)
+
     def broadcast_of(self, var: Var) -> JaxprEqn | None:
         eqn = self.producer_of(var)
         if eqn is None or not rule_for(eqn.primitive).broadcast or len(eqn.invars) != 1:
@@ -261,7 +272,14 @@ class Sweep:
         return [sweep.kind(v) for v in closed.jaxpr.invars]
 
     def may_mask(self, atom: Any) -> bool:
-        return self._carry_classes().get(atom, Carry.NONE) != Carry.ALL
+        """Whether some lane of `atom` may carry no derivative and hold 0 there (a 0/1 mask;
+        not `jnp.where(p, x, 1.)`)."""
+        if self._carry_classes().get(atom, Carry.NONE) == Carry.ALL:
+            return False
+        if self._free_values is None:
+            self._free_values = FreeValues(None, self)
+        held = self._free_values.held(atom)
+        return held is None or any(h == 0 for h in held)
 
     def carry_mask(self, atom: Any, env: Any) -> Mask:
         memo = scoped_memo("carries", id(self), id(env))  # tracers: never kept past the trace
@@ -414,3 +432,64 @@ class RuntimeMasks:
             self.eqn_masks[i] = operand_masks(eqn, [self._settled(o) for o in eqn.outvars],
                                               LazyOperands(self.env, eqn.invars), self.sweep)
         return self.eqn_masks[i]
+
+
+def _value_numbers(jaxpr: Jaxpr) -> dict:
+    """Variable -> the first variable computed by the same lane-to-lane (or broadcast)
+    equation on the same operands, for the variables that have an earlier twin. Size-1 axes do
+    not count: a reshape, squeeze or broadcast that only adds or removes them is its operand,
+    so `le(x, eps)` for x of shape (n, 1) and `le(squeeze(x), eps)` are one predicate (the twin
+    may have another shape, with the same axes of size above 1, in order)."""
+    first: dict = {}
+    same: dict = {}
+    for eqn in jaxpr.eqns:
+        rule = rule_for(eqn.primitive)
+        if eqn.effects or len(eqn.outvars) != 1:
+            continue
+        out = eqn.outvars[0]
+        if _only_size_one_axes_move(eqn):
+            same[out] = same.get(eqn.invars[0], eqn.invars[0])
+            continue
+        if not (rule.elementwise or rule.broadcast):
+            continue
+        try:
+            key = (eqn.primitive, tuple(sorted(eqn.params.items())), _sizes(out),
+                   tuple(_operand_key(v, same) for v in eqn.invars))
+            hash(key)
+        except TypeError:  # a parameter that cannot be compared
+            continue
+        twin = first.setdefault(key, out)
+        if twin is not out:
+            same[out] = twin
+    return same
+
+
+def _sizes(atom: Any) -> tuple[int, ...]:
+    """The axes of size above 1, in order."""
+    return tuple(n for n in shape_of(atom) if n != 1)
+
+
+def _only_size_one_axes_move(eqn: JaxprEqn) -> bool:
+    """A layout equation (reshape, squeeze, broadcast, ...) that keeps every lane where it was:
+    its operand's axes of size above 1, in order, are its output's."""
+    if len(eqn.invars) != 1 or not isinstance(eqn.invars[0], Var):
+        return False
+    rule = rule_for(eqn.primitive)
+    if not (rule.broadcast or (rule.linear and rule.align is not None)):
+        return False
+    u, v = eqn.invars[0], eqn.outvars[0]
+    if _sizes(u) != _sizes(v):
+        return False
+    align = alignment(eqn, 0)
+    if align is None:
+        return False
+    kept = [a for a, n in zip(align, shape_of(u), strict=True) if n != 1]
+    axes = [a for a in kept if a is not None]
+    return len(axes) == len(kept) and axes == sorted(axes)
+
+
+def _operand_key(atom: Any, same: dict) -> Any:
+    if isinstance(atom, Literal):
+        value = np.asarray(atom.val)
+        return ("literal", value.dtype.str, value.tobytes(), getattr(atom.aval, "weak_type", None))
+    return same.get(atom, atom)

@@ -496,6 +496,6 @@ def select_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sy
             untaken = opaque() if out else FALSE  # dropped, yet differentiated (a zero cotangent)
             return [FALSE, untaken, out] if np.all(value) else [FALSE, out, untaken]
         if not isinstance(pred, Literal):
-            lit = predicate_literal(pred, True, ctx.broadcast_of)
+            lit = predicate_literal(pred, True, ctx.broadcast_of, ctx.same_as)
             return [FALSE, sym_and_literal(out, negate(lit)), sym_and_literal(out, lit)]
     return selected_syms(eqn, out_syms, ctx)

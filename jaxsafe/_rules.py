@@ -53,6 +53,10 @@ class Context(Protocol):
         """The value of a small atom that the program computes from literals alone, else None."""
         ...
 
+    def same_as(self, var: Var) -> Var:
+        """The first variable the program computes exactly as it computes `var`."""
+        ...
+
     def broadcast_of(self, var: Var) -> JaxprEqn | None:
         """The equation that computes `var` as a broadcast of one operand, else None."""
         ...
@@ -286,6 +290,9 @@ class PrimitiveRule:
     """A non-finite literal that is this primitive's identity and makes nothing non-finite
     (`max(-inf, x)`, the start of every softmax)."""
     tests_nonfinite: NonfiniteTest | None = None
+    bounds_below: tuple[bool, int] | None = None
+    """A comparison that, where it holds, bounds one operand from below by the other: (strict,
+    which operand is bounded): `a > c` is (True, 0), `c <= a` is (False, 1) (`_by_hand.py`)."""
 
     # -- values known when the rewrite is planned ---------------------------------------------
     elementwise: bool = False

@@ -43,6 +43,7 @@ import numpy as np
 
 from ._atoms import dtype_of, is_float, shape_of
 from ._bounds import Bounds
+from ._by_hand import HandGuards
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._constants import finite_with_derivatives
 from ._dropped import DroppedValues
@@ -61,7 +62,9 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report) 
     sites: dict[int, Site] = {}
     tainted = set(seeds)
     dropped = DroppedValues(closed, sites, sweep)
-    free = FreeValues(closed, sweep)
+    free = dropped.free = FreeValues(closed, sweep)
+    by_hand = HandGuards(closed, sweep, free)
+    covered: set[int] = set()
     bounds = Bounds(jaxpr.eqns, sweep.producer,
                     {v: c for v, c in zip(jaxpr.constvars, closed.consts, strict=True)
                      if not isinstance(c, Tracer)})
@@ -72,10 +75,16 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report) 
             if not rule.known:
                 report.unknown.append(eqn)
             site = _site(i, eqn, rule, sweep, tainted, dropped, bounds, report, free)
+            if site is not None and (site.replace or site.cut) and by_hand.covers(i, eqn):
+                # already guarded by hand (`_by_hand.py`): its dropped lanes stay as they are,
+                # and may hold NaN or inf for what reads them
+                covered.add(i)
+                site = (Site(eqn, {}, {}, frozenset(), site.free, site.free_cut)
+                        if site.free else None)
             if site is not None:
                 sites[i] = site
                 report.sites.append(site)
-            if _taints_outputs(eqn, rule, tainted, site):
+            if i in covered or _taints_outputs(eqn, rule, tainted, site):
                 tainted.update(o for o in eqn.outvars if is_float(o))
     except Exception as e:
         note_failure(e, jaxpr.eqns[i], "guard")
@@ -104,7 +113,7 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
     body_guards_itself = rule.masked_body is not None and any(
         k == Kind.MAYBE and is_float(o) for k, o in zip(out_kinds, eqn.outvars, strict=True))
     nonfinite = [] if body_guards_itself else _nonfinite_operands(
-        eqn, rule, diff, guarded, tainted, sweep, report)
+        eqn, rule, diff, guarded, tainted, sweep, report, dropped)
     for k in nonfinite:
         if k not in replace and k not in cut:
             safe = guard.safe.get(k, 0.0) if guard is not None else 0.0
@@ -159,7 +168,7 @@ def _read_only_by_a_picker(eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep,
 
 def _nonfinite_operands(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool],
                         guarded: list[bool], tainted: set, sweep: Sweep,
-                        report: Report) -> list[int]:
+                        report: Report, dropped: DroppedValues) -> list[int]:
     """Operands that may be non-finite in dropped lanes where a differentiated operand's
     derivative reads them (a zero cotangent times NaN), and that a guard can reach cheaply."""
     if rule.linear or rule.zero_derivative or rule.custom_rule:  # a custom rule: cut instead
@@ -168,6 +177,8 @@ def _nonfinite_operands(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool],
     for k, v in enumerate(eqn.invars):
         if not guarded[k] or not _may_be_nonfinite(eqn, v, tainted):
             continue
+        if _finite_where_dropped(eqn, k, dropped):
+            continue  # e.g. `jnp.where(norm <= eps, 1., x)`: 1 in every lane read as dropped
         if not any(d and j not in rule.no_derivative and
                    (rule.derivative_reads is None or k in rule.derivative_reads[j])
                    for j, d in enumerate(diff)):
@@ -180,6 +191,13 @@ def _nonfinite_operands(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool],
             continue
         found.append(k)
     return found
+
+
+def _finite_where_dropped(eqn: JaxprEqn, k: int, dropped: DroppedValues) -> bool:
+    """Whether operand k is known finite in every lane that a dropped output lane reads."""
+    known = dropped.get(eqn.invars[k])
+    return (known is not None and bool(np.all(np.isfinite(known[0])))
+            and (known[1] or dropped.reads_dropped(eqn, k)))
 
 
 def _may_be_nonfinite(eqn: JaxprEqn, atom: object, tainted: set) -> bool:

@@ -179,15 +179,22 @@ def forward_mapping(align: Sequence[int | None]) -> dict[int, int]:
 
 
 def predicate_literal(pred: Var, positive: bool,
-                      broadcast_of: Callable[[Var], JaxprEqn | None]) -> Lit:
+                      broadcast_of: Callable[[Var], JaxprEqn | None],
+                      same_as: Callable[[Var], Var] | None = None) -> Lit:
     """The literal `pred` (or its negation) over a value of `pred`'s shape (or any shape, for a
     scalar `pred`), followed back through broadcasts (`broadcast_of` gives the broadcast that
     computes a variable, if one does), so that a row mask broadcast over a row stays a literal
-    on the row's axes only."""
+    on the row's axes only; `same_as` names a predicate the program computes twice by its
+    first copy."""
     shape = shape_of(pred)
     embed = tuple(i if n != 1 else None for i, n in enumerate(shape))
     key = pred
     while True:
+        if same_as is not None:
+            twin = same_as(key)
+            if shape_of(twin) != shape_of(key):  # the same lanes, with other size-1 axes
+                embed = _reembed(embed, shape_of(key), shape_of(twin))
+            key = twin
         eqn = broadcast_of(key)
         if eqn is None:
             break
@@ -199,3 +206,10 @@ def predicate_literal(pred: Var, positive: bool,
                       for j, d in enumerate(eqn.params["broadcast_dimensions"]))
         key = src
     return (key, positive, embed)
+
+
+def _reembed(embed: tuple, shape: tuple, twin_shape: tuple) -> tuple:
+    """`embed` of a key of `shape` for its twin of `twin_shape` (the same axes of size above 1,
+    in order; its size-1 axes embed nowhere)."""
+    big = iter(e for e, n in zip(embed, shape, strict=True) if n != 1)
+    return tuple(next(big) if n != 1 else None for n in twin_shape)

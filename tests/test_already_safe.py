@@ -1,0 +1,178 @@
+"""Code that is already guarded by hand gets no guard of its own (`_by_hand.py`).
+
+Each program below is exactly as safe as its author made it: the rewritten program must be the
+original (structurally equal, nothing to guard), and its derivatives of every order equal
+plain JAX's. The programs that look guarded but are not (a masked product after the double
+where, a parameter that multiplies the singular branch) must keep their guards, and their
+derivatives must be the hand fix's.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, assert_finite, structure
+
+import jaxsafe
+
+
+def safe_mask(mask, fn, operand, placeholder=0.0):
+    """jax-md's `util.safe_mask`: the inner where puts 0 (a singular point of sqrt)."""
+    masked = jnp.where(mask, operand, 0)
+    return jnp.where(mask, fn(masked), placeholder)
+
+
+def double_where(x):
+    p = x > 0
+    return jnp.where(p, jnp.sqrt(jnp.where(p, x, 1.0)), 0.0)
+
+
+def double_where_at_zero(x):
+    p = x > 0
+    return jnp.where(p, jnp.sqrt(jnp.where(p, x, 0.0)), 0.0)
+
+
+def twice_compared(x):
+    """The predicate is computed twice, once per where, as hand fixes are often written."""
+    return jnp.where(x > 0, jnp.log(jnp.where(x > 0, x, 0.0)), 0.0)
+
+
+def masked_log(x, m):
+    return jnp.sum(jnp.where(m, jnp.log(jnp.where(m, x, 1.0)), 0.0))
+
+
+def chain(x):
+    """A chain of NaN-prone steps between the two wheres."""
+    p = x > 0.5
+    y = jnp.where(p, x, 0.0)
+    return jnp.where(p, jnp.log(jnp.sqrt(y) - 0.5) / y, 0.0)
+
+
+def pair_distances(r):
+    dr = r[:, None, :] - r[None, :, :]
+    r2 = jnp.sum(dr ** 2, axis=-1)
+    return safe_mask(r2 > 0, jnp.sqrt, r2)
+
+
+def bounded_energy(r):
+    """A cutoff after a distance whose predicate bounds the sqrt's operand into its domain."""
+    dr = r[:, None, :] - r[None, :, :]
+    r2 = jnp.sum(dr ** 2, axis=-1)
+    d = safe_mask(r2 > 1e-12, jnp.sqrt, r2)
+    return jnp.sum(safe_mask(d < 1.5, lambda d: (1 - d / 1.5) ** 2, d))
+
+
+X = jnp.array([-1.0, 0.0, 0.3, 0.5, 2.0])
+M = jnp.array([True, False, True, False, True])
+R = jnp.array([[0.0, 0.0], [1.0, 0.0], [0.0, 1.2], [0.0, 1.2]])  # a coincident pair
+
+UNCHANGED = [
+    ("double where", lambda x: jnp.sum(double_where(x)), (X,), False),
+    ("double where at a singular point", lambda x: jnp.sum(double_where_at_zero(x)), (X,),
+     False),
+    ("predicate computed twice", lambda x: jnp.sum(twice_compared(x)), (X,), False),
+    ("where(m, x, 1.) before log", masked_log, (X, M), False),
+    ("a chain between the wheres", lambda x: jnp.sum(chain(x)), (X,), False),
+    ("pair distances (finite positions)", lambda r: jnp.sum(pair_distances(r)), (R,), True),
+    ("bounded cutoff energy", bounded_energy, (R,), True),
+]
+
+
+@pytest.mark.parametrize("name, f, args, finite", UNCHANGED, ids=[c[0] for c in UNCHANGED])
+def test_hand_guarded_code_is_left_as_it_is(name, f, args, finite):
+    assert structure(jaxsafe.make_jaxpr(f, finite_args=finite)(*args)) == \
+        structure(jax.make_jaxpr(f)(*args))
+    assert jaxsafe.explain(f, finite_args=finite)(*args) == \
+        "nothing to guard: the program runs unchanged"
+    safe = jaxsafe.nan_safe(f, finite_args=finite)
+    assert_close(jax.grad(safe)(*args), jax.grad(f)(*args))
+    assert_finite(jax.grad(safe)(*args))
+    x = args[0]
+    tangent = jnp.ones_like(x)
+    assert_close(jax.jvp(lambda x: safe(x, *args[1:]), (x,), (tangent,)),
+                 jax.jvp(lambda x: f(x, *args[1:]), (x,), (tangent,)))
+    assert_close(jax.hessian(safe)(*args), jax.jit(jax.hessian(f))(*args), atol=1e-6)
+
+
+def test_optax_safe_norm_is_left_as_it_is():
+    optax = pytest.importorskip("optax")
+    f = lambda x: jnp.sum(optax.safe_norm(x, 1e-6, axis=-1))
+    x = jnp.array([[0.0, 0.0], [3.0, 4.0]])
+    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    assert "nothing to guard" in jaxsafe.explain(f)(x)
+    assert_close(jax.grad(jaxsafe.nan_safe(f))(x), jax.grad(f)(x))
+
+
+# --------------------------------------------------------------------------- still guarded
+
+
+def test_a_masked_product_after_the_double_where_keeps_its_guard():
+    """Forward mode: `m * sqrt(where(p, x, 0))` weighs the dropped lane's `inf * 0` tangent
+    by 0 instead of selecting it away: the hand fix is not complete there."""
+    m = jnp.array([1.0, 0.0, 1.0, 0.0, 1.0])
+    f = lambda x: jnp.sum(m * jnp.sqrt(jnp.where(x > 0, x, 0.0)))
+    assert np.isnan(np.asarray(jax.jacfwd(f)(X))).any()
+    got = jax.jacfwd(jaxsafe.nan_safe(f))(X)
+    assert_finite(got)
+    assert_close(jax.grad(jaxsafe.nan_safe(f))(X), got)
+
+
+def test_a_parameter_that_multiplies_the_singular_branch_keeps_a_guard():
+    """`log(where(p, x, 0.)) * w`: the zero cotangent meets log(0) = -inf in w's derivative."""
+    def f(x, w):
+        p = x > 0
+        return jnp.sum(jnp.where(p, jnp.log(jnp.where(p, x, 0.0)) * w, 0.0))
+
+    w = jnp.linspace(1.0, 2.0, 5)
+    assert np.isnan(np.asarray(jax.grad(f, 1)(X, w))).any()
+    got = jax.grad(jaxsafe.nan_safe(f), (0, 1))(X, w)
+    hand = lambda x, w: jnp.sum(jnp.where(x > 0, jnp.log(jnp.where(x > 0, x, 1.0)) * w, 0.0))
+    assert_close(got, jax.grad(hand, (0, 1))(X, w))
+
+
+def test_a_predicate_that_admits_subnormals_does_not_bound_the_sqrt():
+    """`r2 > 0` admits subnormal r2, whose sqrt XLA may flush to 0 (derivative inf) and whose
+    log has an infinite derivative where it does not: in the lanes a later cutoff drops, it is
+    no proof of the domain, and the guard stays. `r2 > 1e-12` is one (`bounded_energy`)."""
+    def f(r2):
+        d = safe_mask(r2 > 0, jnp.sqrt, r2)
+        return jnp.sum(safe_mask(d > 2.0, jnp.log, d))
+
+    r2 = jnp.array([1e-30, 9.0, 0.0], jnp.float32)
+    assert "guarded sqrt" in jaxsafe.explain(f)(r2)
+    assert_close(jax.grad(jaxsafe.nan_safe(f))(r2), jnp.array([0.0, 1 / 18, 0.0]), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- jax-md
+
+
+jax_md = pytest.importorskip("jax_md")
+
+
+JAX_MD_WARNINGS = pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64")
+
+
+@JAX_MD_WARNINGS
+@pytest.mark.no_leak_check
+@pytest.mark.parametrize("make", ["lennard_jones_pair", "morse_pair", "soft_sphere_pair"])
+def test_jax_md_pair_energies_forces_and_hessians_are_unchanged(make):
+    displacement, _ = jax_md.space.free()
+    energy = getattr(jax_md.energy, make)(displacement)
+    r = jnp.array([[0.0, 0.0], [1.1, 0.0], [0.0, 1.2], [0.0, 1.2], [0.5, 0.7]])
+    safe = jaxsafe.nan_safe(energy)
+    np.testing.assert_array_equal(safe(r), jax.jit(energy)(r))
+    forces = jax.grad(safe)(r)
+    assert_finite(forces)
+    assert_close(forces, jax.grad(energy)(r), rtol=1e-5, atol=1e-6)
+    assert_close(jax.hessian(safe)(r), jax.hessian(energy)(r), rtol=1e-4, atol=1e-5)
+
+
+@JAX_MD_WARNINGS
+@pytest.mark.no_leak_check
+def test_jax_md_distance_adds_nothing_for_finite_positions():
+    displacement, _ = jax_md.space.free()
+    metric = jax_md.space.metric(displacement)
+    f = lambda r: jnp.sum(jax_md.space.map_product(metric)(r, r))
+    assert structure(jaxsafe.make_jaxpr(f, finite_args=True)(R)) == \
+        structure(jax.make_jaxpr(f)(R))
+    assert_close(jax.grad(jaxsafe.nan_safe(f, finite_args=True))(R), jax.grad(f)(R))
