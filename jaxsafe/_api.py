@@ -179,23 +179,44 @@ def _hashable(value: Any, where: str, who: str) -> Hashable:
 
 
 class _Traced:
-    """One signature's rewritten program and how to evaluate it on the current trace."""
+    """One signature's program and how to evaluate it on the current trace. The rewrite runs
+    when first needed: when the call is differentiated (inside the rule of `values_of`), or
+    asked for (`trace`, `explain`); a call that is only evaluated runs `f`'s own program and
+    never pays for it."""
 
-    def __init__(self, original: ClosedJaxpr, closed: ClosedJaxpr, report: Report, out_tree,
-                 use_jit: bool):
-        self.closed = closed
-        self.report = report
+    def __init__(self, original: ClosedJaxpr, rewrite: Callable[[], tuple[ClosedJaxpr, Report]],
+                 out_tree, use_jit: bool):
         self.out_tree = out_tree
-        self.closes_over_tracers = any(isinstance(c, Tracer)
-                                       for c in (*original.consts, *closed.consts))
-        if closed is original or not use_jit or self.closes_over_tracers:
+        self._rewrite: Callable[[], tuple[ClosedJaxpr, Report]] | None = rewrite
+        self._rewritten: tuple[ClosedJaxpr, Report] | None = None
+        self._lock = threading.Lock()
+        self.closes_over_tracers = any(isinstance(c, Tracer) for c in original.consts)
+        if not use_jit or self.closes_over_tracers:
             # Closing over outer tracers: a custom_jvp that captures them would keep them alive
             # in JAX's caches. jit=False runs the rewritten program equation by equation: each
             # primitive alone gives the same bits in live lanes, and dropped lanes stay finite
             # for jax_debug_nans.
+            closed = self.closed
             self.evaluate = functools.partial(eval_jaxpr, closed.jaxpr, closed.consts)
         else:
-            self.evaluate = values_of(original, closed)
+            self.evaluate = values_of(original, lambda: self.closed)
+
+    def rewritten(self) -> tuple[ClosedJaxpr, Report]:
+        with self._lock:
+            if self._rewritten is None:
+                assert self._rewrite is not None
+                self._rewritten = self._rewrite()
+                self._rewrite = None  # the original program it closed over is held elsewhere
+            return self._rewritten
+
+    @property
+    def closed(self) -> ClosedJaxpr:
+        """The rewritten program (the original itself when nothing needs a guard)."""
+        return self.rewritten()[0]
+
+    @property
+    def report(self) -> Report:
+        return self.rewritten()[1]
 
 
 class NanSafeFunction:
@@ -323,9 +344,8 @@ class NanSafeFunction:
                     self._remember(self._needs_values, key, True)
         finite = _finite_leaves(self._finite_args, args, {i for i, _ in static_pos},
                                 dyn_kwargs, "nan_safe")
-        new, report = rewrite_with_report(closed, finite)
-        traced = _Traced(closed, new, report, jax.tree_util.tree_structure(out_shape),
-                         self._use_jit)
+        traced = _Traced(closed, functools.partial(rewrite_with_report, closed, finite),
+                         jax.tree_util.tree_structure(out_shape), self._use_jit)
         cacheable = not traced.closes_over_tracers and self._cache_size and not by_value
         if cacheable and self._remember(self._cache, key, traced):
             # jax.jit keeps its own trace per signature: start a fresh front so that an

@@ -81,29 +81,32 @@ def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps, finite_invars: Sequence[bool] 
     return dce(trace_to_jaxpr(partial(emit, plan), avals)), plan.report
 
 
-def values_of(original: ClosedJaxpr, rewritten: ClosedJaxpr) -> Callable:
+def values_of(original: ClosedJaxpr, rewritten: Callable[[], ClosedJaxpr]) -> Callable:
     """Original program for the values of a plain call, rewritten program under jvp/grad.
 
     A call that is not differentiated runs exactly `f`'s program: its values are bit for bit
     those of `jax.jit(f)` (a guarded program can fuse differently in XLA, which moves the last
-    bit of e.g. igamma) and it costs exactly what `f` costs. Under differentiation the rule runs
-    the rewritten program once, for the values and the tangents together.
+    bit of e.g. igamma) and it costs exactly what `f` costs, the rewrite included: `rewritten`
+    is asked for only when the rule is traced. Under differentiation the rule runs the rewritten
+    program once, for the values and the tangents together. The rewritten program's constants
+    are concrete (the original's are: see `_api._Traced`), so the rule closes over them.
     """
     @jax.custom_jvp
-    def run(orig_consts, new_consts, *args):
+    def run(orig_consts, *args):
         return eval_jaxpr(original.jaxpr, orig_consts, *args)
 
     @run.defjvp
     def run_jvp(primals, tangents):
-        _, new_consts, *args = primals
-        _, _, *t_args = tangents
-        # The constants' tangents are zero (they are not tracers of an outer trace, see
-        # _Traced) but instantiated here: passed on, a custom_vjp call that reads one as a
-        # constant operand would count as differentiated with respect to a closed-over value.
-        return jax.jvp(lambda *a: eval_jaxpr(rewritten.jaxpr, new_consts, *a),
+        _, *args = primals
+        _, *t_args = tangents
+        # Differentiated with respect to the arguments only: a custom_vjp call that reads a
+        # constant as an operand would count as differentiated with respect to a closed-over
+        # value if a constant had an (instantiated, zero) tangent here.
+        program = rewritten()
+        return jax.jvp(lambda *a: eval_jaxpr(program.jaxpr, program.consts, *a),
                        tuple(args), tuple(t_args))
 
-    return functools.partial(run, list(original.consts), list(rewritten.consts))
+    return functools.partial(run, list(original.consts))
 
 
 def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
@@ -216,7 +219,7 @@ def _rewrite_backward(closed: ClosedJaxpr) -> Callable:
     if rewritten is closed or any(isinstance(c, Tracer)
                                   for c in (*closed.consts, *rewritten.consts)):
         return partial(eval_jaxpr, rewritten.jaxpr, rewritten.consts)
-    return values_of(closed, rewritten)
+    return values_of(closed, lambda: rewritten)
 
 
 def _finite_body_inputs(eqn: JaxprEqn, nonfinite: Set) -> dict[int, list[bool]]:

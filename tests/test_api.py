@@ -178,3 +178,26 @@ def test_the_where_form_of_issue_19089_gives_the_hand_fix_gradient():
     assert np.isnan(jax.grad(f)(1.))
     assert jax.grad(nan_safe(f))(1.) == 0.5
     assert jax.grad(jax.grad(nan_safe(f)))(1.) == -0.25
+
+
+def test_a_call_that_is_not_differentiated_never_pays_for_the_rewrite(monkeypatch):
+    """The rewrite runs when the JVP rule is first traced (or asked for), once per signature."""
+    from jaxsafe import _api
+    calls = []
+    real = _api.rewrite_with_report
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_api, "rewrite_with_report", counting)
+    f = jaxsafe.nan_safe(lambda x: jnp.sum(jnp.where(x > 0, jnp.sqrt(x), 0.)))
+    x = jnp.array([-1.0, 4.0])
+    np.testing.assert_array_equal(f(x), 2.0)
+    np.testing.assert_array_equal(jax.jit(f)(x), 2.0)
+    assert calls == []
+    np.testing.assert_array_equal(jax.grad(f)(x), [0.0, 0.25])
+    np.testing.assert_array_equal(jax.grad(f)(x), [0.0, 0.25])
+    assert calls == [1]
+    assert f.trace(x)[1].sites  # the report asks for it: the same rewrite, not a new one
+    assert calls == [1]
