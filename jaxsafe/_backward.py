@@ -49,7 +49,7 @@ from ._compat import (
 from ._masks import broadcast
 from ._nested import call_jaxpr
 from ._rules import rule_for
-from ._zero_lanes import ZeroMask, as_array
+from ._zero_lanes import ZeroMask, as_array, union
 
 
 def guarded_backward(bwd: Any, runner: Callable[[ClosedJaxpr], Callable[..., list]]) -> Any:
@@ -146,9 +146,7 @@ class _Interpreter:
             others = [masks[k] for k in absorbs if k != j and masks[k] is not None]
             if not others:
                 continue
-            where = as_array(others[0], shape)
-            for m in others[1:]:
-                where = lax.bitwise_or(where, as_array(m, shape))
+            where = union(others, shape)
             if j in absorbs and masks[j] is not None:
                 where = lax.bitwise_and(where, lax.bitwise_not(as_array(masks[j], shape)))
             operand = broadcast(invals[j], shape)
@@ -181,7 +179,7 @@ class _Interpreter:
 
 def _constant_zeros(value: Any) -> ZeroMask:
     """True for a constant that is 0 in every lane (a literal, `zeros_like`'s), else None."""
-    if isinstance(value, Tracer) or not hasattr(value, "shape") and not np.isscalar(value):
+    if isinstance(value, Tracer) or (not hasattr(value, "shape") and not np.isscalar(value)):
         return None
     if np.size(value) > 4096:
         return None

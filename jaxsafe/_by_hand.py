@@ -71,7 +71,7 @@ class HandGuards:
         """Reverse mode: each differentiated operand carries no derivative in the dead lanes,
         made so by a selection, so whatever reaches its cotangent there stops; or, in the dead
         lanes where it does carry one, a predicate holds that keeps the equation finite with
-        its derivative (`safe_mask(r2 > 0, jnp.sqrt, r2)`: `sqrt` where `r2 > 0`)."""
+        its derivative (`safe_mask(r2 > 1e-12, jnp.sqrt, r2)`: `sqrt` where `r2 > 1e-12`)."""
         shape = shape_of(eqn.outvars[0])
         for k, (v, d) in enumerate(zip(eqn.invars, self.sweep.diff[i], strict=True)):
             if not d or not isinstance(v, Var) or not is_float(v) or v in self.fixed:

@@ -49,13 +49,7 @@ def every_operand(eqn: JaxprEqn, masks: list, values: list) -> list:
     """Zero where every operand is (`add`, `sub`, `add_any`)."""
     if any(m is None for m in masks):
         return [None]
-    if all(m is True for m in masks):
-        return [True]
-    shape = shape_of(eqn.outvars[0])
-    out = as_array(masks[0], shape)
-    for m in masks[1:]:
-        out = lax.bitwise_and(out, as_array(m, shape))
-    return [out]
+    return [_folded(masks, shape_of(eqn.outvars[0]), lax.bitwise_and, all)]
 
 
 def any_operand(eqn: JaxprEqn, masks: list, values: list) -> list:
@@ -63,13 +57,22 @@ def any_operand(eqn: JaxprEqn, masks: list, values: list) -> list:
     known = [m for m in masks if m is not None]
     if not known:
         return [None]
-    if any(m is True for m in known):
-        return [True]
-    shape = shape_of(eqn.outvars[0])
-    out = as_array(known[0], shape)
-    for m in known[1:]:
-        out = lax.bitwise_or(out, as_array(m, shape))
-    return [out]
+    return [_folded(known, shape_of(eqn.outvars[0]), lax.bitwise_or, any)]
+
+
+def union(masks: list, shape: Sequence[int]) -> Any:
+    """The lanes where any of `masks` is zero, as a boolean array of `shape`."""
+    return as_array(_folded(masks, shape, lax.bitwise_or, any), shape)
+
+
+def _folded(masks: list, shape: Sequence[int], op: Callable, whole: Callable) -> ZeroMask:
+    """`op` over the masks at `shape`; True where `whole` of them being True decides it."""
+    if whole(m is True for m in masks):
+        return True
+    out = as_array(masks[0], shape)
+    for m in masks[1:]:
+        out = op(out, as_array(m, shape))
+    return out
 
 
 def selected(eqn: JaxprEqn, masks: list, values: list) -> list:

@@ -15,6 +15,10 @@ from helpers import assert_close, assert_finite, structure
 
 import jaxsafe
 
+# The slow tests (second order, whole solvers) run without the leak checker: it turns JAX's
+# tracing caches off. The first-order ones keep it: the wrapped rule must leak no tracer.
+SLOW = pytest.mark.no_leak_check
+
 X = jnp.array([-1.0, 0.0, 0.25, 4.0, -2.0])
 W = jnp.arange(1.0, 6.0)
 
@@ -54,6 +58,7 @@ def test_a_leak_inside_a_backward_rule_is_fixed_at_first_order():
     assert_close(jax.grad(jaxsafe.nan_safe(loss))(X), jax.grad(loss_of(hand))(X))
 
 
+@SLOW
 def test_a_leak_inside_a_backward_rule_is_fixed_in_the_hessian_too():
     loss = loss_of(retracing(leaky))
     got = jax.hessian(jaxsafe.nan_safe(loss))(X)
@@ -205,7 +210,7 @@ H0 = jnp.array([1.0, 0.5, 2.0])
 K = jnp.array([1.0, 1.0, 0.3])
 
 
-@pytest.mark.no_leak_check
+@SLOW
 def test_diffrax_draining_tanks_gradient_equals_the_hand_fix():
     """Two tanks run dry inside the solve: sqrt's branch is dropped there, inside equinox's
     checkpointed while loop, whose backward rule re-traces the vector field."""
@@ -216,7 +221,7 @@ def test_diffrax_draining_tanks_gradient_equals_the_hand_fix():
     assert_close(got, jax.grad(_tanks(_drain_hand), (0, 1))(H0, K), rtol=1e-5)
 
 
-@pytest.mark.no_leak_check
+@SLOW
 def test_library_programs_have_no_unknown_primitive():
     import lineax as lx
     import optimistix as optx
