@@ -35,9 +35,10 @@ test: lint
 		--ignore=tests/test_multidevice.py
 	JAX_ENABLE_X64=1 $(PY) -m pytest -n auto --dist loadfile -m "not slow" tests/test_x64.py \
 		tests/test_x64_transparency.py tests/test_x64_where.py
+	# the multi-device session (one process) and the docs examples run side by side
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -m "not slow" \
-		tests/test_multidevice.py
-	$(PY) docs/check_examples.py
+		tests/test_multidevice.py & md=$$!; $(PY) docs/check_examples.py; docs=$$?; \
+		wait $$md && exit $$docs
 
 # The house checks: ruff (pyproject.toml [tool.ruff]) and pyright on jaxsafe/ ([tool.pyright]).
 lint: $(STAMP)
