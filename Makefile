@@ -6,12 +6,13 @@ BENCH_ARGS ?=
 STAMP = $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help demo test lint fuzz bench clean
+.PHONY: help demo test test-libs lint fuzz bench clean
 
 help:
 	@echo "Targets:"
 	@echo "  make demo    build $(VENV) and run examples/quickstart.py"
 	@echo "  make test    build $(VENV), run the house checks (make lint), the test suite (not slow) and the docs examples"
+	@echo "  make test-libs  install the heavy libraries (jax-md) and run their tests (CI runs it)"
 	@echo "  make lint    ruff and pyright on the package"
 	@echo "  make fuzz    run the slow (property/fuzz) tests"
 	@echo "  make bench   run benchmarks/run.py (BENCH_ARGS=...)"
@@ -30,7 +31,7 @@ demo: $(STAMP)
 # One pytest worker per CPU (pytest-xdist), one test file per worker: the suite is
 # compile-bound and takes about 15 minutes on one core. `make fuzz` stays in one process (it writes tests/.fuzz-counts.json).
 test: lint
-	$(PY) -m pytest -n auto --dist loadfile -m "not slow" --ignore=tests/test_x64.py \
+	$(PY) -m pytest -n auto --dist loadfile -m "not slow and not libs" --ignore=tests/test_x64.py \
 		--ignore=tests/test_x64_transparency.py --ignore=tests/test_x64_where.py \
 		--ignore=tests/test_multidevice.py
 	JAX_ENABLE_X64=1 $(PY) -m pytest -n auto --dist loadfile -m "not slow" tests/test_x64.py \
@@ -39,6 +40,16 @@ test: lint
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -m "not slow" \
 		tests/test_multidevice.py & md=$$!; $(PY) docs/check_examples.py; docs=$$?; \
 		wait $$md && exit $$docs
+
+LIBS_STAMP = $(VENV)/.installed-libs
+
+$(LIBS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,libs]'
+	touch $@
+
+# Whole programs of heavy libraries (jax-md): their own extra, which doubles the set-up.
+test-libs: $(LIBS_STAMP)
+	$(PY) -m pytest -m "libs and not slow" tests/test_libraries.py
 
 # The house checks: ruff (pyproject.toml [tool.ruff]) and pyright on jaxsafe/ ([tool.pyright]).
 lint: $(STAMP)

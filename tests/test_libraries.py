@@ -1,0 +1,54 @@
+"""Whole programs of a heavy library: jax-md's pair energies (`make test-libs`).
+
+jax-md (with pymatgen and flax behind it) is the `libs` extra, not the `test` one: installing
+it doubles `make test`'s set-up. These tests are marked `libs`; `make test-libs` installs the
+extra and runs them, and `.ci/run` calls it after `make test`. jax-md guards its singular lanes
+by hand (`safe_mask`, `nan_to_num`): values, forces and Hessians must be the original's.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, assert_finite, structure
+
+import jaxsafe
+
+pytestmark = [pytest.mark.libs, pytest.mark.no_leak_check]
+
+R = jnp.array([[0.0, 0.0], [1.0, 0.0], [0.0, 1.2], [0.0, 1.2]])  # a coincident pair
+
+
+def _jax_md():
+    """jax-md, imported by the tests that use it (its import takes seconds)."""
+    import jax_md
+    return jax_md
+
+
+JAX_MD_WARNINGS = pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64")
+
+
+@JAX_MD_WARNINGS
+@pytest.mark.parametrize("make", ["lennard_jones_pair", "morse_pair", "soft_sphere_pair"])
+def test_jax_md_pair_energies_forces_and_hessians_are_unchanged(make):
+    jax_md = _jax_md()
+    displacement, _ = jax_md.space.free()
+    energy = getattr(jax_md.energy, make)(displacement)
+    r = jnp.array([[0.0, 1.2], [1.1, 0.0], [0.0, 1.2]])  # a coincident pair
+    safe = jaxsafe.nan_safe(energy)
+    np.testing.assert_array_equal(safe(r), jax.jit(energy)(r))
+    forces = jax.grad(safe)(r)
+    assert_finite(forces)
+    assert_close(forces, jax.grad(energy)(r), rtol=1e-5, atol=1e-6)
+    assert_close(jax.hessian(safe)(r), jax.hessian(energy)(r), rtol=1e-4, atol=1e-5)
+
+
+@JAX_MD_WARNINGS
+def test_jax_md_distance_adds_nothing_for_finite_positions():
+    jax_md = _jax_md()
+    displacement, _ = jax_md.space.free()
+    metric = jax_md.space.metric(displacement)
+    f = lambda r: jnp.sum(jax_md.space.map_product(metric)(r, r))
+    assert structure(jaxsafe.make_jaxpr(f, finite_args=True)(R)) == \
+        structure(jax.make_jaxpr(f)(R))
+    assert_close(jax.grad(jaxsafe.nan_safe(f, finite_args=True))(R), jax.grad(f)(R))
