@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn
 
 
@@ -22,3 +24,14 @@ def sub_jaxprs(eqn: JaxprEqn) -> list[ClosedJaxpr]:
             elif isinstance(item, Jaxpr):
                 out.append(ClosedJaxpr(item, ()))
     return out
+
+
+def any_equation(closed: ClosedJaxpr, test: Callable[[JaxprEqn], bool]) -> bool:
+    """Whether `test` holds for an equation of `closed`, at any depth (iterative)."""
+    stack = [closed]
+    while stack:
+        for eqn in stack.pop().jaxpr.eqns:
+            if test(eqn):
+                return True
+            stack.extend(sub_jaxprs(eqn))
+    return False

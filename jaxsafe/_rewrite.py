@@ -52,7 +52,7 @@ from ._decisions import plan_decisions
 from ._emit import emit
 from ._flatten import flatten
 from ._liveness import Sweep, Sweeps
-from ._nested import sub_jaxprs
+from ._nested import any_equation, sub_jaxprs
 from ._plan import Plan
 from ._report import Report, note_failure
 from ._rules import Kind, rule_for
@@ -200,14 +200,10 @@ def guard_backward_rules(closed: ClosedJaxpr, sweep: Sweep, report: Report, nonf
 def _contains_drop(closed: ClosedJaxpr) -> bool:
     """Whether a body drops lanes anywhere (a selection, a slice, a gather, a sort): what its
     derivative's transpose writes zeros for."""
-    stack = [closed]
-    while stack:
-        for eqn in stack.pop().jaxpr.eqns:
-            rule = rule_for(eqn.primitive)
-            if rule.selection is not None or rule.drops(eqn):
-                return True
-            stack.extend(sub_jaxprs(eqn))
-    return False
+    def drops(eqn: JaxprEqn) -> bool:
+        rule = rule_for(eqn.primitive)
+        return rule.selection is not None or rule.drops(eqn)
+    return any_equation(closed, drops)
 
 
 def _rewrite_backward(closed: ClosedJaxpr) -> Callable:

@@ -28,7 +28,7 @@ from ._atoms import dtype_of, is_float, is_nonfinite_literal, literal_value
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._constants import finite_with_derivatives
 from ._liveness import Sweep
-from ._nested import sub_jaxprs
+from ._nested import any_equation, sub_jaxprs
 from ._rules import Kind, guard_for, rule_for
 
 
@@ -105,13 +105,7 @@ _IN_DOMAIN: dict = {}
 
 def contains_hazard(closed: ClosedJaxpr) -> bool:
     """Whether a body can make NaN/inf from finite inputs, at any depth."""
-    stack = [closed]
-    while stack:
-        for eqn in stack.pop().jaxpr.eqns:
-            if _makes_nonfinite_itself(eqn):
-                return True
-            stack.extend(sub_jaxprs(eqn))
-    return False
+    return any_equation(closed, _makes_nonfinite_itself)
 
 
 def _tested(eqn: JaxprEqn) -> list[Var]:
