@@ -65,6 +65,7 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report) 
     free = dropped.free = FreeValues(closed, sweep)
     by_hand = HandGuards(closed, sweep, free)
     covered: set[int] = set()
+    fixed = _without_tangent(closed)
     bounds = Bounds(jaxpr.eqns, sweep.producer,
                     {v: c for v, c in zip(jaxpr.constvars, closed.consts, strict=True)
                      if not isinstance(c, Tracer)})
@@ -74,7 +75,7 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report) 
             rule = rule_for(eqn.primitive)
             if not rule.known:
                 report.unknown.append(eqn)
-            site = _site(i, eqn, rule, sweep, tainted, dropped, bounds, report, free)
+            site = _site(i, eqn, rule, sweep, tainted, dropped, bounds, report, free, fixed)
             if site is not None and (site.replace or site.cut) and by_hand.covers(i, eqn):
                 # already guarded by hand (`_by_hand.py`): its dropped lanes stay as they are,
                 # and may hold NaN or inf for what reads them
@@ -94,7 +95,7 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report) 
 
 def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set,
           dropped: DroppedValues, bounds: Bounds, report: Report,
-          free_values: FreeValues) -> Site | None:
+          free_values: FreeValues, fixed: Set) -> Site | None:
     if eqn.effects:
         return None
     out_kinds = [sweep.kind(o) for o in eqn.outvars]
@@ -105,6 +106,7 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
     if not has_dropped:
         return Site(eqn, {}, {}, frozenset(), free, free_cut) if free else None
     diff = sweep.diff[i]
+    tangents = [d and v not in fixed for v, d in zip(eqn.invars, diff, strict=True)]
     guarded = [k != Kind.LIVE for k in operand_kinds(eqn, out_kinds, sweep)]
     replace, reasons = _value_guards(eqn, rule, diff, guarded, tainted, dropped, bounds)
     cut = _cut_before_a_picker(eqn, rule, sweep, dropped, replace, reasons)
@@ -113,7 +115,7 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
     body_guards_itself = rule.masked_body is not None and any(
         k == Kind.MAYBE and is_float(o) for k, o in zip(out_kinds, eqn.outvars, strict=True))
     nonfinite = [] if body_guards_itself else _nonfinite_operands(
-        eqn, rule, diff, guarded, tainted, sweep, report, dropped)
+        eqn, rule, tangents, guarded, tainted, sweep, report, dropped)
     for k in nonfinite:
         if k not in replace and k not in cut:
             safe = guard.safe.get(k, 0.0) if guard is not None else 0.0
@@ -166,11 +168,25 @@ def _read_only_by_a_picker(eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep,
             and all(sweep.kind(o) == Kind.LIVE for o in reader.outvars))
 
 
+def _without_tangent(closed: ClosedJaxpr) -> set:
+    """Values computed from literals and known constants alone: no tangent ever reaches them
+    (a closed-over tracer is not known: an outer transformation may differentiate it)."""
+    jaxpr = closed.jaxpr
+    fixed = {v for v, c in zip(jaxpr.constvars, closed.consts, strict=True)
+             if not isinstance(c, Tracer)}
+    if fixed:
+        for eqn in jaxpr.eqns:
+            if all(isinstance(v, Literal) or v in fixed for v in eqn.invars):
+                fixed.update(eqn.outvars)
+    return fixed
+
+
 def _nonfinite_operands(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool],
                         guarded: list[bool], tainted: set, sweep: Sweep,
                         report: Report, dropped: DroppedValues) -> list[int]:
-    """Operands that may be non-finite in dropped lanes where a differentiated operand's
-    derivative reads them (a zero cotangent times NaN), and that a guard can reach cheaply."""
+    """Operands that may be non-finite in dropped lanes where the derivative of an operand that
+    carries a tangent (`diff`) reads them (a zero cotangent times NaN), and that a guard can
+    reach cheaply."""
     if rule.linear or rule.zero_derivative or rule.custom_rule:  # a custom rule: cut instead
         return []
     found = []

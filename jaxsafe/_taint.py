@@ -10,7 +10,8 @@ the zero cotangent of that lane by it. Such values are *tainted*:
 - NaN/inf literals and constants (except as the identity of their primitive, `max(-inf, x)`),
   and constants whose value is not known (an outer trace's tracers);
 - values the program itself tests for NaN or inf, where the test decides a live selection, and
-  the values they are computed from;
+  the values they are computed from that may hold NaN or inf in some lane (an argument's, a
+  NaN-prone primitive's: `nonfinite_anywhere`);
 - the outputs of unknown primitives, and of bodies that contain a NaN-prone primitive;
 
 and everything computed from them that no guard has cleaned (the guard pass, `_sites.py`,
@@ -132,7 +133,7 @@ def _reach_live_selections(sweep: Sweep) -> set:
 def nonfinite_seeds(closed: ClosedJaxpr, sweep: Sweep, finite_invars: Sequence[bool]) -> set:
     """The taint pass's seeds: the arguments not declared finite (`finite_invars`), non-finite
     constants, and values the program tests for NaN/inf where the test decides a live
-    selection, with the values they are computed from.
+    selection, with the values they are computed from that may hold NaN or inf in some lane.
 
     `logsumexp` tests its max with isfinite only to feed stop_gradient: that says nothing about
     which values may be non-finite where it matters.
@@ -152,9 +153,15 @@ def nonfinite_seeds(closed: ClosedJaxpr, sweep: Sweep, finite_invars: Sequence[b
             reach = _reach_live_selections(sweep)
         if any(o in reach for o in eqn.outvars):
             stack.extend(tested)
-    while stack:  # a tested value may be non-finite because of any of its ancestors
+    if not stack:
+        return tainted
+    # a tested value may be non-finite because of any of its ancestors that may be: one that
+    # no argument, constant or NaN-prone equation makes non-finite holds finite values in
+    # every lane (overflow of unguarded arithmetic aside, as everywhere: how-it-works.md)
+    anywhere = nonfinite_anywhere(closed, tainted)
+    while stack:
         v = stack.pop()
-        if v in tainted or not isinstance(v, Var) or not is_float(v):
+        if v in tainted or not isinstance(v, Var) or not is_float(v) or v not in anywhere:
             continue
         tainted.add(v)
         producer = sweep.producer_of(v)

@@ -52,3 +52,24 @@ def test_jax_md_distance_adds_nothing_for_finite_positions():
     assert structure(jaxsafe.make_jaxpr(f, finite_args=True)(R)) == \
         structure(jax.make_jaxpr(f)(R))
     assert_close(jax.grad(jaxsafe.nan_safe(f, finite_args=True))(R), jax.grad(f)(R))
+
+
+@JAX_MD_WARNINGS
+def test_jax_md_lennard_jones_at_a_tiny_separation_is_fixed_not_left_alone():
+    """jax-md's guards are not the whole fix: at 1e-9 apart, (sigma / r) ** 12 overflows, the
+    pair's energy is NaN and `nan_to_num` drops it, and its zero cotangent meets the infinite
+    derivative: plain JAX's forces are NaN. nan_safe's are those of the system without that
+    pair, which is why the rewritten energy keeps guards (docs/how-it-works.md)."""
+    jax_md = _jax_md()
+    displacement, _ = jax_md.space.free()
+    energy = jax_md.energy.lennard_jones_pair(displacement)
+    r = jnp.array([[0.0, 1.2], [1.1, 0.0], [1e-9, 1.2]])
+    assert np.isnan(jax.grad(energy)(r)).any()
+
+    def without_the_pair(r):  # pairs (0, 1) and (1, 2); (0, 2) is the dropped one
+        return energy(r[jnp.array([0, 1])]) + energy(r[jnp.array([1, 2])])
+
+    safe = jaxsafe.nan_safe(energy, finite_args=True)
+    np.testing.assert_array_equal(safe(r), jax.jit(energy)(r))
+    assert_close(safe(r), without_the_pair(r), rtol=1e-6)
+    assert_close(jax.grad(safe)(r), jax.grad(without_the_pair)(r), rtol=1e-5, atol=1e-6)

@@ -393,3 +393,67 @@ def _check_edge_chunk(x, keep, ops):
         np.testing.assert_allclose(g[keep][finite], branch[finite], rtol=1e-5,
                                    atol=float(np.finfo(np.float32).tiny), err_msg=w.id)
 
+
+
+# ----------------------------------------------------------------- what a NaN test taints
+
+def _root_or_zero(x, w):
+    """`nan_to_num` drops the lanes where `sqrt` made NaN (x * w < 0): the program's own test."""
+    return jnp.sum(jnp.nan_to_num(jnp.sqrt(x * w)))
+
+
+def _root_or_zero_by_hand(x, w):
+    h = x * w
+    return jnp.sum(jnp.where(h >= 0, jnp.sqrt(jnp.where(h >= 0, h, 1.)), 0.))
+
+
+def test_a_nan_test_taints_only_ancestors_that_may_be_non_finite():
+    x = jnp.array([1., -2., 3., -0.5])
+    w = jnp.array([2., 1., -1., -4.])
+    _, report = jaxsafe.nan_safe(_root_or_zero, finite_args=True).trace(x, w)
+    # x * w is finite wherever x and w are: only sqrt, whose NaN the test catches, is guarded
+    assert [site.eqn.primitive.name for site in report.sites if site.replace] == ["sqrt"]
+    for order in (jax.grad, jax.hessian):
+        safe = order(jaxsafe.nan_safe(_root_or_zero, finite_args=True), (0, 1))(x, w)
+        assert_close(safe, order(_root_or_zero_by_hand, (0, 1))(x, w))
+    assert np.isnan(jax.grad(_root_or_zero)(x, w)).any()  # what plain JAX gives
+
+
+def test_a_nan_test_still_taints_an_argument_that_may_be_nan():
+    x = jnp.array([1., nan, 3.])
+    w = jnp.array([2., 1., -1.])
+    grads = jax.grad(jaxsafe.nan_safe(_root_or_zero), (0, 1))(x, w)
+    # the reference: JAX on the program without the dropped lanes (1 and 2)
+    live = jnp.array([0])
+    expected = jax.grad(lambda a, b: _root_or_zero(a[live], b[live]), (0, 1))(x, w)
+    assert_close(grads, expected)
+
+
+C = jnp.array([2., 4., -8.])
+
+
+def _scaled(x, c):
+    return jnp.sum(jnp.where(jnp.abs(x) < 1, x / c, 0.))
+
+
+def _scaled_by_hand(x, c):
+    keep = jnp.abs(x) < 1
+    return jnp.sum(jnp.where(keep, jnp.where(keep, x, 0.) / c, 0.))
+
+
+def test_a_known_constant_takes_no_tangent_so_nothing_guards_its_derivative():
+    f = lambda x: _scaled(x, C)  # noqa: E731
+    x = jnp.array([0.5, inf, nan])
+    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    assert_close(jax.grad(jaxsafe.nan_safe(f))(x), jax.grad(f)(x))
+
+
+def test_a_closed_over_tracer_is_differentiated_so_its_derivative_is_guarded():
+    x = jnp.array([0.5, inf, nan])
+
+    def through(c, g):
+        return g(lambda x: _scaled(x, c))(x)
+
+    safe = jax.grad(through)(C, jaxsafe.nan_safe)
+    assert_close(safe, jax.grad(lambda c: _scaled_by_hand(x, c))(C))
+    assert np.isnan(jax.grad(through)(C, lambda f: f)).any()  # plain JAX: -inf / c ** 2 * 0
