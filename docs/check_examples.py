@@ -3,10 +3,10 @@
     .venv/bin/python docs/check_examples.py            # check (exit status 1 on a mismatch)
     .venv/bin/python docs/check_examples.py --update   # rewrite the ```text blocks in place
 
-Each ```python block runs on its own, in a fresh interpreter, as a file named `example.py` (so
-that `jaxsafe.explain` prints `example.py:LINE:COL`). A block followed by a ```text block must
-print exactly that text; a block without one must print nothing. Blocks in other languages are
-not run.
+Each ```python block runs on its own, in a fresh interpreter, as a file named `example.py` in a
+directory of its own (so that `jaxsafe.explain` prints `example.py:LINE:COL` and quotes the
+line). A block followed by a ```text block must print exactly that text; a block without one
+must print nothing. Blocks in other languages are not run.
 """
 
 from __future__ import annotations
@@ -16,20 +16,26 @@ import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FILES = ["README.md", "docs/index.md", "docs/how-it-works.md", "docs/api.md", "docs/nn.md",
+         "docs/diagnostics.md",
          "docs/scale.md"]
 BLOCK = re.compile(r"```python\n(.*?)```\n(\n*```text\n(.*?)```\n)?", re.S)
-RUNNER = ("import sys; src = sys.stdin.read(); "
+RUNNER = ("src = open('example.py').read(); "
           "exec(compile(src, 'example.py', 'exec'), {'__name__': '__main__'})")
 
 
 def run(code: str) -> str:
+    """Run `code` as `example.py` in a directory of its own, where the diagnostics can read the
+    lines they quote."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", RUNNER], input=code, text=True,
-                          capture_output=True, cwd=ROOT, env=env)
+    with tempfile.TemporaryDirectory() as where:
+        (pathlib.Path(where) / "example.py").write_text(code)
+        proc = subprocess.run([sys.executable, "-c", RUNNER], text=True,
+                              capture_output=True, cwd=where, env=env)
     if proc.returncode:
         raise RuntimeError(f"example failed:\n{code}\n{proc.stderr}")
     return proc.stdout

@@ -13,10 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import pathlib
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+
+# `is_user_filename`: whether a file is the user's (not JAX's, not an excluded library's): the
+# inlining pass gives a library call's body (`jnp.where`'s jit) the call's own source line, as
+# the body's traceback is that of its first, cached trace, maybe at another line.
+from jax._src.source_info_util import is_user_filename as is_user_filename  # noqa: E402
+
+# `user_frame`: the innermost user frame of an equation's traceback, with its line and columns.
+# `jax.extend.source_info_util` has `summarize` only (a string): the diagnostics quote the
+# user's line and put a marker under the call, which needs the columns.
+from jax._src.source_info_util import user_frame as user_frame  # noqa: E402
 from jax.core import Trace as Trace
 from jax.core import Tracer as Tracer
 from jax.core import eval_context as eval_context
@@ -25,6 +36,10 @@ from jax.extend import core as jex
 from jax.extend import linear_util, source_info_util
 from jax.interpreters.ad import Zero as SymbolicZero  # noqa: F401  (a bwd rule's "no cotangent")
 from jax.interpreters.partial_eval import dce_jaxpr
+
+# jaxsafe's own frames are not the user's: an equation jaxsafe emits (a guard, a shard_map it
+# re-binds) is reported at the user's line that made it, as JAX's own frames are skipped.
+source_info_util.register_exclusion(str(pathlib.Path(__file__).resolve().parent))
 
 Jaxpr = jex.Jaxpr
 ClosedJaxpr = jex.ClosedJaxpr

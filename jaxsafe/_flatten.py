@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._compat import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Var
+from ._compat import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Var, is_user_filename
 from ._nested import call_jaxpr
 from ._rules import rule_for
 
@@ -22,23 +22,35 @@ def _sub_atom(sub: dict, a: Any) -> Any:
     return sub.get(a, a) if isinstance(a, Var) else a
 
 
+def _user_body(jaxpr: Jaxpr) -> bool:
+    """Whether a call's body is a function of the user's files (unknown: counted as one)."""
+    where = getattr(jaxpr.debug_info, "func_src_info", None)
+    if not where or " at " not in where:
+        return True
+    return bool(is_user_filename(where.rsplit(" at ", 1)[1].rsplit(":", 1)[0]))
+
+
 def flatten(closed: ClosedJaxpr) -> ClosedJaxpr:
     """The same program with every inlinable call inlined (at any depth); `closed` itself when
     it has none.
 
     Built by copying equations with renamed variables, not by tracing again: nothing is
-    re-evaluated, and every equation keeps its source info. Iterative: jit chains can be deep.
+    re-evaluated, and every equation keeps its source info, except in the body of a library's
+    call (`jnp.where`, `jnp.nan_to_num`: functions outside the user's files), whose equations
+    take the call's traceback: JAX caches such a body, so its own traceback is that of the first
+    trace, at whatever line made it. Iterative: jit chains can be deep.
     """
     if not _has_inlinable(closed.jaxpr):
         return closed
     constvars, consts = list(closed.jaxpr.constvars), list(closed.consts)
     eqns: list[JaxprEqn] = []
     top_sub: dict = {}
-    # frames: (jaxpr, substitution, rename outputs?, equation iterator, the call being inlined)
-    stack: list[tuple[Jaxpr, dict, bool, Any, Any]] = [
-        (closed.jaxpr, top_sub, False, iter(closed.jaxpr.eqns), None)]
+    # frames: (jaxpr, substitution, rename outputs?, equation iterator, the call being inlined,
+    # the traceback its equations take: None, their own)
+    stack: list[tuple[Jaxpr, dict, bool, Any, Any, Any]] = [
+        (closed.jaxpr, top_sub, False, iter(closed.jaxpr.eqns), None, None)]
     while stack:
-        jaxpr, sub, fresh, it, call = stack[-1]
+        jaxpr, sub, fresh, it, call, traceback = stack[-1]
         eqn = next(it, None)
         if eqn is None:
             stack.pop()
@@ -48,6 +60,8 @@ def flatten(closed: ClosedJaxpr) -> ClosedJaxpr:
                     outer_sub[o] = _sub_atom(sub, a)
             continue
         invars = [_sub_atom(sub, v) for v in eqn.invars]
+        if traceback is not None:
+            eqn = eqn.replace(source_info=eqn.source_info.replace(traceback=traceback))
         if rule_for(eqn.primitive).inline:
             inner = call_jaxpr(eqn)
             inner_sub: dict = {}
@@ -56,7 +70,9 @@ def flatten(closed: ClosedJaxpr) -> ClosedJaxpr:
                 constvars.append(new_var)
                 consts.append(c)
             inner_sub.update(zip(inner.jaxpr.invars, invars, strict=True))
-            stack.append((inner.jaxpr, inner_sub, True, iter(inner.jaxpr.eqns), (sub, eqn)))
+            inner_traceback = None if _user_body(inner.jaxpr) else eqn.source_info.traceback
+            stack.append((inner.jaxpr, inner_sub, True, iter(inner.jaxpr.eqns), (sub, eqn),
+                          inner_traceback))
             continue
         outvars = list(eqn.outvars)
         if fresh:  # a body inlined more than once must not reuse its variables

@@ -35,3 +35,13 @@ def any_equation(closed: ClosedJaxpr, test: Callable[[JaxprEqn], bool]) -> bool:
                 return True
             stack.extend(sub_jaxprs(eqn))
     return False
+
+
+def count_equations(closed: ClosedJaxpr) -> int:
+    """Equations of `closed`, those of the jaxprs in their parameters included (iterative)."""
+    count, stack = 0, [closed]
+    while stack:
+        for eqn in stack.pop().jaxpr.eqns:
+            count += 1
+            stack.extend(sub_jaxprs(eqn))
+    return count

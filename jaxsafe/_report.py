@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from ._compat import JaxprEqn, source_summary
+from ._compat import ClosedJaxpr, JaxprEqn, source_summary
+
+if TYPE_CHECKING:
+    from ._explain import Guard
 
 
 @dataclasses.dataclass
@@ -23,9 +28,13 @@ class Site:
     """The lanes that carry no derivative are cut at the output instead (`_free.py`)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Report:
-    """What a rewrite did, for `jaxsafe.explain` and the tests.
+    """What a rewrite did: what `jaxsafe.explain` and `nan_safe(f).trace` return.
+
+    `str(report)` reads like a compiler's diagnostics (`_explain.py`), `report.guards` lists the
+    guards with their drops and source lines, `report.diff()` the jaxprs' unified diff. The
+    passes fill in:
 
     - `sites`: the guarded equations, in program order (the guard pass);
     - `selections`: `max`/`min`/`clamp` equations re-decided on original values (the decision
@@ -46,6 +55,43 @@ class Report:
     skipped: list[tuple[JaxprEqn, str]] = dataclasses.field(default_factory=list)
     backward_rules: list[JaxprEqn] = dataclasses.field(default_factory=list)
     """Custom rules whose backward program runs through the structural-zero pass."""
+    drops_of: Callable[[JaxprEqn], tuple[JaxprEqn, ...]] | None = None
+    """The equations of this program that drop lanes of an equation's outputs (the guard
+    pass's liveness, asked for by the diagnostics only)."""
+    original: ClosedJaxpr | None = None
+    rewritten: ClosedJaxpr | None = None
+    """The programs before and after (the top-level report only)."""
+
+    @property
+    def guards(self) -> tuple[Guard, ...]:
+        """Every guard, nested bodies' included, in program order: empty when nothing needed
+        one."""
+        from ._explain import guards_of
+        return guards_of(self)
+
+    @property
+    def equations(self) -> tuple[int, int] | None:
+        """The equation counts of the program before and after the rewrite, bodies included."""
+        from ._nested import count_equations
+        if self.original is None or self.rewritten is None:
+            return None
+        return count_equations(self.original), count_equations(self.rewritten)
+
+    def diff(self, context: int = 3) -> str:
+        """The original and the rewritten jaxpr as a unified diff, guarded equations marked."""
+        from ._explain import jaxpr_diff
+        return jaxpr_diff(self, context)
+
+    def __str__(self) -> str:
+        from ._explain import format_report
+        return format_report(self)
+
+    def __repr__(self) -> str:
+        n = len(self.guards)
+        return f"<jaxsafe.Report: {n} guard{'s' if n != 1 else ''}>"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # IPython shows the text
+        printer.text(str(self))
 
     @property
     def changed(self) -> bool:

@@ -50,6 +50,7 @@ from ._compat import (
 from ._cotangents import body_cotangents, needs_cotangents, nonfinite_cotangents
 from ._decisions import plan_decisions
 from ._emit import emit
+from ._explain import drops_from
 from ._flatten import flatten
 from ._liveness import Sweep, Sweeps
 from ._nested import any_equation, sub_jaxprs
@@ -66,7 +67,10 @@ def rewrite_with_report(closed: ClosedJaxpr, finite_invars: Sequence[bool] | Non
     `finite_invars`: the arguments the caller promises are finite (default: none)."""
     assert finite_invars is None or len(finite_invars) == len(closed.jaxpr.invars)
     with fewer_collections():
-        return _rewrite(closed, Sweeps(), finite_invars)
+        new, report = _rewrite(closed, Sweeps(), finite_invars)
+    # the diagnostics compare the flattened original (what was analysed) with the result
+    report.rewritten = report.original if new is closed else new
+    return new, report
 
 
 def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps, finite_invars: Sequence[bool] | None = None,
@@ -75,6 +79,7 @@ def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps, finite_invars: Sequence[bool] 
     flat = dce(flatten(closed))
     plan = plan_program(flat, [Kind.LIVE] * len(flat.jaxpr.outvars), sweeps, finite_invars,
                         bad_cotangents)
+    plan.report.original = flat
     if not plan.report.changed:
         return closed, plan.report
     avals = [v.aval for v in closed.jaxpr.invars]
@@ -116,8 +121,8 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
     outputs (all LIVE at the top; MAYBE for a body the program around it drops in places).
     `finite_invars`: the arguments promised finite (None: none is). `bad_cotangents`: the
     outputs whose cotangent may be non-finite (None: none, as `jax.grad` seeds 1)."""
-    report = Report()
     sweep = sweeps.get(closed.jaxpr, out_kinds, False)
+    report = Report(drops_of=functools.partial(drops_from, sweep))
     if finite_invars is None:
         finite_invars = [False] * len(closed.jaxpr.invars)
     seeds = nonfinite_seeds(closed, sweep, finite_invars)

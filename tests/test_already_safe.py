@@ -88,7 +88,7 @@ UNCHANGED = [  # (name, f, args, finite_args, check the Hessian too)
 def test_hand_guarded_code_is_left_as_it_is(name, f, args, finite, hessian):
     assert structure(jaxsafe.make_jaxpr(f, finite_args=finite)(*args)) == \
         structure(jax.make_jaxpr(f)(*args))
-    assert jaxsafe.explain(f, finite_args=finite)(*args) == \
+    assert str(jaxsafe.explain(f, finite_args=finite)(*args)) == \
         "nothing to guard: the program runs unchanged"
     safe = jaxsafe.nan_safe(f, finite_args=finite)
     assert_close(jax.grad(safe)(*args), jax.grad(f)(*args))
@@ -106,7 +106,7 @@ def test_optax_safe_norm_is_left_as_it_is():
     f = lambda x: jnp.sum(optax.safe_norm(x, 1e-6, axis=-1))
     x = jnp.array([[0.0, 0.0], [3.0, 4.0]])
     assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
-    assert "nothing to guard" in jaxsafe.explain(f)(x)
+    assert "nothing to guard" in str(jaxsafe.explain(f)(x))
     assert_close(jax.grad(jaxsafe.nan_safe(f))(x), jax.grad(f)(x))
 
 
@@ -146,5 +146,5 @@ def test_a_predicate_that_admits_subnormals_does_not_bound_the_sqrt():
         return jnp.sum(safe_mask(d > 2.0, jnp.log, d))
 
     r2 = jnp.array([1e-30, 9.0, 0.0], jnp.float32)
-    assert "guarded sqrt" in jaxsafe.explain(f)(r2)
+    assert "guarded sqrt" in str(jaxsafe.explain(f)(r2))
     assert_close(jax.grad(jaxsafe.nan_safe(f))(r2), jnp.array([0.0, 1 / 18, 0.0]), rtol=1e-6)

@@ -191,7 +191,7 @@ def test_no_analysis_function_recurses_except_into_nested_bodies():
     """Recursion depth may grow with the nesting of bodies (a scan in a cond in a checkpoint),
     never with the length of a program: walks over producers go through `_walk.demand`."""
     recursive = sorted({hit for path in sorted(PACKAGE.glob("*.py")) for hit in _self_calls(path)})
-    assert recursive == ["_explain.py:format_report", "_rewrite.py:_rewrite_param"]
+    assert recursive == ["_rewrite.py:_rewrite_param"]
 
 
 def test_every_row_is_consistent():
@@ -244,12 +244,12 @@ def table():
 def test_register_guard_describes_a_user_primitive_in_one_row(table):
     prim = _user_sqrt("jaxsafe_test_user_sqrt")
     f = lambda x: jnp.where(x > 0, prim.bind(x), 0.)
-    assert "unknown primitive jaxsafe_test_user_sqrt" in jaxsafe.explain(f)(1.)
+    assert "unknown primitive jaxsafe_test_user_sqrt" in str(jaxsafe.explain(f)(1.))
     jaxsafe.register_guard(prim, 1.0)
     row = table[prim]
     assert row.guard is not None and dict(row.guard.safe) == {0: 1.0}
     assert row.elementwise and row.known and not row.foldable  # not run on the host to plan
-    assert "guarded jaxsafe_test_user_sqrt" in jaxsafe.explain(f)(1.)
+    assert "guarded jaxsafe_test_user_sqrt" in str(jaxsafe.explain(f)(1.))
     assert jax.grad(jaxsafe.nan_safe(f))(0.) == 0.
 
 

@@ -231,7 +231,7 @@ def test_logsumexp_isfinite_test_does_not_taint_the_program():
 def test_split_is_data_movement_not_an_unknown_primitive():
     f = lambda x: jnp.split(jnp.log(x), 2)[1].sum()
     x = jnp.array([0., -1., 1., 2.])
-    assert "unknown primitive" not in jaxsafe.explain(f)(x)
+    assert "unknown primitive" not in str(jaxsafe.explain(f)(x))
     assert_close(jax.grad(nan_safe(f))(x), jnp.array([0., 0., 1., 0.5]))
 
 

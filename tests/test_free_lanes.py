@@ -163,7 +163,7 @@ def test_a_zero_placeholder_inside_a_double_where_takes_no_guard():
 
 
 def test_explain_names_the_forward_mode_guard():
-    text = jaxsafe.explain(lambda x: jnp.sqrt(jnp.where(x > 0, x, 0.)))(X)
+    text = str(jaxsafe.explain(lambda x: jnp.sqrt(jnp.where(x > 0, x, 0.)))(X))
     assert "where it carries none (forward mode)" in text and "guarded sqrt" in text
 
 

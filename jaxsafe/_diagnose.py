@@ -1,0 +1,322 @@
+"""`diagnose`: is each NaN of a gradient a leak that nan_safe fixes, or a real singularity?
+
+The gradient of `fun` and of `nan_safe(fun)` are computed at the given point. Every non-finite
+entry of the plain gradient is then a *leak* (finite under nan_safe: a dropped lane's zero
+cotangent met an infinite derivative) or *genuine* (still non-finite: the branch that is taken
+is singular there).
+
+Where each one comes from is found by running the gradient's program equation by equation on
+the values (as `jax_debug_nans` does, without stopping): an *origin* is an equation that makes
+inf or NaN from finite operands. An entry is attributed to the origins whose replacement (by 1,
+inside every domain) makes it finite; the origin's source line names the user's primitive
+there (`sqrt`, or "the derivative of `sqrt`" when the origin is its derivative). Leaks are
+looked for in `fun`'s own gradient and named with the guards `explain` reports at the same
+lines; genuine singularities in nan_safe's gradient, where no leak is left to hide them. The
+forward pass is run the same way: a NaN it computes only in lanes that are dropped (replacing
+it changes no output) is listed as *masked*, harmless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, bind_eqn, user_frame
+from ._explain import Guard, Location, explain, location_of
+from ._flatten import flatten
+from ._report import Report
+from ._rules import guard_for
+
+MAX_ORIGINS = 16
+"""Origins tried one by one to attribute entries (each try runs the program again)."""
+MAX_ENTRIES = 8
+"""Entries named per finding in the text (all are in `Finding.entries`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Where an inf or NaN is first made from finite values: the user's primitive at that line
+    and whether it is that primitive's value or its derivative."""
+
+    primitive: str
+    location: Location | None
+    derivative: bool
+
+    def __str__(self) -> str:
+        what = f"the derivative of {self.primitive}" if self.derivative else self.primitive
+        return f"{what} at {self.location}" if self.location else what
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """Entries of one argument's gradient (or one forward value) with the same verdict and
+    the same origins. `kind`: "leak", "genuine" or "masked"."""
+
+    kind: str
+    argument: str
+    entries: tuple[tuple[int, ...], ...]
+    values: tuple[float, ...]
+    origins: tuple[Origin, ...]
+    guards: tuple[Guard, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnosis:
+    """What `diagnose` found: `leaks` (nan_safe fixes them), `genuine` (real singularities)
+    and `masked` (NaN the forward pass computes only in dropped lanes)."""
+
+    leaks: tuple[Finding, ...]
+    genuine: tuple[Finding, ...]
+    masked: tuple[Finding, ...]
+
+    def __str__(self) -> str:
+        return format_diagnosis(self)
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _nonfinite(value: Any) -> np.ndarray | None:
+    array = np.asarray(value)
+    if not np.issubdtype(array.dtype, np.inexact):
+        return None
+    return ~np.isfinite(array)
+
+
+def _run(closed: ClosedJaxpr, args: Sequence[Any], replaced: int | None = None
+         ) -> tuple[list[Any], list[int]]:
+    """The outputs of `closed` on `args`, equation by equation, and its origins (equations
+    making inf or NaN from finite operands). `replaced`: an equation whose non-finite outputs
+    are replaced by 1."""
+    env: dict = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(closed.jaxpr.invars, args, strict=True))
+    origins = []
+    for i, eqn in enumerate(closed.jaxpr.eqns):
+        invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
+        outs = bind_eqn(eqn, invals)
+        bad = [_nonfinite(o) for o in outs]
+        if any(b is not None and b.any() for b in bad):
+            if all(not (m := _nonfinite(v)) is not None or not m.any() for v in invals):
+                origins.append(i)
+            if i == replaced:
+                outs = [o if b is None else np.where(b, np.ones((), np.asarray(o).dtype), o)
+                        for o, b in zip(outs, bad, strict=True)]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [v.val if isinstance(v, Literal) else env[v] for v in closed.jaxpr.outvars], origins
+
+
+def _fixed_by(closed: ClosedJaxpr, args: Sequence[Any], origin: int) -> list[np.ndarray]:
+    """Per output, the lanes that are finite once `origin`'s inf and NaN are replaced."""
+    outs, _ = _run(closed, args, replaced=origin)
+    return [np.zeros(np.shape(o), bool) if (m := _nonfinite(o)) is None else ~m for o in outs]
+
+
+def _origin(eqn: JaxprEqn, forward: ClosedJaxpr) -> Origin:
+    """Name an origin by the user's primitive at its line: the equation of the forward
+    program with the same frame (a NaN-prone one first)."""
+    location = location_of(eqn)
+    frame = user_frame(eqn.source_info.traceback)
+    same = [e for e in forward.jaxpr.eqns
+            if frame is not None and user_frame(e.source_info.traceback) == frame]
+    same.sort(key=lambda e: guard_for(e) is None)
+    if not same:
+        return Origin(eqn.primitive.name, location, False)
+    user = same[0]
+    itself = user.primitive == eqn.primitive and user.params == eqn.params and [
+        repr(v.val) if isinstance(v, Literal) else None for v in user.invars] == [
+        repr(v.val) if isinstance(v, Literal) else None for v in eqn.invars]
+    return Origin(user.primitive.name, location, not itself)
+
+
+def _attribute(closed: ClosedJaxpr, args: Sequence[Any], origins: list[int],
+               output: int) -> dict[int, np.ndarray]:
+    """origin -> the lanes of `output` that replacing it alone makes finite."""
+    return {o: _fixed_by(closed, args, o)[output] for o in origins[:MAX_ORIGINS]}
+
+
+# --------------------------------------------------------------------------- the verdicts
+
+
+def _group(kind: str, argument: str, lanes: np.ndarray, values: np.ndarray,
+           fixes: dict[int, np.ndarray], eqns: Sequence[JaxprEqn], forward: ClosedJaxpr,
+           guards_at: Callable[[Origin], tuple[Guard, ...]]) -> list[Finding]:
+    """One finding per set of origins, over the entries of `lanes`."""
+    groups: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+    for index in _indices(lanes):
+        which = tuple(o for o, fixed in fixes.items() if fixed[index]) or tuple(fixes)
+        groups.setdefault(which, []).append(index)
+    found = []
+    for which, entries in groups.items():
+        origins = tuple(dict.fromkeys(_origin(eqns[o], forward) for o in which))
+        guards = tuple(dict.fromkeys(g for origin in origins for g in guards_at(origin)))
+        found.append(Finding(kind, argument, tuple(entries),
+                             tuple(float(values[e]) for e in entries), origins, guards))
+    return found
+
+
+def diagnose(fun: Callable, argnums: int | Sequence[int] = 0, *,
+             static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
+             finite_args: Any = False) -> Callable[..., Diagnosis]:
+    """`diagnose(f)(*args)`: classify every non-finite entry of `jax.grad(f, argnums)` at
+    `args` as a leak (nan_safe fixes it; the guard and the drop are named) or genuine (a real
+    singularity; the primitive whose derivative made it is named), and list NaN the forward pass
+    computes only in dropped lanes. `f` must return a scalar, as for `jax.grad`."""
+    if not callable(fun):
+        raise TypeError(f"diagnose: `fun` must be callable, got {type(fun).__name__}: {fun!r}.")
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    statics = {static_argnums} if isinstance(static_argnums, int) else set(static_argnums)
+
+    def run(*args, **kwargs) -> Diagnosis:
+        if any(isinstance(x, Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))):
+            raise TypeError("diagnose: it runs the gradient on values; call it outside jit, "
+                            "vmap and grad, on concrete arguments.")
+        bad = [n for n in nums if n in statics or not 0 <= n < len(args)]
+        if bad:
+            raise ValueError(f"diagnose: argnums {bad} must name positional arguments that are "
+                             f"not static (there are {len(args)}).")
+        call = _Call(fun, nums, statics, args, kwargs)
+        report = explain(fun, static_argnums=static_argnums, static_argnames=static_argnames,
+                         finite_args=finite_args)(*args, **kwargs)
+        # jit=False: the rewritten program runs equation by equation, and its derivative's
+        # equations keep the user's source lines (under the jit front JAX's linearization of
+        # the custom_jvp call gives them its own, which names no user line)
+        from ._api import NanSafeFunction
+        safe = NanSafeFunction(fun, static_argnums, static_argnames, False, 0, finite_args)
+        return call.diagnosis(safe, report)
+    return run
+
+
+class _Call:
+    """One call of `diagnose`: the function with its static arguments bound, its programs."""
+
+    def __init__(self, fun: Callable, nums: tuple[int, ...], statics: set, args: tuple,
+                 kwargs: dict):
+        self.fun, self.args, self.kwargs = fun, args, kwargs
+        self.dynamic = [i for i in range(len(args)) if i not in statics]
+        self.grad_nums = tuple(self.dynamic.index(n) for n in nums)
+        self.dyn_args = [args[i] for i in self.dynamic]
+        self.leaves = jax.tree_util.tree_leaves(self.dyn_args)
+        self.names = [f"argument {num}{jax.tree_util.keystr(path)}" for num in nums
+                      for path, _ in jax.tree_util.tree_flatten_with_path(args[num])[0]]
+
+    def bind(self, f: Callable) -> Callable:
+        def call(*dyn):
+            full = list(self.args)
+            for i, d in zip(self.dynamic, dyn, strict=True):
+                full[i] = d
+            return f(*full, **self.kwargs)
+        return call
+
+    def program(self, f: Callable) -> ClosedJaxpr:
+        return flatten(jax.make_jaxpr(f)(*self.dyn_args))
+
+    def gradient_program(self, f: Callable) -> ClosedJaxpr:
+        try:
+            return self.program(jax.grad(self.bind(f), self.grad_nums))
+        except TypeError as e:
+            if "scalar" in str(e):
+                raise TypeError(f"diagnose: `fun` must return a scalar, as for jax.grad ({e})"
+                                ) from None
+            raise
+
+    def diagnosis(self, safe: Callable, report: Report) -> Diagnosis:
+        plain_program = self.gradient_program(self.fun)
+        safe_program = self.gradient_program(safe)
+        forward = self.program(self.bind(self.fun))
+
+        def guards_at(origin: Origin) -> tuple[Guard, ...]:
+            at = origin.location
+            return tuple(g for g in report.guards if at is not None and g.location is not None
+                         and (g.location.file, g.location.line, g.location.column)
+                         == (at.file, at.line, at.column))
+
+        plain_outs, plain_origins = _run(plain_program, self.leaves)
+        safe_outs, safe_origins = _run(safe_program, self.leaves)
+        names = (self.names if len(self.names) == len(plain_outs)
+                 else [f"gradient leaf {k}" for k in range(len(plain_outs))])
+        leaks: list[Finding] = []
+        genuine: list[Finding] = []
+        for k, (p, s) in enumerate(zip(plain_outs, safe_outs, strict=True)):
+            p_bad, s_bad = _nonfinite(p), _nonfinite(s)
+            if p_bad is None or s_bad is None or not p_bad.any():
+                continue
+            if (p_bad & ~s_bad).any():
+                fixes = _attribute(plain_program, self.leaves, plain_origins, k)
+                leaks += _group("leak", names[k], p_bad & ~s_bad, np.asarray(p), fixes,
+                                plain_program.jaxpr.eqns, forward, guards_at)
+            if s_bad.any():
+                fixes = _attribute(safe_program, self.leaves, safe_origins, k)
+                genuine += _group("genuine", names[k], s_bad, np.asarray(s), fixes,
+                                  safe_program.jaxpr.eqns, forward, lambda o: ())
+        return Diagnosis(tuple(leaks), tuple(genuine), _masked(forward, self.leaves))
+
+
+def _indices(lanes: np.ndarray) -> list[tuple[int, ...]]:
+    """The indices of the true lanes (`()` for a true scalar)."""
+    return [tuple(int(i) for i in index) for index in np.argwhere(lanes)]
+
+
+def _masked(forward: ClosedJaxpr, leaves: list) -> tuple[Finding, ...]:
+    """The forward pass's origins whose inf and NaN no output sees."""
+    outs, origins = _run(forward, leaves)
+    before = [m for o in outs if (m := _nonfinite(o)) is not None]
+    found = []
+    for o in origins[:MAX_ORIGINS]:
+        after, _ = _run(forward, leaves, replaced=o)
+        now = [m for a in after if (m := _nonfinite(a)) is not None]
+        if all(np.array_equal(b, a) for b, a in zip(before, now, strict=True)):
+            eqn = forward.jaxpr.eqns[o]
+            found.append(Finding("masked", eqn.primitive.name,
+                                 tuple(_indices(_run_to(forward, leaves, o))), (),
+                                 (_origin(eqn, forward),)))
+    return tuple(found)
+
+
+def _run_to(closed: ClosedJaxpr, args: Sequence[Any], stop: int) -> np.ndarray:
+    """The non-finite lanes of equation `stop`'s first output."""
+    env: dict = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(closed.jaxpr.invars, args, strict=True))
+    for i, eqn in enumerate(closed.jaxpr.eqns[:stop + 1]):
+        outs = bind_eqn(eqn, [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars])
+        if i == stop:
+            mask = _nonfinite(outs[0])
+            return np.zeros((), bool) if mask is None else mask
+        env.update(zip(eqn.outvars, outs, strict=True))
+    raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------- the text
+
+
+def _entries(finding: Finding) -> str:
+    """'argument 0 entries [1], [3]', or 'argument 0' for a scalar."""
+    if finding.entries == ((),):
+        return finding.argument
+    shown = ", ".join(f"{list(e)}" for e in finding.entries[:MAX_ENTRIES])
+    more = len(finding.entries) - MAX_ENTRIES
+    return f"{finding.argument} entries {shown}" + (f" and {more} more" if more > 0 else "")
+
+
+def format_diagnosis(diagnosis: Diagnosis) -> str:
+    lines: list[str] = []
+    for f in diagnosis.leaks:
+        lines.append(f"leak: {_entries(f)}: non-finite in jax.grad, "
+                     f"finite under nan_safe")
+        for origin in f.origins:
+            drops = [d for g in f.guards if g.location == origin.location for d in g.drops]
+            fed = (f", fed a zero cotangent by the {drops[0].primitive} at {drops[0].location} "
+                   f"that dropped the lane" if drops else "")
+            lines.append(f"  NaN from {origin}{fed}: nan_safe fixes it, or guard the input by "
+                         f"hand (the double where)")
+    for f in diagnosis.genuine:
+        lines.append(f"genuine: {_entries(f)}: non-finite under nan_safe "
+                     f"too (a singularity of the branch that is taken)")
+        lines += [f"  from {origin}" for origin in f.origins]
+    for f in diagnosis.masked:
+        lines += [f"masked: {origin} computes inf or NaN only in lanes that are dropped "
+                  f"(harmless)" for origin in f.origins]
+    return "\n".join(lines) if lines else "the gradient is finite: nothing to diagnose"

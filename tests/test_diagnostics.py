@@ -1,0 +1,184 @@
+"""Diagnostics (issue 16): `explain` names each guard, the drop that made its lanes dead, and
+the user's lines (checked against `diagnostics_fixture.py`'s marked lines)."""
+
+import diagnostics_fixture as fx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from diagnostics_fixture import LINES
+
+import jaxsafe
+
+pytestmark = pytest.mark.no_leak_check
+
+X = jnp.array([1.0, -1.0, 2.0])
+FIXTURE = fx.__file__
+SHOWN = jaxsafe.Location(FIXTURE, 1, "").shown_file  # relative to the working directory
+
+
+def _only_guard(report, primitive):
+    guards = [g for g in report.guards if g.primitive == primitive]
+    assert len(guards) == 1, report
+    return guards[0]
+
+
+def _at(location, mark):
+    assert location is not None
+    assert (location.file, location.line) == (FIXTURE, LINES[mark]), location
+
+
+CASES = [  # (function, arguments, guarded primitive, its line, drop primitive, drop's line)
+    (fx.issue_19089, (1.0,), "pow", "19089", "select_n", "19089"),
+    (fx.two_calls_deep, (X,), "log", "inner log", "select_n", "deep where"),
+    (fx.in_scan, (X,), "sqrt", "scan sqrt", "select_n", "scan where"),
+    (fx.sliced, (X,), "log", "sliced log", "slice", "slice"),
+    (fx.in_shard_map, (X,), "log", "shard body", "select_n", "shard body"),
+]
+
+
+@pytest.mark.parametrize("f, args, primitive, line, drop, drop_line", CASES,
+                         ids=[c[0].__name__ for c in CASES])
+def test_explain_names_the_guard_the_drop_and_their_lines(f, args, primitive, line, drop,
+                                                          drop_line):
+    report = jaxsafe.explain(f)(*args)
+    guard = _only_guard(report, primitive)
+    _at(guard.location, line)
+    assert guard.kind == "value" and guard.safe_values[0] == 1.0
+    assert [d.primitive for d in guard.drops] == [drop]
+    _at(guard.drops[0].location, drop_line)
+    text = str(report)
+    assert f"{SHOWN}:{LINES[line]}:" in text and f"guarded {primitive}" in text
+    assert f"dropped by {drop} at {SHOWN}:{LINES[drop_line]}:" in text
+
+
+def test_the_hazard_two_calls_deep_is_named_in_its_helper_and_the_drop_in_the_caller():
+    guard = _only_guard(jaxsafe.explain(fx.two_calls_deep)(X), "log")
+    assert guard.location.function == "_inner"
+    assert guard.drops[0].location.function == "two_calls_deep"
+
+
+def test_a_body_guard_says_which_body_it_is_in():
+    scan = _only_guard(jaxsafe.explain(fx.in_scan)(X), "sqrt")
+    assert len(scan.inside) == 1 and scan.inside[0].startswith("scan at ")
+    shard = _only_guard(jaxsafe.explain(fx.in_shard_map)(X), "log")
+    assert shard.inside[0].startswith(f"shard_map at {SHOWN}:")
+
+
+def test_nan_data_gets_a_stop_gradient_guard_on_the_custom_rule():
+    args = (2.0, jnp.array([1.0, jnp.nan]), jnp.array([True, False]))
+    report = jaxsafe.explain(fx.nan_data)(*args)
+    cut = _only_guard(report, "custom_jvp_call")
+    assert cut.kind == "stop-gradient" and cut.safe_values == {0: None}
+    _at(cut.location, "nan data")
+    _at(cut.drops[0].location, "nan data")
+    assert "stop-gradient guard" in str(report)
+    # and what it protects: the NaN lane passes nothing
+    assert jax.grad(jaxsafe.nan_safe(fx.nan_data))(*args) == 1.0
+
+
+def test_no_location_points_into_jax_or_jaxsafe():
+    for f, args, *_ in CASES:
+        report = jaxsafe.explain(f)(*args)
+        for guard in report.guards:
+            for where in (guard.location, *(d.location for d in guard.drops)):
+                assert where is not None and where.file == FIXTURE, (f.__name__, where)
+
+
+def test_the_text_quotes_the_line_and_marks_the_call():
+    text = str(jaxsafe.explain(fx.sliced)(X))
+    lines = text.splitlines()
+    quoted = next(i for i, s in enumerate(lines) if "y = jnp.log(x)" in s)
+    marker = lines[quoted + 1]
+    column = lines[quoted].index("jnp.log(x)")
+    assert marker[column:column + len("jnp.log(x)")] == "^" * len("jnp.log(x)")
+    assert lines[-1] == "1 guard; equations: 3 before, 7 after"
+
+
+def test_a_hand_written_double_where_has_no_guards():
+    report = jaxsafe.explain(fx.by_hand)(X)
+    assert report.guards == ()
+    assert str(report) == "nothing to guard: the program runs unchanged"
+    assert report.equations[0] == report.equations[1]
+    assert report.diff() == "(no difference: the program runs unchanged)"
+
+
+def test_diff_shows_the_guard_marked():
+    report = jaxsafe.explain(fx.leaky)(X)
+    diff = report.diff()
+    assert diff.startswith("--- original\n+++ rewritten")
+    marked = [s for s in diff.splitlines() if "# <- guarded log" in s]
+    assert len(marked) == 1 and marked[0].startswith("+") and "= log " in marked[0]
+    assert f"{SHOWN}:{LINES['leaky']}" in marked[0]
+
+
+def test_explain_returns_the_report_trace_returns():
+    explained = jaxsafe.explain(fx.leaky)(X)
+    _, traced = jaxsafe.nan_safe(fx.leaky).trace(X)
+    assert type(explained) is type(traced) is jaxsafe.Report
+    assert explained.guards == traced.guards
+    assert repr(explained) == "<jaxsafe.Report: 1 guard>"
+
+
+def test_guards_are_frozen_data():
+    guard = jaxsafe.explain(fx.leaky)(X).guards[0]
+    with pytest.raises(AttributeError):
+        guard.primitive = "exp"
+    assert hash(guard) == hash(jaxsafe.explain(fx.leaky)(X).guards[0])
+    assert np.isclose(guard.safe_values[0], 1.0)
+
+
+# --------------------------------------------------------------------------- diagnose
+
+
+def test_diagnose_tells_a_leak_from_a_genuine_singularity():
+    x = jnp.array([-1.0, 0.0, 4.0])
+    plain = jax.grad(fx.leak_and_singularity)(x)
+    safe = jax.grad(jaxsafe.nan_safe(fx.leak_and_singularity))(x)
+    assert np.isnan(plain[0]) and np.isfinite(safe[0])  # the leak
+    assert not np.isfinite(safe[1])  # sqrt(|x|) at 0: the taken branch is singular
+    found = jaxsafe.diagnose(fx.leak_and_singularity)(x)
+    (leak,), (genuine,) = found.leaks, found.genuine
+    assert leak.entries == ((0,),) and genuine.entries == ((1,),)
+    _at(leak.origins[0].location, "leak")
+    assert [g.primitive for g in leak.guards] == ["sqrt"]
+    _at(leak.guards[0].drops[0].location, "leak")
+    _at(genuine.origins[0].location, "singularity")
+    assert genuine.origins[0].primitive == "sqrt" and genuine.origins[0].derivative
+    text = str(found)
+    assert "leak: argument 0 entries [0]" in text
+    assert "genuine: argument 0 entries [1]" in text
+    assert f"the derivative of sqrt at {SHOWN}:{LINES['singularity']}:" in text
+    assert f"fed a zero cotangent by the select_n at {SHOWN}:{LINES['leak']}:" in text
+
+
+def test_diagnose_names_the_derivative_that_leaked():
+    found = jaxsafe.diagnose(fx.leaky)(jnp.array([0.0, 1.0]))
+    (leak,) = found.leaks
+    assert leak.entries == ((0,),) and not found.genuine
+    origin = leak.origins[0]
+    assert (origin.primitive, origin.derivative) == ("log", True)
+    _at(origin.location, "leaky")
+    # log(0) = -inf in the dropped lane of the forward pass: harmless
+    (masked,) = found.masked
+    assert masked.origins[0].primitive == "log" and masked.entries == ((0,),)
+    assert "masked: log at" in str(found) and "(harmless)" in str(found)
+
+
+def test_diagnose_on_the_issue_19089_example_and_on_the_hand_fix():
+    found = jaxsafe.diagnose(fx.issue_19089)(1.0)
+    (leak,) = found.leaks
+    assert leak.entries == ((),) and leak.origins[0].primitive == "pow"
+    assert str(found).startswith("leak: argument 0: non-finite in jax.grad")
+    clean = jaxsafe.diagnose(fx.by_hand)(X)
+    assert clean.leaks == clean.genuine == ()
+    assert str(clean) == "the gradient is finite: nothing to diagnose"
+
+
+def test_diagnose_checks_its_arguments():
+    with pytest.raises(TypeError, match="must return a scalar"):
+        jaxsafe.diagnose(lambda x: jnp.sqrt(x))(X)
+    with pytest.raises(ValueError, match="argnums"):
+        jaxsafe.diagnose(fx.leaky, argnums=3)(X)
+    with pytest.raises(TypeError, match="outside jit"):
+        jax.jit(lambda x: jaxsafe.diagnose(fx.leaky)(x).leaks and 0.0)(X)
