@@ -44,6 +44,15 @@ def sliced(x):
     return jnp.sum(y[:2])  # mark: slice
 
 
+def gathered(x, index):
+    y = jnp.log(x)  # mark: gathered log
+    return jnp.sum(y[index])  # mark: gather
+
+
+def pooled(x):
+    return jnp.max(jnp.log(x))  # mark: pooled
+
+
 def nan_data(w, data, valid):
     return jnp.sum(jnp.where(valid, jax.nn.relu(w * data), 0.0))  # mark: nan data
 

@@ -34,6 +34,8 @@ CASES = [  # (function, arguments, guarded primitive, its line, drop primitive, 
     (fx.in_scan, (X,), "sqrt", "scan sqrt", "select_n", "scan where"),
     (fx.sliced, (X,), "log", "sliced log", "slice", "slice"),
     (fx.in_shard_map, (X,), "log", "shard body", "select_n", "shard body"),
+    (fx.gathered, (X, jnp.array([0, 2])), "log", "gathered log", "gather", "gather"),
+    (fx.pooled, (X,), "log", "pooled", "reduce_max", "pooled"),
 ]
 
 
