@@ -156,15 +156,55 @@ def _finite_leaves(finite_args: Any, args: tuple, static_nums: set[int], kwargs:
     return flags + [False] * n_kw
 
 
-def _check_leaf(leaf: Any, where: str, who: str) -> None:
-    if isinstance(leaf, _ARRAY_TYPES):
-        return
-    if hasattr(leaf, "__jax_array__"):
-        return
-    raise TypeError(
-        f"{who}: argument {where} of type {type(leaf).__name__} is not a valid JAX type. "
-        f"Pass arrays or Python scalars, or mark the argument static with "
-        f"static_argnums=/static_argnames= (as with jax.jit).")
+def _is_array_leaf(leaf: Any) -> bool:
+    """A leaf JAX can trace: an array, a NumPy or Python scalar, a tracer."""
+    return isinstance(leaf, _ARRAY_TYPES) or hasattr(leaf, "__jax_array__")
+
+
+class _StaticLeaf:
+    """A leaf of a pytree argument that is not an array (a module's activation function, a
+    string, a config object): part of the signature, as Equinox's filtered transformations
+    treat it. Compared by value when hashable, else by identity (and kept alive by the cache
+    key that holds it, so its id is not reused while the key exists)."""
+
+    __slots__ = ("by_value", "value")
+
+    def __init__(self, value: Any):
+        self.value = value
+        try:
+            hash(value)
+            self.by_value = True
+        except TypeError:
+            self.by_value = False
+
+    def __hash__(self) -> int:
+        return hash((type(self.value), self.value)) if self.by_value else id(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _StaticLeaf) or other.by_value != self.by_value:
+            return False
+        if not self.by_value:
+            return self.value is other.value
+        try:
+            return type(self.value) is type(other.value) and bool(self.value == other.value)
+        except Exception:  # an __eq__ that returns no bool: the same object only
+            return self.value is other.value
+
+
+def _partition(leaves: list) -> tuple[list, tuple[tuple[int, _StaticLeaf], ...]]:
+    """The array leaves, and the others with their positions (static)."""
+    if all(isinstance(x, _ARRAY_TYPES) for x in leaves):
+        return leaves, ()
+    fixed = tuple((i, _StaticLeaf(x)) for i, x in enumerate(leaves) if not _is_array_leaf(x))
+    return [x for x in leaves if _is_array_leaf(x)], fixed
+
+
+def _merge(arrays: Sequence[Any], fixed: tuple[tuple[int, _StaticLeaf], ...]) -> list:
+    """The leaves again: the static ones put back at their positions."""
+    leaves = list(arrays)
+    for i, leaf in fixed:
+        leaves.insert(i, leaf.value)
+    return leaves
 
 
 def _hashable(value: Any, where: str, who: str) -> Hashable:
@@ -236,6 +276,9 @@ class NanSafeFunction:
         self._lock = threading.Lock()
         self._jitted: Callable | None = None
         self._generation = -1
+        self._leaf_jitted: Callable | None = None
+        self._leaf_generation = -1
+        self._static_leaves_seen = False  # a call had leaves that are not arrays
         # signatures whose trace asked for a value: later eager calls go straight to the
         # value tracer, without the jit front's and make_jaxpr's failed traces (LRU, as _cache)
         self._needs_values: collections.OrderedDict = collections.OrderedDict()
@@ -255,29 +298,10 @@ class NanSafeFunction:
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self._static_argnames}
         return static_pos, static_kw, dyn_args, dyn_kwargs
 
-    def _describe(self, path, static_pos) -> str:
-        """'`name` (positional argument 1), at [2]' for a leaf's pytree path."""
-        group, key, *rest = path
-        sub = jax.tree_util.keystr(tuple(rest))
-        sub = f", at {sub}" if sub else ""
-        if group.idx == 1:  # keyword arguments
-            return f"`{key.key}`{sub}"
-        index = key.idx
-        for i, _ in static_pos:  # positions counted with the static arguments put back
-            if i <= index:
-                index += 1
-        try:
-            names = [p.name for p in inspect.signature(self._fun).parameters.values()
-                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        except (TypeError, ValueError):
-            names = []
-        name = f"`{names[index]}` " if index < len(names) else ""
-        return f"{name}(positional argument {index}){sub}"
-
-    def _flat_fun(self, static_pos, static_kw, in_tree):
+    def _flat_fun(self, static_pos, static_kw, in_tree, fixed):
         @functools.wraps(self._fun)  # JAX's error messages then name the user's function
         def flat(*leaves):
-            dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
+            dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(in_tree, _merge(leaves, fixed))
             args = list(dyn_args)
             for i, v in static_pos:
                 args.insert(i, v)
@@ -288,12 +312,10 @@ class NanSafeFunction:
     def _signature(self, args, kwargs):
         static_pos, static_kw, dyn_args, dyn_kwargs = self._split(args, kwargs)
         leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        if not all(isinstance(x, _ARRAY_TYPES) for x in leaves):
-            for path, leaf in jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]:
-                _check_leaf(leaf, self._describe(path, static_pos), "nan_safe")
+        leaves, fixed = _partition(leaves)
         avals = tuple(jax.typeof(x) for x in leaves)
-        key = (in_tree, avals, static_pos, static_kw, _guards.GENERATION)
-        return key, leaves, in_tree, avals, static_pos, static_kw, dyn_kwargs
+        key = (in_tree, avals, static_pos, static_kw, fixed, _guards.GENERATION)
+        return key, leaves, in_tree, avals, static_pos, static_kw, dyn_kwargs, fixed
 
     def _remember(self, store: collections.OrderedDict, key, value) -> bool:
         """Put `key` in an LRU store of `cache_size` entries; whether one was evicted."""
@@ -316,14 +338,14 @@ class NanSafeFunction:
         return key in self._needs_values and concrete_values(leaves) is not None
 
     def _trace(self, args, kwargs) -> tuple[_Traced, list]:
-        key, leaves, in_tree, avals, static_pos, static_kw, dyn_kwargs = \
+        key, leaves, in_tree, avals, static_pos, static_kw, dyn_kwargs, fixed = \
             self._signature(args, kwargs)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit, leaves
-        flat_fun = self._flat_fun(static_pos, static_kw, in_tree)
+        flat_fun = self._flat_fun(static_pos, static_kw, in_tree, fixed)
         by_value = False
         values = concrete_values(leaves) if key in self._needs_values else None
         if values is not None:
@@ -344,6 +366,9 @@ class NanSafeFunction:
                     self._remember(self._needs_values, key, True)
         finite = _finite_leaves(self._finite_args, args, {i for i, _ in static_pos},
                                 dyn_kwargs, "nan_safe")
+        if fixed:  # one flag per array leaf
+            skip = {i for i, _ in fixed}
+            finite = [f for i, f in enumerate(finite) if i not in skip]
         traced = _Traced(closed, functools.partial(rewrite_with_report, closed, finite),
                          jax.tree_util.tree_structure(out_shape), self._use_jit)
         cacheable = not traced.closes_over_tracers and self._cache_size and not by_value
@@ -382,25 +407,57 @@ class NanSafeFunction:
 
     def _validate(self, args: tuple, kwargs: dict) -> None:
         """Raise nan_safe's own error for bad arguments (names them, says what to do)."""
-        static_pos, _, dyn_args, dyn_kwargs = self._split(args, kwargs)
-        for path, leaf in jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]:
-            _check_leaf(leaf, self._describe(path, static_pos), "nan_safe")
+        self._split(args, kwargs)  # an unhashable static argument
+
+    def _has_static_leaves(self, args: tuple, kwargs: dict) -> bool:
+        leaves = jax.tree_util.tree_leaves(self._split(args, kwargs)[2:])
+        return not all(_is_array_leaf(x) for x in leaves)
+
+    def _leaf_front(self) -> Callable:
+        """`jax.jit` over the array leaves only, the others static: for arguments with leaves
+        that are not arrays (an Equinox module's functions), which `jax.jit` rejects."""
+        if self._leaf_jitted is None or self._leaf_generation != _guards.GENERATION:
+            self._leaf_jitted = jax.jit(functools.partial(type(self)._staged_leaves, self),
+                                        static_argnums=0)
+            self._leaf_generation = _guards.GENERATION
+        return self._leaf_jitted
+
+    def _staged_leaves(self, spec, *arrays):
+        tree, fixed, static_pos, static_kw = spec
+        dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(tree, _merge(arrays, fixed))
+        args = list(dyn_args)
+        for i, v in static_pos:
+            args.insert(i, v)
+        return self._staged(*args, **dyn_kwargs, **dict(static_kw))
+
+    def _call_by_leaves(self, args: tuple, kwargs: dict):
+        static_pos, static_kw, dyn_args, dyn_kwargs = self._split(args, kwargs)
+        leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        arrays, fixed = _partition(leaves)
+        return self._leaf_front()((tree, fixed, static_pos, static_kw), *arrays)
 
     def __call__(self, *args, **kwargs):
         if not self._use_jit or self._known_to_need_values(args, kwargs):
             return self._staged(*args, **kwargs)
         try:
+            if self._static_leaves_seen and self._has_static_leaves(args, kwargs):
+                return self._call_by_leaves(args, kwargs)
             return self._front()(*args, **kwargs)
         except (DataDependentShapeError, *_NEEDS_VALUES):
             # A shape or a branch that depends on the data: an eager call (or eager jax.grad)
             # has the values, and is traced at them outside the jit front.
-            leaves = jax.tree_util.tree_leaves(self._split(args, kwargs)[2:])
+            leaves = [x for x in jax.tree_util.tree_leaves(self._split(args, kwargs)[2:])
+                      if _is_array_leaf(x)]
             if concrete_values(leaves) is None:
                 raise
             return self._staged(*args, **kwargs)
         except (TypeError, ValueError):
             self._validate(args, kwargs)
-            raise
+            if self._static_leaves_seen or not self._has_static_leaves(args, kwargs):
+                raise
+            # leaves that are not arrays (jax.jit rejects them): static, as Equinox does
+            self._static_leaves_seen = True
+            return self(*args, **kwargs)
 
     # -- inspection -----------------------------------------------------------------------
     def trace(self, *args, **kwargs) -> tuple[ClosedJaxpr, Report]:

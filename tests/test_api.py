@@ -100,14 +100,12 @@ def test_non_callable_is_a_type_error_naming_it():
         jaxsafe.make_jaxpr("sqrt")
 
 
-def test_non_array_argument_is_a_clear_type_error():
-    f = nan_safe(lambda x, s: x)
-    with pytest.raises(TypeError, match=r"argument `s` \(positional argument 1\) of type str"
-                                        r".*static_argnums"):
-        f(1., "text")
-    g = nan_safe(lambda n, x, opts: x, static_argnums=0)
-    with pytest.raises(TypeError, match=r"`opts`, at \['mode'\] of type str"):
-        g(2, 1., opts={"mode": "fast"})
+def test_non_array_arguments_are_static_without_being_marked():
+    f = nan_safe(lambda x, s: x * len(s))
+    assert f(1., "text") == 4. and f(1., "text!") == 5.
+    assert f.cache_info()["size"] == 2  # one trace per string, as for a static argument
+    g = nan_safe(lambda n, x, opts: x * n if opts["mode"] == "fast" else x, static_argnums=0)
+    assert g(2, 1., opts={"mode": "fast"}) == 2. and g(2, 1., opts={"mode": "slow"}) == 1.
 
 
 def test_unhashable_static_argument_is_a_type_error():
