@@ -7,7 +7,7 @@ import functools
 import inspect
 import threading
 import traceback
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -67,24 +67,68 @@ def _data_dependent_message(fun: Callable, e: Exception, by_value: bool = False)
         "or give the size, `jnp.nonzero(mask, size=n, fill_value=...)`.")
 
 
-def _normalize_static(fun: Callable, static_argnums, static_argnames, who: str):
-    if isinstance(static_argnums, int):
-        static_argnums = (static_argnums,)
+def _check_static_in_signature(fun: Callable, params: list | None, static_argnums: tuple,
+                               static_argnames: tuple, who: str) -> None:
+    """Positions and names that `fun` cannot take are errors, as `jax.jit` makes them (a
+    signature that cannot be read, or one with *args / **kwargs, takes anything)."""
+    if params is None:
+        return
+    name = getattr(fun, "__name__", "fun")
+    positional = [p.name for p in params
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not any(p.kind == p.VAR_POSITIONAL for p in params):
+        n = len(positional)
+        bad = [i for i in static_argnums if not -n <= i < n]
+        if bad:
+            raise ValueError(f"{who}: `static_argnums` {bad} out of range: `{name}` takes {n} "
+                             f"positional argument{'s' if n != 1 else ''} "
+                             f"({', '.join(positional)}).")
+    if not any(p.kind == p.VAR_KEYWORD for p in params):
+        known = {p.name for p in params if p.kind != p.POSITIONAL_ONLY}
+        bad_names = [a for a in static_argnames if a not in known]
+        if bad_names:
+            raise ValueError(f"{who}: `static_argnames` {bad_names} name no argument of "
+                             f"`{name}`; its arguments are: {', '.join(sorted(known)) or 'none'}.")
+
+
+def _static_positions(static_argnums: Any, who: str) -> tuple[int, ...]:
+    """`static_argnums` as a tuple of ints (None, an int, or a sequence of ints)."""
+    if static_argnums is None:  # as jax.jit takes it
+        return ()
+    if isinstance(static_argnums, int | np.integer) and not isinstance(static_argnums, bool):
+        return (int(static_argnums),)
+    nums = None if isinstance(static_argnums, str | bytes) or \
+        not isinstance(static_argnums, Iterable) else tuple(static_argnums)
+    if nums is None or not all(isinstance(i, int | np.integer) and not isinstance(i, bool)
+                               for i in nums):
+        raise TypeError(f"{who}: `static_argnums` must be an int or a sequence of ints (argument "
+                        f"positions), got {static_argnums!r}; name arguments with "
+                        f"`static_argnames`.")
+    return tuple(int(i) for i in nums)
+
+
+def _static_names(static_argnames: Any, who: str) -> tuple[str, ...]:
+    """`static_argnames` as a tuple of str (None, a str, or a sequence of str)."""
+    if static_argnames is None:
+        return ()
     if isinstance(static_argnames, str):
-        static_argnames = (static_argnames,)
-    try:
-        static_argnums = tuple(int(i) for i in static_argnums)
-    except TypeError:
-        raise TypeError(f"{who}: `static_argnums` must be an int or a sequence of ints, "
-                        f"got {static_argnums!r}.") from None
-    if not all(isinstance(n, str) for n in static_argnames):
+        return (static_argnames,)
+    names = tuple(static_argnames) if isinstance(static_argnames, Iterable) else None
+    if names is None or not all(isinstance(n, str) for n in names):
         raise TypeError(f"{who}: `static_argnames` must be a str or a sequence of str, "
                         f"got {static_argnames!r}.")
-    static_argnames = tuple(static_argnames)
+    return names
+
+
+def _normalize_static(fun: Callable, static_argnums, static_argnames, who: str):
+    static_argnums = _static_positions(static_argnums, who)
+    static_argnames = _static_names(static_argnames, who)
     try:  # map names <-> positions the way jax.jit does
         params = list(inspect.signature(fun).parameters.values())
     except (TypeError, ValueError):
-        params = []
+        params = None
+    _check_static_in_signature(fun, params, static_argnums, static_argnames, who)
+    params = params or []
     positional = [p.name for p in params
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     nums = set(static_argnums)
@@ -268,6 +312,8 @@ class NanSafeFunction:
         self._finite_args = _check_finite_args(finite_args, "nan_safe")
         self._static_argnums, self._static_argnames = _normalize_static(
             fun, static_argnums, static_argnames, "nan_safe")
+        if not isinstance(use_jit, bool | np.bool_):
+            raise TypeError(f"nan_safe: `jit` must be True or False, got {use_jit!r}.")
         self._use_jit = bool(use_jit)
         if not isinstance(cache_size, int) or cache_size < 0:
             raise TypeError(f"nan_safe: `cache_size` must be an int >= 0, got {cache_size!r}.")

@@ -199,3 +199,34 @@ def test_a_call_that_is_not_differentiated_never_pays_for_the_rewrite(monkeypatc
     assert calls == [1]
     assert f.trace(x)[1].sites  # the report asks for it: the same rewrite, not a new one
     assert calls == [1]
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(static_argnums=5), ValueError, r"`static_argnums` \[5\] out of range: `two` takes 2 "
+                                         r"positional arguments \(x, n\)"),
+    (dict(static_argnums=-3), ValueError, r"`static_argnums` \[-3\] out of range"),
+    (dict(static_argnames="m"), ValueError, r"`static_argnames` \['m'\] name no argument of "
+                                            r"`two`; its arguments are: n, x"),
+    (dict(static_argnums="n"), TypeError, r"`static_argnums` must be an int or a sequence of "
+                                          r"ints .*got 'n'; name arguments with `static_argnames`"),
+    (dict(static_argnums=True), TypeError, r"`static_argnums` must be an int"),
+    (dict(static_argnames=3), TypeError, r"`static_argnames` must be a str"),
+    (dict(jit="no"), TypeError, r"`jit` must be True or False, got 'no'"),
+])
+def test_bad_options_are_errors_naming_them(kwargs, error, message):
+    def two(x, n):
+        return x * n
+    with pytest.raises(error, match=message):
+        nan_safe(two, **kwargs)
+    if "jit" not in kwargs:
+        with pytest.raises(error, match=message):
+            jaxsafe.explain(two, **kwargs)
+
+
+def test_options_a_signature_with_star_args_can_take():
+    def anything(*args, **kwargs):
+        return args[0] * len(kwargs)
+    f = nan_safe(anything, static_argnums=3, static_argnames="mode")
+    assert f(2., mode="a") == 2.
+    assert nan_safe(lambda x, n: x * n, static_argnums=None, static_argnames=None)(2., 3.) == 6.
+    assert nan_safe(lambda x, n: x * n, static_argnums=-1)(2., 3) == 6.
