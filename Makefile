@@ -6,7 +6,7 @@ BENCH_ARGS ?=
 STAMP = $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help demo test test-libs lint fuzz bench clean
+.PHONY: help demo test test-libs lint fuzz bench clean package
 
 help:
 	@echo "Targets:"
@@ -14,6 +14,7 @@ help:
 	@echo "  make test    build $(VENV), run the house checks (make lint), the test suite (not slow) and the docs examples"
 	@echo "  make test-libs  install the heavy libraries (jax-md) and run their tests (CI runs it)"
 	@echo "  make lint    ruff and pyright on the package"
+	@echo "  make package build the sdist and the wheel into dist/ and check what they hold (CI runs it)"
 	@echo "  make fuzz    run the slow (property/fuzz) tests"
 	@echo "  make bench   run benchmarks/run.py (BENCH_ARGS=...)"
 	@echo "  make clean   remove $(VENV), build artefacts and caches"
@@ -40,6 +41,12 @@ test: lint
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -m "not slow" \
 		tests/test_multidevice.py & md=$$!; $(PY) docs/check_examples.py; docs=$$?; \
 		wait $$md && exit $$docs
+
+package: $(STAMP)
+	rm -rf dist
+	$(PY) -m pip install -q -c constraints.txt build
+	$(PY) -m build -q --outdir dist .
+	$(PY) .ci/check_package.py dist
 
 LIBS_STAMP = $(VENV)/.installed-libs
 

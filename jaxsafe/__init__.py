@@ -19,3 +19,22 @@ from ._libraries import register_rule as register_rule
 from ._report import Report as Report
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_CACHE_SIZE",
+    "DataDependentShapeError",
+    "Diagnosis",
+    "Drop",
+    "Guard",
+    "GuardedOperand",
+    "Location",
+    "Report",
+    "diagnose",
+    "explain",
+    "make_jaxpr",
+    "nan_safe",
+    "nn",
+    "register_guard",
+    "register_rule",
+    "testing",
+]

@@ -533,7 +533,9 @@ def nan_safe(fun: Callable | None = None, *, static_argnums: int | Sequence[int]
     **Arguments:**
     - `fun`: the function to wrap. Use as `@nan_safe` or `@nan_safe(...)`.
     - `static_argnums`, `static_argnames`: arguments that are Python values, not arrays (as in
-      `jax.jit`); they must be hashable and are part of the cache key.
+      `jax.jit`); they must be hashable and are part of the cache key. Leaves of the other
+      arguments that are not arrays (a module's activation function, a string) are static
+      without being named: by value when hashable, else by identity.
     - `jit`: run the rewritten program compiled by XLA (default). `jit=False` evaluates it
       equation by equation, for `jax_debug_nans` or pdb.
     - `cache_size`: how many signatures to remember (LRU); 0 disables the cache.
@@ -546,13 +548,12 @@ def nan_safe(fun: Callable | None = None, *, static_argnums: int | Sequence[int]
     **Returns:** a callable with `fun`'s name and docstring, composable with `jax.jit`,
     `jax.grad`, `jax.vmap` and the rest of JAX.
 
-    !!! Example
-        ```python
+    Example:
+
         @jaxsafe.nan_safe
         def f(x):
             return jnp.where(x > 0, jnp.sqrt(x), 0.)
         jax.grad(f)(0.)  # 0.0, not nan
-        ```
     """
     if fun is None:
         _check_finite_args(finite_args, "nan_safe")

@@ -39,10 +39,9 @@ def register_guard(primitive: Primitive, safe: Mapping[int, float] | float,
     row of its own is registered as elementwise (a guard is a per-lane substitution, so the
     primitive must be elementwise for it to make sense).
 
-    !!! Example
-        ```python
+    Example:
+
         jaxsafe.register_guard(my_log_p, {0: 1.0})
-        ```
     """
     if not isinstance(primitive, Primitive):
         raise TypeError(

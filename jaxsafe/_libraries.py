@@ -42,10 +42,9 @@ def register_rule(primitive: Primitive, *, elementwise: bool = False, linear: bo
     replaced). A primitive jaxsafe has no row for is never an error: it passes through, treated
     as live, and `explain` reports it.
 
-    !!! Example
-        ```python
+    Example:
+
         jaxsafe.register_rule(my_library.all_finite_p, differentiable=False)
-        ```
     """
     from . import _guards
     if not isinstance(primitive, Primitive):

@@ -371,11 +371,10 @@ def dot_product_attention(
 
     **Returns:** an array shaped like `query`.
 
-    !!! Example
-        ```python
+    Example:
+
         mask = jnp.zeros((1, 1, 4, 6), bool).at[..., :2, :].set(True)  # rows 2, 3: no key
         out = jaxsafe.nn.dot_product_attention(q, k, v, mask=mask)      # out[:, 2:] == 0
-        ```
     """
     output_shape = jnp.asarray(query).shape
     query_arr, key_arr, value_arr = _ensure_4d(query), _ensure_4d(key), _ensure_4d(value)

@@ -1,5 +1,6 @@
 """The public surface: decorator forms, caching and tracing, bad input, unknown primitives."""
 
+import pathlib
 import threading
 
 import jax
@@ -230,3 +231,14 @@ def test_options_a_signature_with_star_args_can_take():
     assert f(2., mode="a") == 2.
     assert nan_safe(lambda x, n: x * n, static_argnums=None, static_argnames=None)(2., 3.) == 6.
     assert nan_safe(lambda x, n: x * n, static_argnums=-1)(2., 3) == 6.
+
+
+def test_the_public_names_are_listed_once_and_documented():
+    assert sorted(jaxsafe.__all__) == sorted(set(jaxsafe.__all__))
+    api = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    for name in jaxsafe.__all__:
+        assert hasattr(jaxsafe, name), name
+        assert name in api, f"docs/api.md does not mention {name}"
+    for fun in (jaxsafe.nan_safe, jaxsafe.register_guard, jaxsafe.register_rule,
+                jaxsafe.nn.dot_product_attention):
+        assert "!!!" not in fun.__doc__ and "```" not in fun.__doc__  # help() reads it raw
