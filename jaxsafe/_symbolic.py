@@ -30,8 +30,17 @@ MAX_TERMS = 16
 
 
 class Unknown:
-    """A mask nobody can name: equal only to itself."""
-    __slots__ = ()
+    """A mask nobody can name: equal only to itself.
+
+    One made by `move` for the literals an OR over axes collapsed knows them (`reduced`: that
+    conjunction, in the frame of the value it came from, and `embed`: the axes of that value it
+    runs along). Where both meet again in one value's mask (a row's `logsumexp` and the lanes a
+    gather picks from it), each lane of the conjunction implies the OR over its row: the term is
+    absorbed (`_simplify`)."""
+    __slots__ = ("reduced", "embed")
+
+    def __init__(self, reduced: frozenset | None = None, embed: tuple | None = None):
+        self.reduced, self.embed = reduced, embed
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"?{id(self) % 10000}"
@@ -55,13 +64,26 @@ def _contradicts(term: Term) -> bool:
     return any(negate(lit) in term for lit in term)
 
 
+def _implied_by_reduction(t: Term, u: Term) -> bool:
+    """Whether `u` holds wherever `t` does because `u` is `t`'s own OR over some axes: `u` has
+    an unknown that an OR collapsed from literals that `t` holds, in the same frame (`t`'s
+    embedding of them, which only a value of that frame can carry: a literal on every axis
+    never crosses a move), and `t` holds the rest of `u`."""
+    for lit in u:
+        key, positive, embed = lit
+        if positive and isinstance(key, Unknown) and key.reduced is not None and \
+                embed == key.embed and key.reduced <= t and (u - {lit}) <= t:
+            return True
+    return False
+
+
 def _simplify(terms: set) -> Sym:
     terms = {t for t in terms if not _contradicts(t)}
     changed = True
     while changed:
         changed = False
         for t in list(terms):  # absorption: a & b | a == a
-            if any(u < t for u in terms):
+            if any(u < t or u != t and _implied_by_reduction(t, u) for u in terms):
                 terms.discard(t)
                 changed = True
         for t in list(terms):  # a & p | a & ~p == a
@@ -149,22 +171,28 @@ def move(sym: Sym, mapping: dict[int, int]) -> Sym:
     if sym in (TRUE, FALSE):
         return sym
     targets = set(mapping.values())
+    inverse = {t: a for a, t in mapping.items()}
     terms = set()
     for term in sym:
-        kept, touched, collapsed = [], set(), False
-        for key, positive, embed in term:
+        kept, touched, gone = [], set(), []
+        for lit in term:
+            key, positive, embed = lit
             if embed is None:
-                collapsed = True
+                gone.append(lit)
                 touched |= targets
                 continue
             new = tuple(None if e is None else mapping.get(e, _MISSING) for e in embed)
             if any(e is _MISSING for e in new):
-                collapsed = True
+                gone.append(lit)
                 touched.update(e for e in new if e is not None and e is not _MISSING)
             else:
                 kept.append((key, positive, new))
-        if collapsed:
-            kept.append(unknown(touched))
+        if gone:
+            axes = tuple(sorted(touched))
+            source = tuple(sorted(inverse[a] for a in axes)) if len(inverse) == len(mapping) \
+                else None  # two axes onto one: no frame to name it in
+            kept.append((Unknown(frozenset(gone) if source is not None else None, source),
+                         True, axes))
         terms.add(frozenset(kept))
     return _simplify(terms)
 

@@ -79,6 +79,7 @@ def test_an_unrolled_chain_of_300_steps_has_the_hand_fix_gradient():
 
 
 @pytest.mark.no_leak_check
+@pytest.mark.slow  # 10 s: make fuzz runs it (make test keeps under its 10 minutes)
 def test_a_chain_of_10000_steps_rewrites_the_same_at_recursion_limits_1000_and_20000():
     f = euler(10_000)
     with recursion_limit(1_000):
@@ -96,6 +97,7 @@ def test_a_chain_of_10000_steps_rewrites_the_same_at_recursion_limits_1000_and_2
 
 
 @pytest.mark.no_leak_check
+@pytest.mark.slow  # 18 s: make fuzz runs it (make test keeps under its 10 minutes)
 def test_a_program_of_100000_equations_rewrites_at_the_default_recursion_limit():
     def f(x):
         for _ in range(20_000):

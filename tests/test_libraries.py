@@ -73,3 +73,19 @@ def test_jax_md_lennard_jones_at_a_tiny_separation_is_fixed_not_left_alone():
     np.testing.assert_array_equal(safe(r), jax.jit(energy)(r))
     assert_close(safe(r), without_the_pair(r), rtol=1e-6)
     assert_close(jax.grad(safe)(r), jax.grad(without_the_pair)(r), rtol=1e-5, atol=1e-6)
+
+
+def test_flax_nnx_example_value_and_grad_and_a_jitted_train_step():
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "flax_nnx.py"
+    spec = importlib.util.spec_from_file_location("flax_nnx", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert np.isnan(example.gradient(example.loss)).all()
+    assert_close(example.gradient(jaxsafe.nan_safe(example.loss)),
+                 example.gradient(example.loss_by_hand))
+    safe, value = example.train(jaxsafe.nan_safe(example.loss))
+    hand, _ = example.train(example.loss_by_hand)
+    assert np.isfinite(value)
+    assert_close(safe, hand, rtol=1e-5)

@@ -457,3 +457,31 @@ def test_a_closed_over_tracer_is_differentiated_so_its_derivative_is_guarded():
     safe = jax.grad(through)(C, jaxsafe.nan_safe)
     assert_close(safe, jax.grad(lambda c: _scaled_by_hand(x, c))(C))
     assert np.isnan(jax.grad(through)(C, lambda f: f)).any()  # plain JAX: -inf / c ** 2 * 0
+
+
+# ------------------------------------------------------- a padded batch through a classifier
+
+def _cross_entropy(w, x, labels, valid):
+    logp = jax.nn.log_softmax(x @ w)
+    nll = -jnp.take_along_axis(logp, labels[:, None], axis=1)[:, 0]
+    return jnp.sum(jnp.where(valid, nll, 0.))
+
+
+def _cross_entropy_by_hand(w, x, labels, valid):
+    return _cross_entropy(w, jnp.where(valid[:, None], x, 0.), labels, valid)
+
+
+def test_nan_padding_rows_through_a_linear_layer_and_cross_entropy():
+    """The row liveness of the logits is the OR over the row of the lanes the label gather
+    picks (and of logsumexp's row): proven the same along the row, so the NaN rows of `x` get
+    a guard without a run-time reduction (`_symbolic._implied_by_reduction`)."""
+    x = jnp.concatenate([jnp.arange(6.).reshape(2, 3) / 5, jnp.full((2, 3), nan)])
+    w = jnp.arange(9.).reshape(3, 3) / 10 - 0.3
+    labels, valid = jnp.array([0, 2, 1, 0]), jnp.array([True, True, False, False])
+    assert np.isnan(jax.grad(_cross_entropy)(w, x, labels, valid)).all()
+    _, report = jaxsafe.nan_safe(_cross_entropy).trace(w, x, labels, valid)
+    assert any(site.eqn.primitive.name == "dot_general" and 0 in site.replace
+               for site in report.sites)
+    for order in (jax.grad, jax.hessian):
+        assert_close(order(jaxsafe.nan_safe(_cross_entropy))(w, x, labels, valid),
+                     order(_cross_entropy_by_hand)(w, x, labels, valid), rtol=1e-5)
