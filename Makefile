@@ -12,7 +12,7 @@ help:
 	@echo "Targets:"
 	@echo "  make demo    build $(VENV) and run examples/quickstart.py"
 	@echo "  make test    build $(VENV), run the house checks (make lint), the test suite (not slow) and the docs examples"
-	@echo "  make test-libs  install the heavy libraries (jax-md) and run their tests (CI runs it)"
+	@echo "  make test-libs  install the heavy libraries (jax-md, Flax) and run their tests (CI runs it)"
 	@echo "  make lint    ruff and pyright on the package"
 	@echo "  make package build the sdist and the wheel into dist/ and check what they hold (CI runs it)"
 	@echo "  make fuzz    run the slow (property/fuzz) tests"
@@ -56,7 +56,7 @@ $(LIBS_STAMP): $(STAMP)
 
 # Whole programs of heavy libraries (jax-md): their own extra, which doubles the set-up.
 test-libs: $(LIBS_STAMP)
-	$(PY) -m pytest -m "libs and not slow" tests/test_libraries.py
+	$(PY) -m pytest -m "libs and not slow" tests/test_libraries.py tests/test_flax_attention.py
 
 # The house checks: ruff (pyproject.toml [tool.ruff]) and pyright on jaxsafe/ ([tool.pyright]).
 lint: $(STAMP)

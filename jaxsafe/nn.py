@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.typing import ArrayLike
+from jax.random import bernoulli
+from jax.typing import ArrayLike, DTypeLike
 
 Array = jax.Array
 Axis = int | Sequence[int] | None
@@ -277,10 +278,14 @@ def _apply_masks(logits, mask, is_causal, q_seqlen, kv_seqlen, local_window_size
 
 
 def _attention_core(query, key, value, bias, mask, is_causal, scale, q_seqlen, kv_seqlen,
-                    local_window_size):
+                    local_window_size, given_precision=None, finish=None):
+    """`given_precision`: the caller's (Flax's `precision=`), for both einsums; `finish`: what
+    is done to the probabilities before they weigh the values (Flax's sow and dropout)."""
     logits_dtype = jnp.promote_types(query.dtype, np.float32)
     precision = {np.dtype(jnp.bfloat16): lax.DotAlgorithmPreset.BF16_BF16_F32,
                  np.dtype(np.float16): lax.DotAlgorithmPreset.F16_F16_F32}.get(query.dtype)
+    if given_precision is not None:
+        precision = given_precision
     try:  # as jax.nn: explicit precision fails on platforms without it, so fall back
         logits = jnp.einsum("BTNH,BSNH->BNTS", query, key, precision=precision,
                             preferred_element_type=logits_dtype)
@@ -294,7 +299,34 @@ def _attention_core(query, key, value, bias, mask, is_causal, scale, q_seqlen, k
     # Always float32, as jax.nn; a row with no attendable key gives probabilities 0, hence
     # output 0 (query rows past `q_seqlen` are such rows, so no output mask is needed).
     probs = _softmax(logits.astype(np.float32), -1, None).astype(key.dtype)
-    return jnp.einsum("BNTS,BSNH->BTNH", probs, value)
+    if finish is not None:
+        probs = finish(probs)
+    return jnp.einsum("BNTS,BSNH->BTNH", probs, value, precision=given_precision)
+
+
+def _flax_finish(module, dropout_rate: float, dropout_rng, broadcast_dropout: bool,
+                 deterministic: bool):
+    """Flax's attention weights, then: sown on `module` (as `attention_weights`), then dropout
+    (broadcast over batch and heads, or one mask per lane), scaled by `1 / keep`."""
+    def finish(probs):
+        if module is not None:
+            _sow(module, probs)
+        if deterministic or dropout_rate <= 0.0:
+            return probs
+        keep_prob = 1.0 - dropout_rate
+        shape = (1, 1) + probs.shape[-2:] if broadcast_dropout else probs.shape
+        keep = bernoulli(dropout_rng, keep_prob, shape)  # keyed: the same on every host
+        return probs * (keep.astype(probs.dtype) / jnp.asarray(keep_prob, probs.dtype))
+    return finish
+
+
+def _sow(module, weights) -> None:
+    """Record the weights as Flax's own attention does, for Linen or NNX modules."""
+    from flax import linen, nnx  # only reached with a Flax module
+    if isinstance(module, linen.Module):
+        module.sow("intermediates", "attention_weights", weights)
+    else:
+        module.sow(nnx.Intermediate, "attention_weights", weights)
 
 
 def _attention_grouped(query, key, value, bias, mask, is_causal, scale, q_seqlen, kv_seqlen,
@@ -349,6 +381,13 @@ def dot_product_attention(
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
     local_window_size: int | tuple[int, int] | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+    broadcast_dropout: bool = True,
+    deterministic: bool = False,
+    dtype: DTypeLike | None = None,
+    precision: lax.PrecisionLike = None,
+    module: object | None = None,
 ) -> Array:
     """Scaled dot-product attention, as `jax.nn.dot_product_attention(implementation='xla')`.
 
@@ -369,6 +408,13 @@ def dot_product_attention(
     - `query_seq_lengths`, `key_value_seq_lengths`: `int32[batch]` valid lengths; 0 is allowed.
     - `local_window_size`: `(left, right)` or a symmetric int.
 
+    and as Flax's `attention_fn` (so that `nnx.MultiHeadAttention(attention_fn=...)` and Linen's
+    `MultiHeadDotProductAttention` take it as is): `dropout_rate`, `dropout_rng`,
+    `broadcast_dropout`, `deterministic` (dropout on the weights, as Flax applies it), `dtype`
+    (the inputs' computation dtype), `precision` (of both einsums) and `module` (the weights are
+    sown on it as `attention_weights`). Dropout, `precision` and `module` need as many key/value
+    heads as query heads, as Flax's attention has.
+
     **Returns:** an array shaped like `query`.
 
     Example:
@@ -377,6 +423,8 @@ def dot_product_attention(
         out = jaxsafe.nn.dot_product_attention(q, k, v, mask=mask)      # out[:, 2:] == 0
     """
     output_shape = jnp.asarray(query).shape
+    if dtype is not None:
+        query, key, value = (jnp.asarray(t, dtype) for t in (query, key, value))
     query_arr, key_arr, value_arr = _ensure_4d(query), _ensure_4d(key), _ensure_4d(value)
     bias = _ensure_4d(bias) if bias is not None else None
     mask = _ensure_4d(mask) if mask is not None else None
@@ -399,6 +447,22 @@ def dot_product_attention(
                          f"but got {query_arr.shape[-2]} vs {K}")
 
     scale_val = (1.0 / np.sqrt(H)) if scale is None else scale
-    out = _attention_grouped(query_arr, key_arr, value_arr, bias, mask, is_causal, scale_val,
-                             query_seq_lengths, key_value_seq_lengths, local_window_size)
+    dropout = not deterministic and dropout_rate > 0.0
+    if dropout and dropout_rng is None:
+        raise ValueError("dot_product_attention: dropout (`dropout_rate` > 0, not "
+                         "`deterministic`) needs `dropout_rng`, a PRNG key.")
+    if dropout or module is not None or precision is not None:
+        if query_arr.shape[-2] != K:
+            raise ValueError(f"dot_product_attention: dropout, `precision` and `module` need "
+                             f"as many key/value heads as query heads (Flax's attention); got "
+                             f"{query_arr.shape[-2]} query heads and {K}.")
+        finish = _flax_finish(module, dropout_rate, dropout_rng, broadcast_dropout,
+                              deterministic)
+        out = _attention_core(query_arr, key_arr, value_arr, bias, mask, is_causal, scale_val,
+                              query_seq_lengths, key_value_seq_lengths, local_window_size,
+                              precision, finish)
+    else:
+        out = _attention_grouped(query_arr, key_arr, value_arr, bias, mask, is_causal,
+                                 scale_val, query_seq_lengths, key_value_seq_lengths,
+                                 local_window_size)
     return jnp.reshape(out, output_shape)
