@@ -77,3 +77,37 @@ def test_linen_multi_head_attention_takes_it_and_sows_the_weights():
     assert_close(out[ROWS], expected[ROWS], rtol=1e-5, atol=1e-6)
     weights = state["intermediates"]["attention_weights"][0]
     assert weights.shape == (B, N, T, T) and np.all(np.asarray(weights[0, :, 1]) == 0.0)
+
+
+def test_batch_norm_state_is_carried_by_the_split_and_merge_pattern():
+    """As under jax.jit, state updated inside nan_safe is not carried back; the documented
+    pattern (docs/nn.md) returns it as an auxiliary output and matches plain JAX."""
+    _, nnx = _flax()
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+            self.norm = nnx.BatchNorm(3, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.norm(self.linear(x))
+
+    def loss(model, x):
+        h = model(x)
+        return jnp.sum(jnp.where(h > 0, jnp.sqrt(h), 0.0))
+
+    def loss_and_state(graphdef, state, x):
+        model = nnx.merge(graphdef, state)
+        return loss(model, x), nnx.state(model)
+
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    means = []
+    for wrap in (lambda f: f, jaxsafe.nan_safe):
+        model = Model()
+        graphdef, state = nnx.split(model)
+        (_, new_state), _ = jax.value_and_grad(wrap(loss_and_state), argnums=1,
+                                               has_aux=True)(graphdef, state, x)
+        nnx.update(model, new_state)
+        means.append(model.norm.mean[...])
+    assert np.any(np.asarray(means[0]) != 0.0)
+    assert_close(means[1], means[0])
