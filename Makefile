@@ -14,7 +14,7 @@ help:
 	@echo "  make test    build $(VENV), run the house checks (make lint), the test suite (not slow) and the docs examples"
 	@echo "  make test-libs  install the heavy libraries (jax-md, Flax) and run their tests (CI runs it)"
 	@echo "  make lint    ruff and pyright on the package"
-	@echo "  make package build the sdist and the wheel into dist/ and check what they hold (CI runs it)"
+	@echo "  make package build the sdist and the wheel, check them, install the wheel into a clean venv and run the quickstart (CI runs it)"
 	@echo "  make fuzz    run the slow (property/fuzz) tests"
 	@echo "  make bench   run benchmarks/run.py (BENCH_ARGS=...)"
 	@echo "  make clean   remove $(VENV), build artefacts and caches"
@@ -47,6 +47,14 @@ package: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt build
 	$(PY) -m build -q --outdir dist .
 	$(PY) .ci/check_package.py dist
+	# the wheel into a clean virtualenv, then the quickstart, run outside the source tree
+	rm -rf build/clean-venv
+	$(PYTHON) -m venv build/clean-venv
+	build/clean-venv/bin/python -m pip install -q -c constraints.txt dist/jaxsafe-*.whl
+	cd build && clean-venv/bin/python ../examples/quickstart.py > clean-venv/quickstart.txt
+	grep -q "grad(nan_safe(f))(1.)         = 0.5" build/clean-venv/quickstart.txt
+	cd build && clean-venv/bin/python -c "import jaxsafe; assert 'site-packages' in jaxsafe.__file__, jaxsafe.__file__"
+	@echo "package: the wheel installs into a clean virtualenv and runs the quickstart"
 
 LIBS_STAMP = $(VENV)/.installed-libs
 
