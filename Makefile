@@ -6,13 +6,14 @@ BENCH_ARGS ?=
 STAMP = $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help demo test test-libs lint fuzz bench clean package
+.PHONY: help demo test test-libs test-jax-min lint fuzz bench clean package
 
 help:
 	@echo "Targets:"
 	@echo "  make demo    build $(VENV) and run examples/quickstart.py"
 	@echo "  make test    build $(VENV), run the house checks (make lint), the test suite (not slow) and the docs examples"
 	@echo "  make test-libs  install the heavy libraries (jax-md, Flax) and run their tests (CI runs it)"
+	@echo "  make test-jax-min  the core and composition tests on the lowest JAX supported, in its own venv (CI runs it)"
 	@echo "  make lint    ruff and pyright on the package"
 	@echo "  make package build the sdist and the wheel, check them, install the wheel into a clean venv and run the quickstart (CI runs it)"
 	@echo "  make fuzz    run the slow (property/fuzz) tests"
@@ -56,6 +57,25 @@ package: $(STAMP)
 	cd build && clean-venv/bin/python -c "import jaxsafe; assert 'site-packages' in jaxsafe.__file__, jaxsafe.__file__"
 	@echo "package: the wheel installs into a clean virtualenv and runs the quickstart"
 
+# The lowest JAX release supported (constraints-jax-min.txt), in a virtualenv of its own: the
+# core and composition tests. The newest (constraints.txt) is what make test runs on.
+JAX_MIN_VENV = .venv-jax-min
+JAX_MIN_STAMP = $(JAX_MIN_VENV)/.installed
+
+$(JAX_MIN_STAMP): pyproject.toml constraints-jax-min.txt
+	$(PYTHON) -m venv $(JAX_MIN_VENV)
+	$(JAX_MIN_VENV)/bin/python -m pip install -q --upgrade pip
+	$(JAX_MIN_VENV)/bin/python -m pip install -q -c constraints-jax-min.txt -e . \
+		pytest hypothesis pytest-xdist
+	touch $@
+
+test-jax-min: $(JAX_MIN_STAMP)
+	$(JAX_MIN_VENV)/bin/python -c "import jax; assert jax.__version__ == '0.9.2', jax.__version__"
+	$(JAX_MIN_VENV)/bin/python -m pytest -n auto -m "not slow" -p no:cacheprovider \
+		tests/test_core.py tests/test_composition.py tests/test_api.py \
+		tests/test_control_flow.py tests/test_masks.py tests/test_nn.py \
+		tests/test_diagnostics.py tests/test_cli.py
+
 LIBS_STAMP = $(VENV)/.installed-libs
 
 $(LIBS_STAMP): $(STAMP)
@@ -84,5 +104,5 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/run.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) $(JAX_MIN_VENV) build dist *.egg-info .pytest_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -41,12 +41,20 @@ from jax.interpreters.partial_eval import dce_jaxpr
 # re-binds) is reported at the user's line that made it, as JAX's own frames are skipped.
 source_info_util.register_exclusion(str(pathlib.Path(__file__).resolve().parent))
 
+def _extend_core(name: str) -> Any:
+    """`jax.extend.core.<name>`; JAX 0.9 did not export `DropVar`, `set_current_trace` and
+    `concrete_or_error` there yet, so they come from `jax._src.core`, where 0.9 defines them
+    under the same names (and 0.10 too: `jax.extend.core` re-exports them)."""
+    found = getattr(jex, name, None)
+    return found if found is not None else getattr(importlib.import_module("jax._src.core"), name)
+
+
 Jaxpr = jex.Jaxpr
 ClosedJaxpr = jex.ClosedJaxpr
 JaxprEqn = jex.JaxprEqn
 Literal = jex.Literal
 Var = jex.Var
-DropVar = jex.DropVar
+DropVar = _extend_core("DropVar")
 Primitive = jex.Primitive
 primitives = jex.primitives
 
@@ -149,7 +157,10 @@ def shard_map_body_context(params: dict):
     from jax._src import config as jax_config
     from jax._src import shard_map as jax_shard_map
     from jax._src.mesh import use_abstract_mesh
-    mesh, manual = params["mesh"], params["newly_manual_axes"]
+    # JAX 0.10 names the axes this shard_map makes manual `newly_manual_axes`; 0.9 `manual_axes`
+    mesh = params["mesh"]
+    manual = params["newly_manual_axes"] if "newly_manual_axes" in params else \
+        params["manual_axes"]
     with (jax_shard_map._extend_axis_env(mesh, manual),
           use_abstract_mesh(jax_shard_map._as_manual_mesh(mesh, manual)),
           jax_config._check_vma(params["check_vma"])):
@@ -159,15 +170,16 @@ def shard_map_body_context(params: dict):
 # -- tracing with the values in hand (_by_value) ------------------------------------------------
 # A value tracer implements JAX's Trace protocol (process_primitive, process_custom_jvp_call, ...)
 # on the public `jax.core.Trace`/`jax.core.Tracer` classes and the public trace-context helpers.
-set_current_trace = jex.set_current_trace
-take_current_trace = jex.take_current_trace
+set_current_trace = _extend_core("set_current_trace")
+take_current_trace = _extend_core("take_current_trace")
+_concrete_or_error = _extend_core("concrete_or_error")
 ConcretizationTypeError = jax.errors.ConcretizationTypeError
 
 
 def concrete_value(x: Any) -> Any:
     """The concrete value of `x` (itself unless a tracer; a JVP tracer's primal), or raise
     ConcretizationTypeError."""
-    return jex.concrete_or_error(None, x, "nan_safe needs the value")
+    return _concrete_or_error(None, x, "nan_safe needs the value")
 
 
 def reset_stores(fun: Any) -> None:

@@ -9,6 +9,8 @@ import jax
 import numpy as np
 from jax.extend import core as jex
 
+from jaxsafe._compat import DropVar  # jax.extend.core has it from JAX 0.10 on
+
 
 def assert_bitwise(a, b):
     """Equal bit for bit, NaN positions included."""
@@ -54,7 +56,7 @@ def _jaxpr(jaxpr: jex.Jaxpr) -> Structure:
     number: dict[jex.Var, int] = {}
 
     def bind(v: jex.Var) -> Structure:
-        if isinstance(v, jex.DropVar):
+        if isinstance(v, DropVar):
             return ("drop", _aval(v.aval))
         number[v] = len(number)
         return ("var", number[v], _aval(v.aval))
