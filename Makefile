@@ -6,7 +6,7 @@ BENCH_ARGS ?=
 STAMP = $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help demo test test-libs test-jax-min lint fuzz bench clean package
+.PHONY: help demo test test-libs test-jax-min lint fuzz bench clean package docs
 
 help:
 	@echo "Targets:"
@@ -14,6 +14,7 @@ help:
 	@echo "  make test    build $(VENV), run the house checks (make lint), the test suite (not slow) and the docs examples"
 	@echo "  make test-libs  install the heavy libraries (jax-md, Flax) and run their tests (CI runs it)"
 	@echo "  make test-jax-min  the core and composition tests on the lowest JAX supported, in its own venv (CI runs it)"
+	@echo "  make docs    build the docs site into build/site (mkdocs, warnings are errors; CI runs it)"
 	@echo "  make lint    ruff and pyright on the package"
 	@echo "  make package build the sdist and the wheel, check them, install the wheel into a clean venv and run the quickstart (CI runs it)"
 	@echo "  make fuzz    run the slow (property/fuzz) tests"
@@ -75,6 +76,19 @@ test-jax-min: $(JAX_MIN_STAMP)
 		tests/test_core.py tests/test_composition.py tests/test_api.py \
 		tests/test_control_flow.py tests/test_masks.py tests/test_nn.py \
 		tests/test_diagnostics.py tests/test_cli.py
+
+DOCS_STAMP = $(VENV)/.installed-docs
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,docs]'
+	touch $@
+
+# The site: every public name in the generated reference with an example, the figures drawn
+# by running the code, then mkdocs with warnings (broken links and anchors) as errors.
+docs: $(DOCS_STAMP)
+	$(PY) docs/check_reference.py
+	$(PY) docs/plots.py
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 LIBS_STAMP = $(VENV)/.installed-libs
 

@@ -26,7 +26,14 @@ DEFAULT_CACHE_SIZE = 256
 class DataDependentShapeError(TypeError):
     """A value's shape depends on the data (`x[mask]`, `jnp.nonzero(m)` without `size=`) and the
     values are not known (under jit or vmap): the program cannot be traced, so nan_safe cannot
-    rewrite it. Called eagerly, such a function is traced at its values instead."""
+    rewrite it. Called eagerly, such a function is traced at its values instead.
+
+    Example:
+
+        f = jaxsafe.nan_safe(lambda x: jnp.sum(jnp.sqrt(x[x > 0])))
+        jax.grad(f)(x)           # eager: traced at the values
+        jax.jit(jax.grad(f))(x)  # raises DataDependentShapeError: use jnp.where, or size=
+    """
 
 
 _NEEDS_VALUES = (jax.errors.NonConcreteBooleanIndexError, jax.errors.ConcretizationTypeError)
@@ -531,6 +538,7 @@ def nan_safe(fun: Callable | None = None, *, static_argnums: int | Sequence[int]
     those lanes, and the rewritten program runs instead. Forward values are unchanged.
 
     **Arguments:**
+
     - `fun`: the function to wrap. Use as `@nan_safe` or `@nan_safe(...)`.
     - `static_argnums`, `static_argnames`: arguments that are Python values, not arrays (as in
       `jax.jit`); they must be hashable and are part of the cache key. Leaves of the other
@@ -576,6 +584,11 @@ def make_jaxpr(fun: Callable, *, static_argnums: int | Sequence[int] = (),
 
     Read it to see what was guarded: each guard is a `select_n(live, safe, x)` in front of a
     NaN-prone primitive. When nothing needs a guard, it is the original jaxpr.
+
+    Example:
+
+        print(jaxsafe.make_jaxpr(lambda x: jnp.where(x > 0, jnp.sqrt(x), 0.))(1.))
+        # { lambda ; a:f32[]. let b = gt a 0.0; c = select_n b 1.0 a; d = sqrt c; ... }
     """
     if not callable(fun):
         raise TypeError(f"make_jaxpr: `fun` must be callable, got {type(fun).__name__}: {fun!r}.")

@@ -67,7 +67,13 @@ class Finding:
 @dataclasses.dataclass(frozen=True)
 class Diagnosis:
     """What `diagnose` found: `leaks` (nan_safe fixes them), `genuine` (real singularities)
-    and `masked` (NaN the forward pass computes only in dropped lanes)."""
+    and `masked` (NaN the forward pass computes only in dropped lanes).
+
+    Example:
+
+        found = jaxsafe.diagnose(f)(x)
+        [(leak.entries, leak.origins[0].location) for leak in found.leaks]
+    """
 
     leaks: tuple[Finding, ...]
     genuine: tuple[Finding, ...]
@@ -164,7 +170,13 @@ def diagnose(fun: Callable, argnums: int | Sequence[int] = 0, *,
     """`diagnose(f)(*args)`: classify every non-finite entry of `jax.grad(f, argnums)` at
     `args` as a leak (nan_safe fixes it; the guard and the drop are named) or genuine (a real
     singularity; the primitive whose derivative made it is named), and list NaN the forward pass
-    computes only in dropped lanes. `f` must return a scalar, as for `jax.grad`."""
+    computes only in dropped lanes. `f` must return a scalar, as for `jax.grad`.
+
+    Example:
+
+        print(jaxsafe.diagnose(lambda x: jnp.sum(jnp.where(x > 0, jnp.log(x), 0.)))(jnp.zeros(2)))
+        # leak: argument 0 entries [0], [1]: non-finite in jax.grad, finite under nan_safe ...
+    """
     if not callable(fun):
         raise TypeError(f"diagnose: `fun` must be callable, got {type(fun).__name__}: {fun!r}.")
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)

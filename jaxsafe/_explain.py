@@ -36,7 +36,13 @@ MAX_READS = 4096
 
 @dataclasses.dataclass(frozen=True)
 class Location:
-    """A line of the user's source: `file:line:column (function)`; columns are 1-based."""
+    """A line of the user's source: `file:line:column (function)`; columns are 1-based.
+
+    Example:
+
+        report = jaxsafe.explain(f)(x)
+        report.guards[0].location.line  # the line of the guarded call in f's file
+    """
 
     file: str
     line: int
@@ -66,7 +72,12 @@ class Location:
 
 @dataclasses.dataclass(frozen=True)
 class Drop:
-    """An equation that drops lanes of a guarded value: the reason they are dead."""
+    """An equation that drops lanes of a guarded value: the reason they are dead.
+
+    Example:
+
+        report.guards[0].drops[0].primitive  # "select_n": a jnp.where
+    """
 
     primitive: str
     location: Location | None
@@ -78,7 +89,13 @@ class GuardedOperand:
 
     `kind`: "value" (it takes `safe_value` in the dropped lanes), "stop-gradient" (it keeps its
     value but passes no derivative there), or the forward-mode versions of both ("forward-mode
-    value", "forward-mode stop-gradient": lanes that carry no derivative, `_free.py`)."""
+    value", "forward-mode stop-gradient": lanes that carry no derivative, `_free.py`).
+
+    Example:
+
+        op = report.guards[0].operands[0]
+        op.index, op.kind, op.safe_value  # (0, "value", 1.0): sqrt's operand takes 1 where dropped
+    """
 
     index: int | None  # None: the output (a forward-mode cut)
     kind: str
@@ -90,7 +107,13 @@ class GuardedOperand:
 class Guard:
     """A guarded equation: the primitive, where the user wrote it, what each operand takes,
     and the drops that make the guarded lanes dead. `inside`: the bodies around it, the
-    outermost first (`"scan at model.py:30:11 (loss)"`)."""
+    outermost first (`"scan at model.py:30:11 (loss)"`).
+
+    Example:
+
+        guard, = jaxsafe.explain(lambda x: jnp.where(x > 0, jnp.log(x), 0.))(1.).guards
+        guard.primitive, guard.kind, guard.safe_values  # ("log", "value", {0: 1.0})
+    """
 
     primitive: str
     location: Location | None
@@ -325,7 +348,13 @@ def explain(fun: Callable, *, static_argnums: int | Sequence[int] = (),
             finite_args: Any = False) -> Callable[..., Report]:
     """`explain(f)(*args)`: the `Report` of what `nan_safe(f)` guards for these arguments.
     `print` it for one block per guard, naming the user's source line and the drop that made
-    its lanes dead; `report.guards` holds the same as data, `report.diff()` the jaxprs' diff."""
+    its lanes dead; `report.guards` holds the same as data, `report.diff()` the jaxprs' diff.
+
+    Example:
+
+        print(jaxsafe.explain(lambda x: jnp.where(x > 0, jnp.sqrt(x), 0.))(1.))
+        # <file>:<line>:<col> (<lambda>): guarded sqrt (value guard): operand 0 -> 1.0 (table) ...
+    """
     from ._api import NanSafeFunction
     if not callable(fun):
         raise TypeError(f"explain: `fun` must be callable, got {type(fun).__name__}: {fun!r}.")

@@ -30,6 +30,7 @@ def register_guard(primitive: Primitive, safe: Mapping[int, float] | float,
     """Declare `primitive` NaN-prone and give the in-domain value of its operands in dropped lanes.
 
     **Arguments:**
+
     - `primitive`: a `jax.extend.core.Primitive` (for example your own, or `lax.sqrt_p`).
     - `safe`: `{operand_index: value}`, or one value for operand 0. The value must be inside the
       primitive's domain and away from its singularities (sqrt: 1, log: 1, div denominator: 1).

@@ -25,6 +25,7 @@ def register_rule(primitive: Primitive, *, elementwise: bool = False, linear: bo
     """Tell jaxsafe what it needs to know of a primitive that JAX does not define.
 
     **Arguments:**
+
     - `primitive`: a `jax.extend.core.Primitive` your library defines.
     - `elementwise`: each output lane is computed from the same lane of each operand (rank-0
       operands broadcast). Liveness then passes lane by lane; otherwise every operand lane

@@ -46,6 +46,13 @@ class Report:
       what was left and why (the guard pass and the nested-body pass);
     - `backward_rules`: custom_vjp calls whose backward rule runs through the structural-zero
       pass (`_backward.py`).
+
+    Example:
+
+        closed, report = jaxsafe.nan_safe(f).trace(x)   # or: report = jaxsafe.explain(f)(x)
+        print(report)           # the diagnostics text
+        report.guards           # the same as data
+        print(report.diff())    # the original and the rewritten jaxpr
     """
 
     sites: list[Site] = dataclasses.field(default_factory=list)

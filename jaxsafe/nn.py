@@ -108,11 +108,16 @@ def softmax(x: ArrayLike, axis: Axis = -1, where: ArrayLike | None = None) -> Ar
     a NaN (or `+inf`) valid entry is NaN, as in `jax.nn`.
 
     **Arguments:**
+
     - `x`: input array.
     - `axis`: axis or axes (or `None`, all) along which the softmax sums to 1.
     - `where`: elements to include; masked-out elements give 0.
 
     **Returns:** an array shaped like `x`.
+
+    Example:
+
+        jaxsafe.nn.softmax(jnp.array([[1., 2.], [-jnp.inf, -jnp.inf]]))  # row 1: [0., 0.]
     """
     # the same switch as jax.nn.softmax (a config flag the type stubs do not declare)
     if jax.config.jax_softmax_custom_jvp:  # pyright: ignore[reportAttributeAccessIssue]
@@ -149,11 +154,16 @@ def log_softmax(x: ArrayLike, axis: Axis = -1, where: ArrayLike | None = None) -
     other row is `jax.nn.log_softmax`'s, bit for bit.
 
     **Arguments:**
+
     - `x`: input array.
     - `axis`: axis or axes (or `None`, all) to normalise over.
     - `where`: elements to include; masked-out elements give `-inf`.
 
     **Returns:** an array shaped like `x`.
+
+    Example:
+
+        jaxsafe.nn.log_softmax(jnp.array([-jnp.inf, -jnp.inf]))  # [-inf, -inf], gradient 0
     """
     x = jnp.asarray(x)
     x_safe = x if where is None else jnp.where(where, x, -jnp.inf)
@@ -190,6 +200,7 @@ def logsumexp(a: ArrayLike, axis: Axis = None, b: ArrayLike | None = None,
     `-inf`, as in JAX, but its gradient is 0 instead of NaN. Other results are JAX's, bit for bit.
 
     **Arguments:**
+
     - `a`: input array.
     - `axis`: axis or axes to reduce (`None`: all).
     - `b`: scaling factors for `exp(a)`, broadcastable to `a`.
@@ -198,6 +209,10 @@ def logsumexp(a: ArrayLike, axis: Axis = None, b: ArrayLike | None = None,
     - `where`: elements to include in the reduction.
 
     **Returns:** the result, or `(result, sign)` with `return_sign=True`.
+
+    Example:
+
+        jax.grad(lambda x: jaxsafe.nn.logsumexp(x))(jnp.full(3, -jnp.inf))  # [0., 0., 0.]
     """
     if where is not None:
         a = jnp.where(where, a, 0)
@@ -398,6 +413,7 @@ def dot_product_attention(
     bit. The softmax runs in float32, as in `jax.nn`.
 
     **Arguments:** as `jax.nn.dot_product_attention`:
+
     - `query`: `[batch, q_len, heads, head_dim]` (or without the batch axis).
     - `key`, `value`: `[batch, kv_len, kv_heads, head_dim]`; `heads` must be a multiple of
       `kv_heads` (grouped-query attention).

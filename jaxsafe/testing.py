@@ -25,6 +25,11 @@ def assert_no_leaks(fun: Callable, *args: Any, static_argnums: int | Sequence[in
     `finite_args=True` (the default) takes the arguments as finite: only hazards `fun` itself
     computes count. Pass `finite_args=False` to also require that NaN or inf in the dropped
     lanes of an argument (padding, missing data) cannot leak.
+
+    Example:
+
+        def test_my_loss_guards_its_log():  # in a pytest suite
+            assert_no_leaks(my_loss, jnp.ones(4))
     """
     report = explain(fun, static_argnums=static_argnums, static_argnames=static_argnames,
                      finite_args=finite_args)(*args, **kwargs)
