@@ -36,6 +36,12 @@ class DataDependentShapeError(TypeError):
     """
 
 
+_CONTROL_FLOW_NOTE = (
+    "nan_safe: under jit, vmap or a jitted grad, nan_safe traces the function as jax.jit does: "
+    "write the branch with jnp.where or lax.cond, or mark the argument static "
+    "(static_argnums=/static_argnames=); called eagerly, nan_safe traces it at the values.")
+"""The line nan_safe adds to JAX's error for Python control flow on a traced value."""
+
 _NEEDS_VALUES = (jax.errors.NonConcreteBooleanIndexError, jax.errors.ConcretizationTypeError)
 """Errors of a trace that asked for a value: an eager call retries with the values in hand."""
 
@@ -410,8 +416,9 @@ class NanSafeFunction:
             except _NEEDS_VALUES as e:
                 values = concrete_values(leaves)
                 if values is None:  # under jit or vmap
-                    if not _shape_from_data(e):
-                        raise  # Python control flow on a traced value: JAX's error says so
+                    if not _shape_from_data(e):  # Python control flow on a traced value
+                        e.add_note(_CONTROL_FLOW_NOTE)
+                        raise
                     raise DataDependentShapeError(_data_dependent_message(self._fun, e)) from e
                 closed, out_shape = self._trace_by_value(flat_fun, leaves, values)
                 by_value = True

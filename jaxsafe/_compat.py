@@ -41,6 +41,12 @@ from jax.interpreters.partial_eval import dce_jaxpr
 # re-binds) is reported at the user's line that made it, as JAX's own frames are skipped.
 source_info_util.register_exclusion(str(pathlib.Path(__file__).resolve().parent))
 
+# ... and JAX's filtered tracebacks skip them too, as they skip JAX's own: an error raised while
+# nan_safe traces the user's function shows the frames jax.jit would (the user's), not
+# jaxsafe's. `traceback_util.register_exclusion` has no public spelling.
+importlib.import_module("jax._src.traceback_util").register_exclusion(
+    str(pathlib.Path(__file__).resolve().parent))
+
 def _extend_core(name: str) -> Any:
     """`jax.extend.core.<name>`; JAX 0.9 did not export `DropVar`, `set_current_trace` and
     `concrete_or_error` there yet, so they come from `jax._src.core`, where 0.9 defines them

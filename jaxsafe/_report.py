@@ -112,4 +112,4 @@ def note_failure(error: BaseException, eqn: JaxprEqn, pass_name: str) -> None:
     a failure inside the analysis is a bug in jaxsafe, and the report needs the place."""
     error.add_note(f"jaxsafe: raised by the {pass_name} pass at `{eqn.primitive}` "
                    f"({source_summary(eqn)}). This is a bug in jaxsafe; please report it with "
-                   f"this traceback.")
+                   f"this traceback (JAX_TRACEBACK_FILTERING=off shows jaxsafe's frames too).")

@@ -337,7 +337,7 @@ def _flax_finish(module, dropout_rate: float, dropout_rng, broadcast_dropout: bo
 
 def _sow(module, weights) -> None:
     """Record the weights as Flax's own attention does, for Linen or NNX modules."""
-    from flax import linen, nnx  # only reached with a Flax module
+    from flax import linen, nnx  # pyright: ignore[reportMissingImports]  (a Flax module: Flax is there)
     if isinstance(module, linen.Module):
         module.sow("intermediates", "attention_weights", weights)
     else:

@@ -242,3 +242,24 @@ def test_the_public_names_are_listed_once_and_documented():
     for fun in (jaxsafe.nan_safe, jaxsafe.register_guard, jaxsafe.register_rule,
                 jaxsafe.nn.dot_product_attention):
         assert "!!!" not in fun.__doc__ and "```" not in fun.__doc__  # help() reads it raw
+
+
+def test_python_control_flow_under_jit_keeps_jax_s_error_and_adds_one_line():
+    import traceback
+
+    def branchy(x):
+        if x > 0:  # a Python branch on a traced value
+            return jnp.sqrt(x)
+        return x
+
+    with pytest.raises(jax.errors.TracerBoolConversionError) as plain:
+        jax.jit(jax.grad(jax.jit(branchy)))(1.)
+    with pytest.raises(jax.errors.TracerBoolConversionError) as ours:
+        jax.jit(jax.grad(nan_safe(branchy)))(1.)
+    assert str(ours.value) == str(plain.value)  # JAX's own message
+    notes = [n for n in getattr(ours.value, "__notes__", []) if n.startswith("nan_safe:")]
+    assert len(notes) == 1 and "jnp.where or lax.cond" in notes[0] and "static_argnums" in notes[0]
+    assert "\n" not in notes[0]  # one line
+    frames = [f.filename for f in traceback.extract_tb(ours.value.__traceback__)]
+    assert not any("/jaxsafe/" in f for f in frames), frames
+    assert jax.grad(nan_safe(branchy))(4.) == 0.25  # eager: traced at the values
