@@ -75,7 +75,7 @@ test-jax-min: $(JAX_MIN_STAMP)
 	$(JAX_MIN_VENV)/bin/python -m pytest -n auto -m "not slow" -p no:cacheprovider \
 		tests/test_core.py tests/test_composition.py tests/test_api.py \
 		tests/test_control_flow.py tests/test_masks.py tests/test_nn.py \
-		tests/test_diagnostics.py tests/test_cli.py
+		tests/test_diagnostics.py tests/test_cli.py tests/test_by_value.py
 
 DOCS_STAMP = $(VENV)/.installed-docs
 

@@ -24,19 +24,22 @@ from ._compat import (
     Tracer,
     concrete_value,
     eval_context,
+    init_tracer,
     reset_stores,
     set_current_trace,
     take_current_trace,
+    with_aval_property,
 )
 
 
+@with_aval_property(lambda tracer: jax.typeof(tracer.staged))
 class _ValueTracer(Tracer):
     """An intermediate with both its concrete value and its tracer in the jaxpr being built."""
 
     __slots__ = ("value", "staged", "differentiated")
 
     def __init__(self, trace: _ValueTrace, value: Any, staged: Any, differentiated: bool):
-        super().__init__(trace, jax.typeof(staged))
+        init_tracer(self, trace, jax.typeof(staged))
         self.value = value
         self.staged = staged
         self.differentiated = differentiated

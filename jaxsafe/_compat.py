@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import pathlib
 from collections.abc import Sequence
 from typing import Any
@@ -177,6 +178,27 @@ def shard_map_body_context(params: dict):
 # A value tracer implements JAX's Trace protocol (process_primitive, process_custom_jvp_call, ...)
 # on the public `jax.core.Trace`/`jax.core.Tracer` classes and the public trace-context helpers.
 set_current_trace = _extend_core("set_current_trace")
+
+# JAX 0.10's `Tracer.__init__` takes the tracer's aval (kept in a slot); 0.9's takes the trace
+# only and reads an `aval` property that the subclass defines.
+_TRACER_TAKES_AVAL = "aval" in inspect.signature(Tracer.__init__).parameters
+
+
+def init_tracer(tracer: Any, trace: Any, aval: Any) -> None:
+    """`Tracer.__init__` on any supported JAX."""
+    if _TRACER_TAKES_AVAL:
+        Tracer.__init__(tracer, trace, aval)
+    else:
+        Tracer.__init__(tracer, trace)  # pyright: ignore[reportCallIssue]  (JAX 0.9)
+
+
+def with_aval_property(aval_of: Any) -> Any:
+    """Class decorator: on JAX 0.9, the `aval` property its Tracer asks subclasses for."""
+    def decorate(cls: Any) -> Any:
+        if not _TRACER_TAKES_AVAL:
+            cls.aval = property(aval_of)
+        return cls
+    return decorate
 take_current_trace = _extend_core("take_current_trace")
 _concrete_or_error = _extend_core("concrete_or_error")
 ConcretizationTypeError = jax.errors.ConcretizationTypeError
