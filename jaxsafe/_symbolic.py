@@ -77,15 +77,31 @@ def _implied_by_reduction(t: Term, u: Term) -> bool:
     return False
 
 
+def _absorbed_by_reductions(terms: set) -> set:
+    """The terms that imply a term no other term implies (`_implied_by_reduction`). Defined on
+    the set, not on an order of visiting it, so that every process (and every trace) simplifies
+    a mask to the same formula; a cycle of terms implying each other has no such term and stays
+    as it is."""
+    implied = {t: {u for u in terms if u != t and _implied_by_reduction(t, u)} for t in terms}
+    final = {t for t in terms if not implied[t]}
+    return {t for t in terms if implied[t] & final}
+
+
 def _simplify(terms: set) -> Sym:
     terms = {t for t in terms if not _contradicts(t)}
     changed = True
     while changed:
         changed = False
         for t in list(terms):  # absorption: a & b | a == a
-            if any(u < t or u != t and _implied_by_reduction(t, u) for u in terms):
+            if any(u < t for u in terms):
                 terms.discard(t)
                 changed = True
+        absorbed = _absorbed_by_reductions(terms) if any(
+            isinstance(lit[0], Unknown) and lit[0].reduced is not None
+            for t in terms for lit in t) else set()
+        if absorbed:
+            terms -= absorbed
+            changed = True
         for t in list(terms):  # a & p | a & ~p == a
             for lit in t:
                 other = (t - {lit}) | {negate(lit)}
