@@ -33,20 +33,16 @@ demo: $(STAMP)
 
 # One pytest worker per CPU (pytest-xdist), one test file per worker: the suite is
 # compile-bound and takes about 15 minutes on one core. `make fuzz` stays in one process (it writes tests/.fuzz-counts.json).
-# The docs examples run one at a time beside the main session: its last test file leaves a
-# core idle for a minute or more.
 test: lint
-	mkdir -p build
-	CHECK_EXAMPLES_JOBS=1 $(PY) docs/check_examples.py > build/check-examples.log 2>&1 & docs=$$!; \
-		$(PY) -m pytest -n auto --dist loadfile -m "not slow and not libs" \
-		--ignore=tests/test_x64.py --ignore=tests/test_x64_transparency.py \
-		--ignore=tests/test_x64_where.py --ignore=tests/test_multidevice.py; main=$$?; \
-		wait $$docs; checked=$$?; cat build/check-examples.log; \
-		test $$main -eq 0 && test $$checked -eq 0
+	$(PY) -m pytest -n auto --dist loadfile -m "not slow and not libs" --ignore=tests/test_x64.py \
+		--ignore=tests/test_x64_transparency.py --ignore=tests/test_x64_where.py \
+		--ignore=tests/test_multidevice.py
 	JAX_ENABLE_X64=1 $(PY) -m pytest -n auto --dist loadfile -m "not slow" tests/test_x64.py \
 		tests/test_x64_transparency.py tests/test_x64_where.py
+	# the multi-device session (one process) and the docs examples run side by side
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -m "not slow" \
-		tests/test_multidevice.py
+		tests/test_multidevice.py & md=$$!; $(PY) docs/check_examples.py; docs=$$?; \
+		wait $$md && exit $$docs
 
 package: $(STAMP)
 	rm -rf dist
