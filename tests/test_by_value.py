@@ -111,6 +111,7 @@ def test_python_control_flow_on_values_is_traced_eagerly_and_keeps_jaxs_error_un
         jax.jit(nan_safe(f))(x)
 
 
+@pytest.mark.slow  # 13 s: make fuzz runs it (make test is at its 10 minutes)
 def test_custom_rules_inside_a_value_dependent_program_are_kept():
     @jax.custom_vjp
     def doubled_gradient(x):

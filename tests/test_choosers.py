@@ -95,6 +95,7 @@ def test_indexing_forms_that_worked_before_keep_working():
         assert np.isfinite(np.asarray(jax.grad(nan_safe(f))(x))).all()
 
 
+@pytest.mark.slow  # 9 s: make fuzz runs it (make test is at its 10 minutes)
 def test_pooling_windows_that_tile_are_chosen_as_jaxs_derivative_chooses():
     # the tiling fast path (elementwise: the first lane equal to the window's result) against
     # the lanes JAX's own derivative (select_and_scatter_add) hands each live window to, on

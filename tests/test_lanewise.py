@@ -40,10 +40,13 @@ def _check(f, hand, x):
 SPECIAL = [("erfcx", sp.erfcx, lambda x: x > 0),
            ("dawsn", sp.dawsn, lambda x: x > 0),
            ("ndtri", sp.ndtri, lambda x: (x > 0) & (x < 1))]
+SLOW_SPECIAL = {"ndtri"}  # 10 s: make fuzz runs it (make test is at its 10 minutes)
 
 
 @pytest.mark.no_leak_check  # library functions: compiled with JAX's caches
-@pytest.mark.parametrize("name,fn,live", SPECIAL, ids=[s[0] for s in SPECIAL])
+@pytest.mark.parametrize("name,fn,live", [
+    pytest.param(*s, id=s[0], marks=[pytest.mark.slow] if s[0] in SLOW_SPECIAL else [])
+    for s in SPECIAL])
 def test_scan_based_special_function_behind_a_where_gets_the_hand_fix(name, fn, live):
     x = EDGES / 4 if name == "ndtri" else EDGES
 

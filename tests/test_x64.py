@@ -82,6 +82,7 @@ def test_float64_drop_forward_is_bitwise(row):
     drops.check_forward_is_bitwise(row, F64)
 
 
+@pytest.mark.slow  # 11 s: make fuzz runs it (make test is at its 10 minutes)
 def test_float64_boolean_index_traced_at_its_values_gives_the_hand_fix_gradient():
     import jax
     from helpers import assert_bitwise
