@@ -32,9 +32,11 @@ def parse_arg(text: str) -> tuple[tuple[int, ...], str]:
     if m is None or m.group(1) not in DTYPES and m.group(1) not in DTYPES.values():
         raise UsageError(f"bad --arg {text!r}: write dtype[shape], e.g. f32[8,3] or i32[] "
                          f"(dtypes: {', '.join(DTYPES)})")
-    dims = [d.strip() for d in m.group(2).split(",") if d.strip()]
-    if m.group(2).strip() and len(dims) != m.group(2).count(",") + 1 - \
-            (1 if m.group(2).strip().endswith(",") else 0):
+    inside = m.group(2).strip()
+    dims = [d.strip() for d in inside.split(",")] if inside else []
+    if dims and dims[-1] == "":  # a trailing comma, as Python writes (8,)
+        dims.pop()
+    if any(d == "" for d in dims):
         raise UsageError(f"bad --arg {text!r}: the shape is a list of sizes, e.g. [8,3]")
     return tuple(int(d) for d in dims), DTYPES.get(m.group(1), m.group(1))
 

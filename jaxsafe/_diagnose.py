@@ -19,7 +19,7 @@ it changes no output) is listed as *masked*, harmless.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -94,20 +94,20 @@ def _nonfinite(value: Any) -> np.ndarray | None:
 
 
 def _run(closed: ClosedJaxpr, args: Sequence[Any], replaced: int | None = None
-         ) -> tuple[list[Any], list[int]]:
+         ) -> tuple[list[Any], dict[int, np.ndarray]]:
     """The outputs of `closed` on `args`, equation by equation, and its origins (equations
-    making inf or NaN from finite operands). `replaced`: an equation whose non-finite outputs
-    are replaced by 1."""
+    making inf or NaN from finite operands), each with the non-finite lanes of its first
+    output. `replaced`: an equation whose non-finite outputs are replaced by 1."""
     env: dict = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
     env.update(zip(closed.jaxpr.invars, args, strict=True))
-    origins = []
+    origins: dict[int, np.ndarray] = {}
     for i, eqn in enumerate(closed.jaxpr.eqns):
         invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
         outs = bind_eqn(eqn, invals)
         bad = [_nonfinite(o) for o in outs]
         if any(b is not None and b.any() for b in bad):
             if all(not (m := _nonfinite(v)) is not None or not m.any() for v in invals):
-                origins.append(i)
+                origins[i] = bad[0] if bad[0] is not None else np.zeros((), bool)
             if i == replaced:
                 outs = [o if b is None else np.where(b, np.ones((), np.asarray(o).dtype), o)
                         for o, b in zip(outs, bad, strict=True)]
@@ -138,10 +138,11 @@ def _origin(eqn: JaxprEqn, forward: ClosedJaxpr) -> Origin:
     return Origin(user.primitive.name, location, not itself)
 
 
-def _attribute(closed: ClosedJaxpr, args: Sequence[Any], origins: list[int],
-               output: int) -> dict[int, np.ndarray]:
-    """origin -> the lanes of `output` that replacing it alone makes finite."""
-    return {o: _fixed_by(closed, args, o)[output] for o in origins[:MAX_ORIGINS]}
+def _attribute(closed: ClosedJaxpr, args: Sequence[Any], origins: Iterable[int]
+               ) -> dict[int, list[np.ndarray]]:
+    """origin -> per output, the lanes that replacing it alone makes finite (one run of the
+    program per origin, for every output at once)."""
+    return {o: _fixed_by(closed, args, o) for o in list(origins)[:MAX_ORIGINS]}
 
 
 # --------------------------------------------------------------------------- the verdicts
@@ -252,17 +253,22 @@ class _Call:
                  else [f"gradient leaf {k}" for k in range(len(plain_outs))])
         leaks: list[Finding] = []
         genuine: list[Finding] = []
+        plain_fixes = safe_fixes = None  # each program re-run once per origin, when needed
         for k, (p, s) in enumerate(zip(plain_outs, safe_outs, strict=True)):
             p_bad, s_bad = _nonfinite(p), _nonfinite(s)
             if p_bad is None or s_bad is None or not p_bad.any():
                 continue
             if (p_bad & ~s_bad).any():
-                fixes = _attribute(plain_program, self.leaves, plain_origins, k)
-                leaks += _group("leak", names[k], p_bad & ~s_bad, np.asarray(p), fixes,
+                if plain_fixes is None:
+                    plain_fixes = _attribute(plain_program, self.leaves, plain_origins)
+                leaks += _group("leak", names[k], p_bad & ~s_bad, np.asarray(p),
+                                {o: f[k] for o, f in plain_fixes.items()},
                                 plain_program.jaxpr.eqns, forward, guards_at)
             if s_bad.any():
-                fixes = _attribute(safe_program, self.leaves, safe_origins, k)
-                genuine += _group("genuine", names[k], s_bad, np.asarray(s), fixes,
+                if safe_fixes is None:
+                    safe_fixes = _attribute(safe_program, self.leaves, safe_origins)
+                genuine += _group("genuine", names[k], s_bad, np.asarray(s),
+                                  {o: f[k] for o, f in safe_fixes.items()},
                                   safe_program.jaxpr.eqns, forward, lambda o: ())
         return Diagnosis(tuple(leaks), tuple(genuine), _masked(forward, self.leaves))
 
@@ -277,28 +283,14 @@ def _masked(forward: ClosedJaxpr, leaves: list) -> tuple[Finding, ...]:
     outs, origins = _run(forward, leaves)
     before = [m for o in outs if (m := _nonfinite(o)) is not None]
     found = []
-    for o in origins[:MAX_ORIGINS]:
+    for o in list(origins)[:MAX_ORIGINS]:
         after, _ = _run(forward, leaves, replaced=o)
         now = [m for a in after if (m := _nonfinite(a)) is not None]
         if all(np.array_equal(b, a) for b, a in zip(before, now, strict=True)):
             eqn = forward.jaxpr.eqns[o]
-            found.append(Finding("masked", eqn.primitive.name,
-                                 tuple(_indices(_run_to(forward, leaves, o))), (),
+            found.append(Finding("masked", eqn.primitive.name, tuple(_indices(origins[o])), (),
                                  (_origin(eqn, forward),)))
     return tuple(found)
-
-
-def _run_to(closed: ClosedJaxpr, args: Sequence[Any], stop: int) -> np.ndarray:
-    """The non-finite lanes of equation `stop`'s first output."""
-    env: dict = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
-    env.update(zip(closed.jaxpr.invars, args, strict=True))
-    for i, eqn in enumerate(closed.jaxpr.eqns[:stop + 1]):
-        outs = bind_eqn(eqn, [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars])
-        if i == stop:
-            mask = _nonfinite(outs[0])
-            return np.zeros((), bool) if mask is None else mask
-        env.update(zip(eqn.outvars, outs, strict=True))
-    raise AssertionError("unreachable")
 
 
 # --------------------------------------------------------------------------- the text
