@@ -67,7 +67,7 @@ $(JAX_MIN_STAMP): pyproject.toml constraints-jax-min.txt
 	$(PYTHON) -m venv $(JAX_MIN_VENV)
 	$(JAX_MIN_VENV)/bin/python -m pip install -q --upgrade pip
 	$(JAX_MIN_VENV)/bin/python -m pip install -q -c constraints-jax-min.txt -e . \
-		pytest hypothesis pytest-xdist
+		pytest hypothesis pytest-xdist chex
 	touch $@
 
 test-jax-min: $(JAX_MIN_STAMP)

@@ -5,6 +5,7 @@ import functools
 import re
 from typing import Any
 
+import chex
 import jax
 import numpy as np
 from jax.extend import core as jex
@@ -13,25 +14,25 @@ from jaxsafe._compat import DropVar  # jax.extend.core has it from JAX 0.10 on
 
 
 def assert_bitwise(a, b):
-    """Equal bit for bit, NaN positions included."""
+    """Equal bit for bit, NaN positions included.
+
+    Stricter than `chex.assert_trees_all_equal`, which is what the contract's forward point
+    needs: chex compares values (`-0. == 0.`, any NaN equals any NaN); here the bytes, so a sign
+    of zero or a NaN payload that the rewrite changed fails.
+    """
+    chex.assert_trees_all_equal_structs(a, b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         x, y = np.asarray(x), np.asarray(y)
         assert x.dtype == y.dtype and x.shape == y.shape, (x.dtype, y.dtype, x.shape, y.shape)
         np.testing.assert_array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8))
 
 
-def assert_close(a, b, rtol=1e-6, atol=0.0):
-    """Equal up to rounding, NaN where NaN; structures must match."""
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(la, lb, strict=True):
-        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64),
-                                   rtol=rtol, atol=atol, equal_nan=True)
+def assert_close(a, b, rtol: float = 1e-6, atol: float = 0.0):
+    """Equal up to rounding, NaN where NaN; structures must match (chex's check)."""
+    chex.assert_trees_all_close(a, b, rtol=rtol, atol=atol)
 
 
-def assert_finite(tree):
-    for x in jax.tree.leaves(tree):
-        assert np.all(np.isfinite(np.asarray(x, np.float64))), x
+assert_finite = chex.assert_tree_all_finite
 
 
 # --------------------------------------------------------------------------- program structure

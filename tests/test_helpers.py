@@ -1,10 +1,11 @@
-"""`helpers.structure`: equal for two traces of one program, unequal for any other program."""
+"""The oracles: `structure` (equal for two traces of one program, unequal for any other
+program) and the value checks (`assert_bitwise` is stricter than chex's equality)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import structure
+from helpers import assert_bitwise, assert_close, assert_finite, structure
 from jax import lax
 from jax.extend import core as jex
 
@@ -100,3 +101,33 @@ def test_avals_are_part_of_the_structure():
     assert structure(jax.make_jaxpr(f)(X)) != structure(jax.make_jaxpr(f)(X[:2]))
     assert structure(jax.make_jaxpr(f)(1.)) != structure(jax.make_jaxpr(f)(np.float32(1.)))
     assert structure(jax.make_jaxpr(f)(X)) != structure(jax.make_jaxpr(f)(X.astype(jnp.bfloat16)))
+
+
+def test_assert_bitwise_sees_what_chex_equality_does_not():
+    import chex
+    zero, minus_zero = jnp.array([0.]), jnp.array([-0.])
+    quiet = jnp.array([np.nan], jnp.float32)
+    other = jnp.asarray(np.array([0x7FC00001], np.uint32).view(np.float32))  # another payload
+    assert np.isnan(other[0])
+    for a, b in [(zero, minus_zero), (quiet, other)]:
+        chex.assert_trees_all_equal(a, b)  # equal as values
+        with pytest.raises(AssertionError):
+            assert_bitwise(a, b)
+    assert_bitwise({"a": quiet, "b": (zero,)}, {"a": quiet, "b": (zero,)})
+    with pytest.raises(AssertionError):  # same leaves, another structure
+        assert_bitwise({"a": quiet, "b": (zero,)}, {"a": quiet, "b": [zero]})
+    with pytest.raises(AssertionError):  # same bytes, another dtype
+        assert_bitwise(jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.float32))
+
+
+def test_assert_close_and_assert_finite():
+    assert_close(jnp.array([1., np.nan]), jnp.array([1. + 1e-7, np.nan]))
+    with pytest.raises(AssertionError):
+        assert_close(jnp.array([1., np.nan]), jnp.array([1., 0.]))  # NaN only where NaN
+    with pytest.raises(AssertionError):
+        assert_close(jnp.array([1.]), jnp.array([1.1]), rtol=1e-3)
+    with pytest.raises(AssertionError):
+        assert_close((jnp.ones(1),), [jnp.ones(1)])
+    assert_finite({"w": jnp.ones(3)})
+    with pytest.raises(AssertionError):
+        assert_finite({"w": jnp.array([1., np.inf])})
