@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FILES = ["README.md", "docs/index.md", "docs/how-it-works.md", "docs/api.md", "docs/nn.md",
          "docs/diagnostics.md", "docs/getting-started.md", "docs/composition.md",
-         "docs/scale.md"]
+         "docs/scale.md", "docs/faq.md"]
 BLOCK = re.compile(r"```python\n(.*?)```\n(\n*```text\n(.*?)```\n)?", re.S)
 RUNNER = ("src = open('example.py').read(); "
           "exec(compile(src, 'example.py', 'exec'), {'__name__': '__main__'})")
