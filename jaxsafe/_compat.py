@@ -154,6 +154,9 @@ PRIVATE_LINEAR_COLLECTIVES = (
 PRIVATE_OTHER_COLLECTIVES = _private_primitives("jax._src.lax.parallel", "pmin_p")
 # the value itself, placed anew under `Explicit` mesh axes
 PRIVATE_RESHARDS = _private_primitives("jax._src.pjit", "reshard_p")
+# the index of the platform a `lax.platform_dependent` cond runs on (`jnp.diagonal` of a matrix
+# picks a TPU branch by it): an integer, no derivative
+PRIVATE_PLATFORM_INDEX = _private_primitives("jax._src.lax.control_flow", "platform_index_p")
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ from ._atoms import dtype_of, is_float, shape_of
 from ._compat import JaxprEqn, Literal, bind_eqn
 from ._masks import (
     all_of,
+    any_of,
     broadcast,
     broadcast_mask,
     concat_masks,
@@ -44,16 +45,18 @@ from ._masks import (
     zeros,
 )
 from ._nested import call_jaxpr
-from ._rules import Context, Kind, Mask, rule_for
+from ._rules import AlignRule, Context, Kind, Mask, MaskRule, StaticRule, rule_for
 from ._symbolic import (
     FALSE,
     Sym,
+    Unknown,
     backward_mapping,
     move,
     negate,
     opaque,
     predicate_literal,
     sym_and_literal,
+    sym_or,
     unknown,
 )
 
@@ -214,6 +217,33 @@ def gather_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     if all(a in to_operand for a in axes):
         within(masks[0], place(core, [to_operand[a] for a in axes], shape_of(eqn.invars[0])))
     return masks
+
+
+def gather_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
+    """The lanes a gather reads depend on its indices (an unknown), except along the operand
+    axes it takes whole (a full slice: `jnp.diagonal`'s batch axis) or batches by (a vmapped
+    gather): a formula along those carries over, so a `where` on each matrix of a batch reaches
+    the matrices through `jnp.diagonal`."""
+    dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
+    op_shape, out_rank = shape_of(eqn.invars[0]), len(shape_of(eqn.outvars[0]))
+    to_operand: dict[int, int] = {}  # output axis -> the operand axis it runs along
+    offset_axes = [d for d in range(len(op_shape))
+                   if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    for o, d in zip(dn.offset_dims, offset_axes, strict=True):
+        if sizes[d] == op_shape[d]:
+            to_operand[o] = d
+    batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]
+    for o, i in zip(batch_out, range(len(shape_of(eqn.invars[1])) - 1), strict=False):
+        if i in dn.start_indices_batching_dims:
+            to_operand[o] = dn.operand_batching_dims[dn.start_indices_batching_dims.index(i)]
+    out = out_syms[0]
+    if not out:
+        return [FALSE] * len(eqn.invars)
+    sym = move(out, to_operand)
+    rest = [d for d in range(len(op_shape)) if d not in to_operand.values() and op_shape[d] != 1]
+    if rest:
+        sym = sym_and_literal(sym, unknown(rest))
+    return [sym] + [opaque() for _ in eqn.invars[1:]]
 
 
 def pad_drops(eqn: JaxprEqn) -> bool:
@@ -390,6 +420,77 @@ def dot_general_alignment(eqn: JaxprEqn, k: int) -> list[int | None]:
         align[d] = j
     for j, d in enumerate(free):
         align[d] = first + j
+    return align
+
+
+# --------------------------------------------------------------------------- batched linear algebra
+
+
+def batch_rank(eqn: JaxprEqn, core: int) -> int:
+    """The leading axes along which a linear-algebra primitive works matrix by matrix: those
+    of its first output before its `core` trailing axes."""
+    return len(shape_of(eqn.outvars[0])) - core
+
+
+def batched_masks(core: int) -> MaskRule:
+    """Each matrix of a batch is computed on its own: its operand lanes are live where any lane
+    of that batch element is, in any float output (`core`: the first output's matrix axes)."""
+    def masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+              ctx: Context) -> list[Mask]:
+        nb = batch_rank(eqn, core)
+        per_batch = []
+        for m, o in zip(outs, eqn.outvars, strict=True):
+            if not is_float(o):
+                continue  # pivots, permutations: read for their values only
+            if m is None:
+                return [None] * len(eqn.invars)
+            per_batch.append(reduce_any(m, range(nb, len(shape_of(o)))))
+        if not per_batch:
+            return [None] * len(eqn.invars)
+        live = any_of(per_batch)
+        return [None if live is None else broadcast_mask(live, shape_of(v), tuple(range(nb)))
+                for v in eqn.invars]
+    return masks
+
+
+def batched_syms(core: int) -> StaticRule:
+    """Static liveness of a batch element: the OR of its lanes in the float outputs. A literal
+    that runs along the batch axes only carries over (a `where` on a per-matrix predicate); one
+    that runs along the matrix axes only is taken as live somewhere in each matrix (the lower
+    triangle `jnp.linalg.cholesky` keeps), and so is a mask the static pass cannot name that
+    runs along them or along every axis (the diagonal a gather reads for a log-determinant):
+    live, as before, so such code is not changed. A predicate along both is decided at run
+    time."""
+    def static(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
+        nb = batch_rank(eqn, core)
+        live: Sym = FALSE
+        for sym, o in zip(out_syms, eqn.outvars, strict=True):
+            if not is_float(o):
+                continue
+            terms = set()
+            for term in sym:
+                kept = set()
+                for lit in term:
+                    embed = lit[2]
+                    axes = None if embed is None else {e for e in embed if e is not None}
+                    if axes is not None and all(e < nb for e in axes):
+                        kept.add(lit)  # along the batch axes only
+                    elif axes is None or isinstance(lit[0], Unknown) or \
+                            all(e >= nb for e in axes):
+                        continue  # live somewhere in each matrix, conservatively
+                    else:
+                        kept.add(unknown(e for e in axes if e < nb))
+                terms.add(frozenset(kept))
+            live = sym_or(live, frozenset(terms))
+        return [FALSE if isinstance(v, Literal) else live for v in eqn.invars]
+    return static
+
+
+def batched_alignment(core: int) -> AlignRule:
+    """A one-output primitive's batch axes run along its output's; its matrix axes along none."""
+    def align(eqn: JaxprEqn, k: int) -> list[int | None]:
+        nb = batch_rank(eqn, core)
+        return [d if d < nb else None for d in range(len(shape_of(eqn.invars[k])))]
     return align
 
 

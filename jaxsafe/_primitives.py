@@ -53,6 +53,7 @@ from ._choosers import (
 from ._compat import (
     PRIVATE_LINEAR_COLLECTIVES,
     PRIVATE_OTHER_COLLECTIVES,
+    PRIVATE_PLATFORM_INDEX,
     PRIVATE_RESHARDS,
     JaxprEqn,
     Primitive,
@@ -65,6 +66,9 @@ from ._free import moved_held, product_held, winner_held
 from ._lanewise import scan_kinds, scan_masks
 from ._liveness_rules import (
     aligned_syms,
+    batched_alignment,
+    batched_masks,
+    batched_syms,
     broadcast_in_dim_alignment,
     broadcast_in_dim_masks,
     by_transpose_masks,
@@ -79,6 +83,7 @@ from ._liveness_rules import (
     dot_general_masks,
     elementwise_masks,
     gather_masks,
+    gather_syms,
     max_wins,
     min_wins,
     opaque_call_kinds,
@@ -216,6 +221,7 @@ register_elementwise(prims.sharding_constraint_p, linear=True, bound=bounds.move
 # mask cannot cross it unchanged (a select of differently sharded operands is an error): every
 # operand lane is live where any output lane is (the default), no mask crosses.
 register(*PRIVATE_RESHARDS, linear=True)
+register(*PRIVATE_PLATFORM_INDEX, zero_derivative=True)
 register_elementwise(prims.tanh_p, prims.logistic_p, prims.sin_p, prims.cos_p, prims.atan_p,
                      prims.asinh_p, prims.erf_p, prims.erfc_p, prims.bessel_i0e_p,
                      prims.bessel_i1e_p)
@@ -251,7 +257,8 @@ register_selection(prims.clamp_p, masks=winner_masks, static=selected_syms, carr
 # --------------------------------------------------------------------------- data movement
 register_movement(prims.slice_p, masks=slice_masks, drops=_always, bound=bounds.moved,
                   carries=MOVED)
-register_movement(prims.gather_p, masks=gather_masks, drops=_always, carries=MOVED)
+register_movement(prims.gather_p, masks=gather_masks, static=gather_syms, drops=_always,
+                  carries=MOVED)
 register_movement(prims.dynamic_slice_p, prims.dynamic_update_slice_p,
                   masks=by_transpose_masks, drops=_always, carries=MOVED)
 register_movement(prims.pad_p, masks=by_transpose_masks, drops=pad_drops, carries=MOVED)
@@ -305,6 +312,28 @@ register(prims.cumprod_p, prims.cumlogsumexp_p,
          masks=cumulative_masks, foldable=True)
 register(prims.dot_general_p, masks=dot_general_masks, align=dot_general_alignment,
          static=aligned_syms, foldable=True, derivative_reads=BILINEAR)
+
+# --------------------------------------------------------------------------- linear algebra
+# Matrix by matrix along the leading axes: a batch element is live where any lane of it is
+# (`batched_masks(core)`: the first output's matrix axes). Their derivatives are singular at
+# finite matrices (not positive definite, singular, repeated eigen- or singular values) where no
+# one value per lane is safe: dropped batch elements are cut from differentiation. cholesky
+# makes NaN, the solves inf, from finite operands.
+for _p, _core, _facts in (
+        (prims.cholesky_p, 2, dict(makes_nonfinite=True)),
+        (prims.triangular_solve_p, 2, dict(makes_nonfinite=True)),
+        (prims.tridiagonal_solve_p, 2, dict(makes_nonfinite=True)),
+        (prims.lu_p, 2, {}),
+        (prims.qr_p, 2, {}),
+        (prims.eigh_p, 2, {}),
+        (prims.svd_p, 1, {}),
+        (prims.eig_p, 1, {})):
+    register(_p, masks=batched_masks(_core), static=batched_syms(_core), cut_when_dropped=True,
+             **_facts)
+for _p in (prims.cholesky_p, prims.triangular_solve_p, prims.tridiagonal_solve_p):
+    update(_p, align=batched_alignment(2))
+register(prims.householder_product_p, masks=batched_masks(2), static=batched_syms(2),
+         align=batched_alignment(2))
 
 # --------------------------------------------------------------------------- bodies
 register(prims.jit_p, prims.closed_call_p, masks=call_masks, kinds=call_kinds, inline=True)

@@ -336,6 +336,11 @@ class PrimitiveRule:
     makes_nonfinite: bool = False
     """May make NaN or inf from finite operands, with no guard known (a library's linear solve on
     a singular operator): its outputs may be non-finite, as an unknown primitive's."""
+    cut_when_dropped: bool = False
+    """Its derivative is singular at some finite operands (a matrix that is not positive definite,
+    repeated eigenvalues) and no one safe value per lane is known (a safe matrix is not a lane's
+    value): the dropped lanes of its differentiated operands are cut from differentiation, as a
+    custom rule's are."""
 
     known: bool = True
     """False for a primitive jaxsafe knows nothing about: reported, outputs possibly non-finite."""

@@ -48,7 +48,7 @@ from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._constants import finite_with_derivatives
 from ._dropped import DroppedValues
 from ._free import FreeValues
-from ._liveness import Sweep, operand_kinds
+from ._liveness import Sweep, kind_of_sym, operand_syms
 from ._nested import sub_jaxprs
 from ._report import Report, Site, note_failure
 from ._rules import Kind, PrimitiveRule, alignment, guard_for, rule_for
@@ -107,14 +107,18 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
         return Site(eqn, {}, {}, frozenset(), free, free_cut) if free else None
     diff = sweep.diff[i]
     tangents = [d and v not in fixed for v, d in zip(eqn.invars, diff, strict=True)]
-    guarded = [k != Kind.LIVE for k in operand_kinds(eqn, out_kinds, sweep)]
+    # as the liveness pass reads them: a batched `cholesky` whose every matrix keeps a live
+    # lane gives its operand no dropped lane, though its output has some
+    guarded = [kind_of_sym(m) != Kind.LIVE for m in
+               operand_syms(eqn, [sweep.sym(o) for o in eqn.outvars], sweep)]
     replace, reasons = _value_guards(eqn, rule, diff, guarded, tainted, dropped, bounds)
     cut = _cut_before_a_picker(eqn, rule, sweep, dropped, replace, reasons)
     guard = guard_for(eqn)
     # a body rewritten with its output masks guards its own reads of non-finite inputs
     body_guards_itself = rule.masked_body is not None and any(
         k == Kind.MAYBE and is_float(o) for k, o in zip(out_kinds, eqn.outvars, strict=True))
-    nonfinite = [] if body_guards_itself else _nonfinite_operands(
+    # a cut (below) stops every derivative in dropped lanes: no value guard needed beside it
+    nonfinite = [] if body_guards_itself or rule.cut_when_dropped else _nonfinite_operands(
         eqn, rule, tangents, guarded, tainted, sweep, report, dropped)
     for k in nonfinite:
         if k not in replace and k not in cut:
@@ -122,14 +126,16 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
             replace[k], reasons[k] = safe, "may be non-finite"
     if rule.custom_rule and (
             any(_may_be_nonfinite(eqn, v, tainted) for v in eqn.invars)
-            or any(contains_hazard(sub) for sub in sub_jaxprs(eqn))):
+            or any(contains_hazard(sub) for sub in sub_jaxprs(eqn))) or rule.cut_when_dropped:
         # The user's derivative rule may be singular in dropped lanes (its body is NaN-prone,
-        # or an operand may be non-finite there), and no safe value is known for it: cut those
-        # lanes from differentiation instead.
+        # or an operand may be non-finite there), or the primitive's own derivative may be
+        # (`cholesky`), and no safe value is known for it: cut those lanes from
+        # differentiation instead.
+        why = "custom derivative rule" if rule.custom_rule else "singular derivative"
         for k in range(len(eqn.invars)):
             if diff[k] and k not in replace and guarded[k]:
                 cut.add(k)
-                reasons[k] = "custom derivative rule"
+                reasons[k] = why
     if not replace and not cut and not free:
         return None
     return Site(eqn, replace, reasons, frozenset(cut), free, free_cut)
