@@ -426,13 +426,13 @@ def dot_general_alignment(eqn: JaxprEqn, k: int) -> list[int | None]:
 # --------------------------------------------------------------------------- batched linear algebra
 
 
-def batch_rank(eqn: JaxprEqn, core: int) -> int:
+def batch_rank(eqn: JaxprEqn, core: int | None) -> int:
     """The leading axes along which a linear-algebra primitive works matrix by matrix: those
-    of its first output before its `core` trailing axes."""
-    return len(shape_of(eqn.outvars[0])) - core
+    of its first output before its `core` trailing axes (None: none, the value is one whole)."""
+    return 0 if core is None else len(shape_of(eqn.outvars[0])) - core
 
 
-def batched_masks(core: int) -> MaskRule:
+def batched_masks(core: int | None) -> MaskRule:
     """Each matrix of a batch is computed on its own: its operand lanes are live where any lane
     of that batch element is, in any float output (`core`: the first output's matrix axes)."""
     def masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
@@ -453,7 +453,7 @@ def batched_masks(core: int) -> MaskRule:
     return masks
 
 
-def batched_syms(core: int) -> StaticRule:
+def batched_syms(core: int | None) -> StaticRule:
     """Static liveness of a batch element: the OR of its lanes in the float outputs. A literal
     that runs along the batch axes only carries over (a `where` on a per-matrix predicate); one
     that runs along the matrix axes only is taken as live somewhere in each matrix (the lower
@@ -594,7 +594,9 @@ def select_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sy
         out = out_syms[0]
         value = ctx.constant(pred)
         if value is not None and (bool(np.all(value)) or not np.any(value)):
-            untaken = opaque() if out else FALSE  # dropped, yet differentiated (a zero cotangent)
+            # dropped in every lane alike, yet differentiated (a zero cotangent): an unknown
+            # along no axis (a run-time mask decides, at the size of a scalar)
+            untaken = frozenset({frozenset({unknown(())})}) if out else FALSE
             return [FALSE, untaken, out] if np.all(value) else [FALSE, out, untaken]
         if not isinstance(pred, Literal):
             lit = predicate_literal(pred, True, ctx.broadcast_of, ctx.same_as)

@@ -334,6 +334,11 @@ for _p in (prims.cholesky_p, prims.triangular_solve_p, prims.tridiagonal_solve_p
     update(_p, align=batched_alignment(2))
 register(prims.householder_product_p, masks=batched_masks(2), static=batched_syms(2),
          align=batched_alignment(2))
+# `jnp.linalg.solve`, `inv`: a solve with the user's operator, singular where it is. Its operator
+# is a program of its own (a batched one may mix batch elements): one whole, cut where every
+# output lane is dropped (a Newton step under `jnp.where(done, x, x - solve(h, g))`).
+register(prims.linear_solve_p, masks=batched_masks(None), static=batched_syms(None),
+         cut_when_dropped=True, makes_nonfinite=True)
 
 # --------------------------------------------------------------------------- bodies
 register(prims.jit_p, prims.closed_call_p, masks=call_masks, kinds=call_kinds, inline=True)

@@ -68,7 +68,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,f,safe", CASES, ids=[c[0] for c in CASES])
-def test_dropped_batch_elements_contribute_zero_at_every_order(name, f, safe):
+def test_dropped_batch_elements_contribute_zero(name, f, safe):
     hand = lambda a: f(_fixed(a, safe))
     assert_bitwise(nan_safe(f)(MATS), jax.jit(f)(MATS))
     plain = jax.grad(f)(MATS)
@@ -78,7 +78,7 @@ def test_dropped_batch_elements_contribute_zero_at_every_order(name, f, safe):
     assert_finite(got)
     np.testing.assert_array_equal(np.asarray(got)[~np.asarray(VALID)], 0.)
     assert_close(jax.jacfwd(nan_safe(f))(MATS), jax.jacfwd(hand)(MATS), rtol=1e-5, atol=1e-6)
-    if name in ("cholesky", "triangular_solve"):  # second order: through the backward rules
+    if name == "cholesky":  # second order (the others: first order, to keep make test short)
         assert_close(jax.hessian(nan_safe(f))(MATS), jax.hessian(hand)(MATS),
                      rtol=1e-4, atol=1e-5)
 
@@ -147,3 +147,39 @@ def test_explain_names_the_cut_and_no_unknown_primitive():
     # one matrix: jnp.diagonal's platform-dependent branch index is known (no derivative)
     one = str(jaxsafe.explain(lambda a: jnp.log(jnp.diagonal(jnp.linalg.cholesky(a))))(SPD))
     assert "unknown" not in one, one
+
+
+def _newton_step(x, done, fixed=False):
+    """One Newton step on f(x) = x0^2 |x|^2 / 2, skipped where `done`: its Hessian is singular
+    at x0 = 0, where the step is not taken."""
+    h = jnp.eye(2) * x[0] ** 2
+    if fixed:
+        h = jnp.where(done, jnp.eye(2), h)
+    return jnp.where(done, x, x - jnp.linalg.solve(h, 2. * x))
+
+
+@pytest.mark.parametrize("done", [True, "traced"])
+def test_a_solve_the_program_drops_whole_is_cut(done):
+    x = jnp.array([0., 1.])
+    if done == "traced":
+        f = lambda x, d: _newton_step(x, d).sum()
+        hand = lambda x, d: _newton_step(x, d, fixed=True).sum()
+        args = (x, jnp.bool_(True))
+    else:  # a Python constant: the where drops the solve in every lane
+        f = lambda x: _newton_step(x, True).sum()
+        hand = lambda x: _newton_step(x, True, fixed=True).sum()
+        args = (x,)
+    assert np.all(np.isnan(jax.grad(f)(*args)))
+    assert_close(jax.grad(nan_safe(f))(*args), jax.grad(hand)(*args))
+    assert_close(jax.jacfwd(nan_safe(f))(*args), jax.jacfwd(hand)(*args))
+    if done == "traced":  # second order once
+        assert_close(jax.hessian(nan_safe(f))(*args), jax.hessian(hand)(*args))
+
+
+def test_vmap_of_nan_safe_newton_steps():
+    xs = jnp.array([[0., 1.], [2., 1.]])
+    done = jnp.array([True, False])
+    loss = lambda step: lambda xs: jax.vmap(step)(xs, done).sum()
+    got = jax.grad(loss(nan_safe(_newton_step)))(xs)
+    assert_close(got, jax.grad(loss(lambda x, d: _newton_step(x, d, fixed=True)))(xs))
+    assert_finite(got)
