@@ -11,10 +11,10 @@ STAMP = $(VENV)/.installed
 help:
 	@echo "Targets:"
 	@echo "  make demo    build $(VENV) and run examples/quickstart.py"
-	@echo "  make test    build $(VENV), run the house checks (make lint), the test suite (not slow) and the docs examples"
+	@echo "  make test    build $(VENV), run the house checks (make lint) and the test suite (not slow)"
 	@echo "  make test-libs  install the heavy libraries (jax-md, Flax) and run their tests (CI runs it)"
 	@echo "  make test-jax-min  the core and composition tests on the lowest JAX supported, in its own venv (CI runs it)"
-	@echo "  make docs    build the docs site into build/site (mkdocs, warnings are errors; CI runs it)"
+	@echo "  make docs    run every docs example and compare its output, build the site into build/site (mkdocs, warnings are errors; CI runs it)"
 	@echo "  make lint    ruff and pyright on the package"
 	@echo "  make package build the sdist and the wheel, check them, install the wheel into a clean venv and run the quickstart (CI runs it)"
 	@echo "  make fuzz    run the slow (property/fuzz) tests"
@@ -39,10 +39,8 @@ test: lint
 		--ignore=tests/test_multidevice.py
 	JAX_ENABLE_X64=1 $(PY) -m pytest -n auto --dist loadfile -m "not slow" tests/test_x64.py \
 		tests/test_x64_transparency.py tests/test_x64_where.py
-	# the multi-device session (one process) and the docs examples run side by side
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -m "not slow" \
-		tests/test_multidevice.py & md=$$!; $(PY) docs/check_examples.py; docs=$$?; \
-		wait $$md && exit $$docs
+		tests/test_multidevice.py
 
 package: $(STAMP)
 	rm -rf dist
@@ -86,6 +84,7 @@ $(DOCS_STAMP): $(STAMP)
 # The site: every public name in the generated reference with an example, the figures drawn
 # by running the code, then mkdocs with warnings (broken links and anchors) as errors.
 docs: $(DOCS_STAMP)
+	$(PY) docs/check_examples.py
 	$(PY) docs/check_reference.py
 	$(PY) docs/plots.py
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet

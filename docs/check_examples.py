@@ -43,17 +43,22 @@ def run(code: str) -> str:
 
 def main(update: bool) -> int:
     failures = 0
+    present = [name for name in FILES if (ROOT / name).exists()]
     for name in FILES:
-        path = ROOT / name
-        if not path.exists():
+        if name not in present:
             print(f"{name}: missing")
             failures += 1
-            continue
-        text = path.read_text()
+    texts = {name: (ROOT / name).read_text() for name in present}
+    blocks_of = {name: list(BLOCK.finditer(texts[name])) for name in present}
+    # every block of every page in one pool: each block is its own process
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        runs = {name: [pool.submit(run, m.group(1)) for m in blocks_of[name]]
+                for name in present}
+        outputs_of = {name: [r.result() for r in runs[name]] for name in present}
+    for name in present:
+        path, text = ROOT / name, texts[name]
         pieces, last = [], 0
-        blocks = list(BLOCK.finditer(text))
-        with ThreadPoolExecutor(os.cpu_count()) as pool:  # each block is its own process
-            outputs = list(pool.map(run, [m.group(1) for m in blocks]))
+        blocks, outputs = blocks_of[name], outputs_of[name]
         for m, actual in zip(blocks, outputs, strict=True):
             code, expected = m.group(1), m.group(3)
             if expected is None:
