@@ -34,10 +34,12 @@ demo: $(STAMP)
 # One pytest worker per CPU (pytest-xdist), one test file per worker: the suite is
 # compile-bound and takes about 15 minutes on one core. `make fuzz` stays in one process (it writes tests/.fuzz-counts.json).
 test: lint
-	$(PY) -m pytest -n auto --dist loadfile -m "not slow and not libs" --ignore=tests/test_x64.py \
+	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "not slow and not libs" \
+		--ignore=tests/test_x64.py \
 		--ignore=tests/test_x64_transparency.py --ignore=tests/test_x64_where.py \
 		--ignore=tests/test_multidevice.py
-	JAX_ENABLE_X64=1 $(PY) -m pytest -n auto --dist loadfile -m "not slow" tests/test_x64.py \
+	JAX_ENABLE_X64=1 $(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "not slow" \
+		tests/test_x64.py \
 		tests/test_x64_transparency.py tests/test_x64_where.py
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -m "not slow" \
 		tests/test_multidevice.py
