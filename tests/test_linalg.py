@@ -4,7 +4,8 @@
 leading axes. A dropped batch element (a padding matrix of zeros, a covariance that is not
 positive definite, a NaN) is cut from differentiation; the reference is the hand fix, which puts
 a harmless matrix (the identity, or distinct eigenvalues) in the dropped elements before the
-operation. Live elements keep their derivatives, real singularities included.
+operation. Live elements keep their derivatives, real singularities included. A
+`custom_linear_solve` (`jnp.linalg.solve`) is one whole: cut where the program drops all of it.
 """
 
 import jax
@@ -64,6 +65,9 @@ CASES = [
     ("svd", singular_values, DISTINCT),
     ("qr", qr_r, DISTINCT),
     ("triangular_solve", tri_solve, jnp.eye(2)),
+    ("slogdet", lambda a: jnp.where(VALID, jnp.linalg.slogdet(a)[1], 0.).sum(), jnp.eye(2)),
+    ("det", lambda a: jnp.where(VALID, jnp.log(jnp.abs(jnp.linalg.det(a))), 0.).sum(),
+     jnp.eye(2)),
 ]
 
 
