@@ -186,6 +186,8 @@ class Sweep:
         self._producer_eqns: dict = {}
         self._numbering: dict | None = None  # same_as: on a predicate's demand
         self._free_values: FreeValues | None = None  # what lanes carrying nothing hold
+        # per equation, the formula each operand receives from it (the guard pass reads them)
+        self.operand_syms: list[list[Sym]] = [[] for _ in jaxpr.eqns]
         self.syms = self._static_liveness(out_kinds)
         self.kinds = {v: kind_of_sym(m) for v, m in self.syms.items()}
         self.consumers: dict[Any, list[tuple[int, int]]] = {}
@@ -206,8 +208,8 @@ class Sweep:
             for i in range(len(jaxpr.eqns) - 1, -1, -1):
                 eqn, diff = jaxpr.eqns[i], self.diff[i]
                 out_syms = [syms.get(o, FALSE) for o in eqn.outvars]
-                for v, m, d in zip(eqn.invars, operand_syms(eqn, out_syms, self), diff,
-                                   strict=True):
+                self.operand_syms[i] = operand_syms(eqn, out_syms, self)
+                for v, m, d in zip(eqn.invars, self.operand_syms[i], diff, strict=True):
                     if d:
                         syms[v] = sym_or(syms.get(v, FALSE), m)
         except Exception as e:

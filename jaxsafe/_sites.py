@@ -48,7 +48,7 @@ from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._constants import finite_with_derivatives
 from ._dropped import DroppedValues
 from ._free import FreeValues
-from ._liveness import Sweep, kind_of_sym, operand_syms
+from ._liveness import Sweep, kind_of_sym
 from ._nested import sub_jaxprs
 from ._report import Report, Site, note_failure
 from ._rules import Kind, PrimitiveRule, alignment, guard_for, rule_for
@@ -107,10 +107,9 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
         return Site(eqn, {}, {}, frozenset(), free, free_cut) if free else None
     diff = sweep.diff[i]
     tangents = [d and v not in fixed for v, d in zip(eqn.invars, diff, strict=True)]
-    # as the liveness pass reads them: a batched `cholesky` whose every matrix keeps a live
+    # as the liveness pass read them: a batched `cholesky` whose every matrix keeps a live
     # lane gives its operand no dropped lane, though its output has some
-    guarded = [kind_of_sym(m) != Kind.LIVE for m in
-               operand_syms(eqn, [sweep.sym(o) for o in eqn.outvars], sweep)]
+    guarded = [kind_of_sym(m) != Kind.LIVE for m in sweep.operand_syms[i]]
     replace, reasons = _value_guards(eqn, rule, diff, guarded, tainted, dropped, bounds)
     cut = _cut_before_a_picker(eqn, rule, sweep, dropped, replace, reasons)
     guard = guard_for(eqn)
