@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from ._atoms import dtype_of
-from ._compat import JaxprEqn, Literal
+from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
+from ._constants import fold
 from ._rules import BoundRule, rule_for
 from ._walk import demand
 
@@ -134,3 +135,28 @@ class Bounds:
         for u, c in zip(eqn.invars, consts, strict=True):
             bounds.append(constant_bound(c) if c is not None else (yield u))
         return rule(eqn, bounds, consts)
+
+
+def of_program(closed: ClosedJaxpr, producer: dict | None = None) -> Bounds:
+    """The bounds of `closed`'s values (its concrete constants known)."""
+    jaxpr = closed.jaxpr
+    if producer is None:
+        producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
+    return Bounds(jaxpr.eqns, producer,
+                  {v: c for v, c in zip(jaxpr.constvars, closed.consts, strict=True)
+                   if not isinstance(c, Tracer)})
+
+
+def value_finite_above_bound(eqn: JaxprEqn, bounds: Bounds) -> bool:
+    """Whether `eqn`, a primitive whose value only gets safer as its operand grows
+    (`PrimitiveRule.decreasing`), has its operand bounded from below by a point where its value
+    is finite (`sqrt` of a sum of squares): its value is finite in every lane for finite
+    operands, whatever its derivative is at the bound (that is its guard's business)."""
+    if not rule_for(eqn.primitive).decreasing or len(eqn.invars) != 1 \
+            or len(eqn.outvars) != 1 or not isinstance(eqn.invars[0], Var):
+        return False
+    lower = bounds.of(eqn.invars[0])
+    if lower is None:
+        return False
+    point = np.asarray(lower, dtype_of(eqn.invars[0]))
+    return bool(np.isfinite(point)) and bool(np.all(np.isfinite(fold(eqn, [point])[0])))

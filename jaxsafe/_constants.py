@@ -4,29 +4,108 @@ The static passes fold predicates computed from literals (`_liveness.Sweep.const
 what a value holds in its dropped lanes (`_dropped.DroppedValues`) and check that a primitive and
 its derivatives are finite at a point (`finite_with_derivatives`). All of them evaluate through
 `fold`, on the host, even while an outer `jit` is tracing.
+
+Both are memoized (`_Memo`): an unrolled program asks the same question of every step (is
+`sqrt` finite at the safe value 1?), and each answer is an eager JAX call with its derivative.
+A question is remembered only when it is plain data: a primitive without bodies, parameters of
+plain types and small concrete operands.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import enum
+import threading
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from ._compat import JaxprEqn, bind_eqn
+from ._compat import JaxprEqn, Tracer, bind_eqn
 from ._rules import rule_for
+
+_PLAIN = (type(None), bool, int, float, complex, str, np.dtype, np.generic, enum.Enum)
+_MEMO_BYTES = 1024  # operands larger than this are not remembered
+_MEMO_ENTRIES = 4096
+
+
+def _plain_params(params: dict) -> Hashable | None:
+    """`params` as a hashable key, or None where a value is not plain data (a jaxpr, a
+    sharding, a function): such an equation is evaluated every time."""
+    items = tuple(sorted(params.items()))
+    stack: list = [v for _, v in items]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, tuple):  # NamedTuples (dimension numbers) too
+            stack.extend(value)
+        elif not isinstance(value, _PLAIN):
+            return None
+    return items
+
+
+def _operand_key(value: Any) -> Hashable | None:
+    if isinstance(value, Tracer):
+        return None
+    array = np.asarray(value)
+    if array.nbytes > _MEMO_BYTES or array.dtype == object:
+        return None
+    return array.dtype.str, array.shape, array.tobytes()
+
+
+class _Memo:
+    """Answers by (question, primitive, parameters, operand values), bounded, thread-safe."""
+
+    def __init__(self):
+        self._answers: dict = {}
+        self._lock = threading.Lock()
+
+    def key(self, question: str, eqn: JaxprEqn, values: Sequence[Any]) -> Hashable | None:
+        if rule_for(eqn.primitive).has_body:
+            return None
+        params = _plain_params(eqn.params)
+        operands = [_operand_key(v) for v in values]
+        if params is None or any(o is None for o in operands):
+            return None
+        return question, eqn.primitive, params, tuple(operands), jax.config.read("jax_enable_x64")
+
+    def get(self, key: Hashable | None, compute: Callable[[], Any]) -> Any:
+        if key is None:
+            return compute()
+        with self._lock:
+            if key in self._answers:
+                return self._answers[key]
+        answer = compute()
+        with self._lock:
+            if len(self._answers) >= _MEMO_ENTRIES:
+                self._answers.clear()
+            self._answers[key] = answer
+        return answer
+
+
+_MEMO = _Memo()
 
 
 def fold(eqn: JaxprEqn, values: Sequence[Any]) -> list[np.ndarray]:
-    """`eqn`'s outputs on concrete operand values, as NumPy arrays."""
+    """`eqn`'s outputs on concrete operand values, as NumPy arrays (read-only: shared)."""
+    return _MEMO.get(_MEMO.key("fold", eqn, values), lambda: _fold(eqn, values))
+
+
+def _fold(eqn: JaxprEqn, values: Sequence[Any]) -> list[np.ndarray]:
     with jax.ensure_compile_time_eval():  # a constant, even while an outer jit traces
-        return [np.asarray(out) for out in bind_eqn(eqn, list(values))]
+        outs = [np.array(out) for out in bind_eqn(eqn, list(values))]
+    for out in outs:
+        out.setflags(write=False)
+    return outs
 
 
 def finite_with_derivatives(eqn: JaxprEqn, point: Sequence[Any]) -> bool:
     """Whether `eqn`'s output and its first derivative in each floating-point operand are
     finite at `point` (one value per operand). False where JAX defines no such derivative."""
+    return _MEMO.get(_MEMO.key("finite", eqn, point),
+                     lambda: _finite_with_derivatives(eqn, point))
+
+
+def _finite_with_derivatives(eqn: JaxprEqn, point: Sequence[Any]) -> bool:
     point = [np.asarray(p).reshape(()) if np.size(p) == 1 else np.asarray(p) for p in point]
     floats = [j for j, p in enumerate(point) if np.issubdtype(p.dtype, np.inexact)]
     if any(j in rule_for(eqn.primitive).no_derivative for j in floats):

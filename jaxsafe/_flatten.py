@@ -1,15 +1,29 @@
-"""The inlining pass: every `jit` and `closed_call` replaced by its body.
+"""The inlining pass: every `jit` and `closed_call` replaced by its body, and every scalar
+constant by a literal.
 
 A jit boundary changes no value, and `jnp.where` is itself a `jit`: the hazard and the drop
 usually sit on opposite sides of one, so liveness and guards must cross it. Which primitives are
-inlined is a fact of their row (`PrimitiveRule.inline`).
+inlined is a fact of their row (`PrimitiveRule.inline`). A scalar the program closes over
+(`jnp.float32(2.)`, a parameter made with `jnp.array`) is a constant JAX did not make a literal;
+as one, the rules read its value where they read a literal's (`x ** alpha` with `alpha = 2.`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._compat import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Var, is_user_filename
+import numpy as np
+
+from ._compat import (
+    ClosedJaxpr,
+    DropVar,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Tracer,
+    Var,
+    is_user_filename,
+)
 from ._nested import call_jaxpr
 from ._rules import rule_for
 
@@ -84,3 +98,36 @@ def flatten(closed: ClosedJaxpr) -> ClosedJaxpr:
     jaxpr = Jaxpr(constvars, closed.jaxpr.invars, outvars, eqns, closed.jaxpr.effects,
                   closed.jaxpr.debug_info)
     return ClosedJaxpr(jaxpr, consts)
+
+
+def _scalar_value(const: Any) -> Any:
+    """A concrete numeric scalar constant's value as a NumPy scalar; None for anything else (an
+    array, a tracer, a PRNG key)."""
+    if isinstance(const, Tracer) or np.shape(const) != ():
+        return None
+    dtype = getattr(const, "dtype", None)
+    if dtype is None or not (np.issubdtype(dtype, np.number) or np.issubdtype(dtype, np.bool_)):
+        return None
+    return np.asarray(const)[()]
+
+
+def inline_scalar_constants(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """The same program with each concrete scalar constant replaced by a literal of its value
+    (in its equations' operands and its outputs); `closed` itself when it has none."""
+    literals = {}
+    for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True):
+        value = _scalar_value(c)
+        if value is not None:
+            literals[v] = Literal(value, v.aval)
+    if not literals:
+        return closed
+    jaxpr = closed.jaxpr
+    kept = [(v, c) for v, c in zip(jaxpr.constvars, closed.consts, strict=True)
+            if v not in literals]
+    eqns = [e.replace(invars=[_sub_atom(literals, a) for a in e.invars])
+            if any(isinstance(a, Var) and a in literals for a in e.invars) else e
+            for e in jaxpr.eqns]
+    outvars = [_sub_atom(literals, a) for a in jaxpr.outvars]
+    new = Jaxpr([v for v, _ in kept], jaxpr.invars, outvars, eqns, jaxpr.effects,
+                jaxpr.debug_info)
+    return ClosedJaxpr(new, [c for _, c in kept])

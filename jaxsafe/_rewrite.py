@@ -3,7 +3,7 @@
     flatten -> dce -> liveness -> taint seeds -> nested bodies -> guards -> masked bodies
             -> decisions -> emission -> dce
 
-1. `flatten` (`_flatten.py`): inline `jit` and `closed_call`.
+1. `flatten` (`_flatten.py`): inline `jit` and `closed_call`, and scalar constants as literals.
 2. `dce`: drop unused results, so a guard only they would need is not planned.
 3. liveness (`_liveness.py`): the static liveness of every value (`Sweep`).
 4. taint seeds (`_taint.py`): values that may be non-finite without any NaN-prone primitive
@@ -51,7 +51,7 @@ from ._cotangents import body_cotangents, needs_cotangents, nonfinite_cotangents
 from ._decisions import plan_decisions
 from ._emit import emit
 from ._explain import drops_from
-from ._flatten import flatten
+from ._flatten import flatten, inline_scalar_constants
 from ._liveness import Sweep, Sweeps
 from ._nested import any_equation, sub_jaxprs
 from ._plan import Plan
@@ -76,7 +76,7 @@ def rewrite_with_report(closed: ClosedJaxpr, finite_invars: Sequence[bool] | Non
 def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps, finite_invars: Sequence[bool] | None = None,
              bad_cotangents: Sequence[bool] | None = None) -> tuple[ClosedJaxpr, Report]:
     """A body's arguments come from the program around it: possibly non-finite."""
-    flat = dce(flatten(closed))
+    flat = dce(inline_scalar_constants(flatten(closed)))
     plan = plan_program(flat, [Kind.LIVE] * len(flat.jaxpr.outvars), sweeps, finite_invars,
                         bad_cotangents)
     plan.report.original = flat

@@ -42,7 +42,7 @@ from collections.abc import Set
 import numpy as np
 
 from ._atoms import dtype_of, is_float, shape_of
-from ._bounds import Bounds
+from ._bounds import Bounds, of_program, value_finite_above_bound
 from ._by_hand import HandGuards
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._constants import finite_with_derivatives
@@ -66,9 +66,7 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report) 
     by_hand = HandGuards(closed, sweep, free)
     covered: set[int] = set()
     fixed = _without_tangent(closed)
-    bounds = Bounds(jaxpr.eqns, sweep.producer,
-                    {v: c for v, c in zip(jaxpr.constvars, closed.consts, strict=True)
-                     if not isinstance(c, Tracer)})
+    bounds = of_program(closed, sweep.producer)
     i = 0
     try:
         for i, eqn in enumerate(jaxpr.eqns):
@@ -85,7 +83,7 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report) 
             if site is not None:
                 sites[i] = site
                 report.sites.append(site)
-            if i in covered or _taints_outputs(eqn, rule, tainted, site):
+            if i in covered or _taints_outputs(eqn, rule, tainted, site, bounds):
                 tainted.update(o for o in eqn.outvars if is_float(o))
     except Exception as e:
         note_failure(e, jaxpr.eqns[i], "guard")
@@ -284,7 +282,8 @@ def _bounded_into_domain(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bou
     return bool(0 < float(point) <= lower) and finite_with_derivatives(eqn, [point])
 
 
-def _taints_outputs(eqn: JaxprEqn, rule: PrimitiveRule, tainted: set, site: Site | None) -> bool:
+def _taints_outputs(eqn: JaxprEqn, rule: PrimitiveRule, tainted: set, site: Site | None,
+                    bounds: Bounds) -> bool:
     """Whether `eqn`'s outputs may be non-finite where no guard put it, after its guards."""
     replaced = site.replace if site is not None else {}
     if any(isinstance(v, Var) and v in tainted and k not in replaced
@@ -293,4 +292,6 @@ def _taints_outputs(eqn: JaxprEqn, rule: PrimitiveRule, tainted: set, site: Site
     if not rule.known or rule.makes_nonfinite or any(
             isinstance(v, Literal) and literal_taints(eqn, v) for v in eqn.invars):
         return True
+    if value_finite_above_bound(eqn, bounds):
+        return False
     return rule.has_body and any(contains_hazard(s) for s in sub_jaxprs(eqn))

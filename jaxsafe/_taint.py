@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ._atoms import dtype_of, is_float, is_nonfinite_literal, literal_value
+from ._bounds import of_program, value_finite_above_bound
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._constants import finite_with_derivatives
 from ._liveness import Sweep
@@ -89,19 +90,9 @@ def nan_prone(eqn: JaxprEqn) -> bool:
             any(k >= len(eqn.invars) or not isinstance(eqn.invars[k], Literal)
                 for k in guard.safe):
         return True
-    key = (eqn.primitive, repr(sorted(eqn.params.items())),
-           tuple((np.asarray(literal_value(v)).tobytes(), dtype_of(v)) if isinstance(v, Literal)
-                 else dtype_of(v) for v in eqn.invars))
-    found = _IN_DOMAIN.get(key)
-    if found is None:
-        point = [np.asarray(literal_value(v)) if isinstance(v, Literal)
-                 else np.asarray(1, dtype_of(v)) for v in eqn.invars]
-        found = _IN_DOMAIN[key] = finite_with_derivatives(eqn, point)
-    return not found
-
-
-_IN_DOMAIN: dict = {}
-"""(primitive, params, literal operands) -> whether the equation is finite there: a cache."""
+    point = [np.asarray(literal_value(v)) if isinstance(v, Literal)
+             else np.asarray(1, dtype_of(v)) for v in eqn.invars]
+    return not finite_with_derivatives(eqn, point)  # remembered (`_constants`)
 
 
 def contains_hazard(closed: ClosedJaxpr) -> bool:
@@ -184,10 +175,16 @@ def nonfinite_anywhere(closed: ClosedJaxpr, seeds: set) -> set:
     (no guard is counted: a guard cleans dropped lanes only). What a body receives from the
     program around it is judged by this."""
     tainted = set(seeds)
+    bounds = None  # made on first use: most hazards have no bounded operand to ask about
     for eqn in closed.jaxpr.eqns:
         # the cheap test first: in a program fed by arguments, most operands already are
-        if any(isinstance(v, Var) and v in tainted for v in eqn.invars) or \
-                may_produce_nonfinite(eqn):
+        if any(isinstance(v, Var) and v in tainted for v in eqn.invars):
+            tainted.update(o for o in eqn.outvars if is_float(o))
+        elif may_produce_nonfinite(eqn):
+            if rule_for(eqn.primitive).decreasing:
+                bounds = bounds or of_program(closed)
+                if value_finite_above_bound(eqn, bounds):
+                    continue  # `sqrt` of a sum of squares
             tainted.update(o for o in eqn.outvars if is_float(o))
     return tainted
 

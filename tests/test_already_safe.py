@@ -148,3 +148,65 @@ def test_a_predicate_that_admits_subnormals_does_not_bound_the_sqrt():
     r2 = jnp.array([1e-30, 9.0, 0.0], jnp.float32)
     assert "guarded sqrt" in str(jaxsafe.explain(f)(r2))
     assert_close(jax.grad(jaxsafe.nan_safe(f))(r2), jnp.array([0.0, 1 / 18, 0.0]), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- whole powers
+
+
+def test_a_whole_power_needs_no_guard_for_finite_operands():
+    """`x ** 2.` (a literal, or a scalar the program closes over: jax-md's `alpha`) and its
+    derivatives `2. * x ** 1.`, `2. * x ** 0.` are finite for every finite x: no table guard.
+    With finite arguments nothing is guarded; with possibly NaN ones the dropped lanes still
+    are, and the gradient is the hand fix's."""
+    alpha = jnp.float32(2.0)  # a constant of the program, not a literal
+
+    def f(x):
+        return jnp.sum(jnp.where(x < 1.0, (1.0 - x) ** 2.0 + (1.0 - x) ** alpha, 0.0))
+
+    x = jnp.array([-1.0, 0.0, 0.5, 2.0, 3.0])
+    assert structure(jaxsafe.make_jaxpr(f, finite_args=True)(x)) == \
+        structure(jax.make_jaxpr(f)(x))
+    assert_close(jax.hessian(jaxsafe.nan_safe(f, finite_args=True))(x), jax.hessian(f)(x))
+    nan_lanes = jnp.array([-1.0, jnp.nan, 0.5, jnp.inf, 3.0])
+    assert np.isnan(np.asarray(jax.grad(f)(nan_lanes))).any()
+
+    def hand(x):
+        keep = x < 1.0
+        y = jnp.where(keep, x, 0.0)
+        return jnp.sum(jnp.where(keep, (1.0 - y) ** 2.0 + (1.0 - y) ** alpha, 0.0))
+
+    assert_close(jax.grad(jaxsafe.nan_safe(f))(nan_lanes), jax.grad(hand)(nan_lanes))
+
+
+@pytest.mark.parametrize("exponent", [2.5, 0.5, -1.0])
+def test_a_power_that_is_not_whole_keeps_its_guard(exponent):
+    """NaN below 0 (2.5, 0.5) or a pole at 0 (-1.): finite operands are not enough."""
+    y = jnp.float32(exponent)
+
+    def f(x):
+        return jnp.sum(jnp.where(x > 0.0, x ** y, 0.0))
+
+    x = jnp.array([-1.0, 0.0, 0.5, 2.0])
+    assert "guarded pow" in str(jaxsafe.explain(f, finite_args=True)(x))
+    assert np.isnan(np.asarray(jax.grad(f)(x))).any()
+    hand = lambda x: jnp.sum(jnp.where(x > 0.0, jnp.where(x > 0.0, x, 1.0) ** y, 0.0))
+    assert_close(jax.grad(jaxsafe.nan_safe(f, finite_args=True))(x), jax.grad(hand)(x))
+
+
+def test_a_sqrt_of_a_sum_of_squares_is_finite_for_what_a_nan_test_reads():
+    """jax-md's soft sphere: `sqrt` of a sum of squares (at least 0: its value is finite,
+    whatever its derivative is at 0), then a whole power under a cutoff, then `nan_to_num`.
+    The NaN test makes suspect only what may be non-finite: with finite positions nothing
+    after the distance is, and only the distance's own guard remains."""
+    def energy(r):
+        dr = r[:, None, :] - r[None, :, :]
+        r2 = jnp.sum(dr ** 2, axis=-1)
+        d = safe_mask(r2 > 0, jnp.sqrt, r2)
+        e = safe_mask(d < 1.5, lambda d: (1.0 - d / 1.5) ** jnp.float32(2.0), d)
+        return jnp.sum(jnp.nan_to_num(e))
+
+    report = jaxsafe.explain(energy, finite_args=True)(R)
+    assert [g.primitive for g in report.guards] == ["sqrt"], str(report)
+    safe = jaxsafe.nan_safe(energy, finite_args=True)
+    assert_close(jax.grad(safe)(R), jax.grad(energy)(R))
+    assert_close(jax.hessian(safe)(R), jax.hessian(energy)(R), atol=1e-5)
