@@ -83,7 +83,8 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report) 
             if site is not None:
                 sites[i] = site
                 report.sites.append(site)
-            if i in covered or _taints_outputs(eqn, rule, tainted, site, bounds):
+            if (i in covered and not value_finite_above_bound(eqn, bounds)) or \
+                    _taints_outputs(eqn, rule, tainted, site, bounds):
                 tainted.update(o for o in eqn.outvars if is_float(o))
     except Exception as e:
         note_failure(e, jaxpr.eqns[i], "guard")
