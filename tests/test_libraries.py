@@ -89,3 +89,25 @@ def test_flax_nnx_example_value_and_grad_and_a_jitted_train_step():
     hand, _ = example.train(example.loss_by_hand)
     assert np.isfinite(value)
     assert_close(safe, hand, rtol=1e-5)
+
+
+@JAX_MD_WARNINGS
+def test_jax_md_soft_sphere_with_a_nan_particle_gives_the_other_particles_forces():
+    """Why nan_safe(energy) keeps guards by default: a NaN position makes its pairs' squared
+    distances NaN, lanes `safe_mask(r2 > 0, sqrt, r2)` drops (the distance is its placeholder,
+    a constant), and jax-md's forces on every other particle are NaN (`0 * NaN` in the
+    derivative of the dropped `r2`). nan_safe's are those of the system without that particle;
+    with finite positions (`finite_args=True`) jax-md's own guards are complete and the
+    program runs unchanged."""
+    jax_md = _jax_md()
+    displacement, _ = jax_md.space.free()
+    energy = jax_md.energy.soft_sphere_pair(displacement)
+    r = jnp.array([[0.0, 0.0], [0.5, 0.0], [0.0, 0.6], [jnp.nan, 0.0]])
+    assert np.isnan(np.asarray(jax.grad(energy)(r)[:3, 0])).all()
+    safe = jaxsafe.nan_safe(energy)
+    np.testing.assert_array_equal(safe(r), jax.jit(energy)(r))
+    assert_close(jax.grad(safe)(r)[:3], jax.grad(energy)(r[:3]), rtol=1e-6)
+    assert str(jaxsafe.explain(energy, finite_args=True)(r[:3])) == \
+        "nothing to guard: the program runs unchanged"
+    assert structure(jaxsafe.make_jaxpr(energy, finite_args=True)(r[:3])) == \
+        structure(jax.make_jaxpr(energy)(r[:3]))
