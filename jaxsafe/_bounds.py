@@ -111,6 +111,10 @@ class Bounds:
             return np.asarray(atom.val)
         return self.constants.get(atom)
 
+    def constant_of(self, atom):
+        """The value of a literal or a concrete constant of the program, else None."""
+        return self._constant(atom)
+
     def of(self, atom) -> Bound:
         value = self._constant(atom)
         if value is not None:

@@ -37,7 +37,7 @@ Reads: the flattened program, its liveness (`Sweep`) and the taint seeds. Produc
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Callable, Set
 
 import numpy as np
 
@@ -53,7 +53,7 @@ from ._nested import sub_jaxprs
 from ._report import Report, Site, note_failure
 from ._rules import Kind, PrimitiveRule, alignment, guard_for, rule_for
 from ._symbolic import backward_mapping, runs_only_along
-from ._taint import contains_hazard, literal_taints
+from ._taint import contains_hazard, literal_taints, selected_only_where_finite
 
 
 def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report) -> dict[int, Site]:
@@ -84,7 +84,7 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report) 
                 sites[i] = site
                 report.sites.append(site)
             if (i in covered and not value_finite_above_bound(eqn, bounds)) or \
-                    _taints_outputs(eqn, rule, tainted, site, bounds):
+                    _taints_outputs(eqn, rule, tainted, site, bounds, sweep.producer_of):
                 tainted.update(o for o in eqn.outvars if is_float(o))
     except Exception as e:
         note_failure(e, jaxpr.eqns[i], "guard")
@@ -284,10 +284,11 @@ def _bounded_into_domain(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bou
 
 
 def _taints_outputs(eqn: JaxprEqn, rule: PrimitiveRule, tainted: set, site: Site | None,
-                    bounds: Bounds) -> bool:
+                    bounds: Bounds, producer_of: Callable[[Var], JaxprEqn | None]) -> bool:
     """Whether `eqn`'s outputs may be non-finite where no guard put it, after its guards."""
     replaced = site.replace if site is not None else {}
     if any(isinstance(v, Var) and v in tainted and k not in replaced
+           and not selected_only_where_finite(eqn, k, producer_of, bounds)
            for k, v in enumerate(eqn.invars)):
         return True
     if not rule.known or rule.makes_nonfinite or any(

@@ -20,13 +20,13 @@ carries the taint forward, since a guard cleans it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from ._atoms import dtype_of, is_float, is_nonfinite_literal, literal_value
-from ._bounds import of_program, value_finite_above_bound
+from ._atoms import dtype_of, is_float, is_nonfinite_literal, literal_value, shape_of
+from ._bounds import Bounds, of_program, value_finite_above_bound
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._constants import finite_with_derivatives
 from ._liveness import Sweep
@@ -170,15 +170,49 @@ def may_produce_nonfinite(eqn: JaxprEqn) -> bool:
         contains_hazard(s) for s in sub_jaxprs(eqn)))
 
 
+def selected_only_where_finite(eqn: JaxprEqn, k: int, producer_of: Callable[[Var], Any],
+                               bounds: Bounds) -> bool:
+    """Whether operand k of a `select_n` is taken only in lanes where it is finite: the
+    predicate compares it with a finite constant from above (`jnp.where(t < 1., t, 0.)`: NaN
+    and +inf fail `t < 1.`) and it is bounded from below (a bound holds of every value but NaN,
+    whatever the operands held: -inf is below it)."""
+    rule = rule_for(eqn.primitive)
+    if rule.selection is None or not rule.selection.by_predicate or len(eqn.invars) != 3 \
+            or k != 2 or not isinstance(eqn.invars[0], Var):
+        return False
+    case = eqn.invars[2]
+    compare = producer_of(eqn.invars[0])
+    if compare is None or len(compare.invars) != 2:
+        return False
+    below = rule_for(compare.primitive).bounds_below
+    if below is None:
+        return False
+    # the side bounded from below where the comparison holds is the constant's: the other
+    # operand is bounded from above by it
+    value, bound = compare.invars[1 - below[1]], compare.invars[below[1]]
+    if value is not case or shape_of(value) != shape_of(eqn.outvars[0]):
+        return False
+    limit = bounds.constant_of(bound)
+    return (limit is not None and np.size(limit) == 1 and bool(np.all(np.isfinite(limit)))
+            and bounds.of(case) is not None)
+
+
 def nonfinite_anywhere(closed: ClosedJaxpr, seeds: set) -> set:
     """Every value that may hold NaN or inf in some lane, live or dropped, from `seeds` forward
     (no guard is counted: a guard cleans dropped lanes only). What a body receives from the
     program around it is judged by this."""
     tainted = set(seeds)
     bounds = None  # made on first use: most hazards have no bounded operand to ask about
+    producer: dict = {}
     for eqn in closed.jaxpr.eqns:
+        producer.update((o, eqn) for o in eqn.outvars)
         # the cheap test first: in a program fed by arguments, most operands already are
-        if any(isinstance(v, Var) and v in tainted for v in eqn.invars):
+        reads = [k for k, v in enumerate(eqn.invars) if isinstance(v, Var) and v in tainted]
+        if reads and rule_for(eqn.primitive).selection is not None:
+            bounds = bounds or of_program(closed)
+            reads = [k for k in reads
+                     if not selected_only_where_finite(eqn, k, producer.get, bounds)]
+        if reads:
             tainted.update(o for o in eqn.outvars if is_float(o))
         elif may_produce_nonfinite(eqn):
             if rule_for(eqn.primitive).decreasing:
