@@ -5,7 +5,8 @@ A jit boundary changes no value, and `jnp.where` is itself a `jit`: the hazard a
 usually sit on opposite sides of one, so liveness and guards must cross it. Which primitives are
 inlined is a fact of their row (`PrimitiveRule.inline`). A scalar the program closes over
 (`jnp.float32(2.)`, a parameter made with `jnp.array`) is a constant JAX did not make a literal;
-as one, the rules read its value where they read a literal's (`x ** alpha` with `alpha = 2.`).
+as one, the rules read its value where they read a literal's (`r / sigma` with a positive
+`sigma` divides by no zero: jax-md's Lennard-Jones energy keeps 234 equations instead of 340).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from jax import lax
 
 from . import _bounds as bounds
 from . import _zero_lanes as zero_lanes
-from ._atoms import dtype_of, literal_value
+from ._atoms import dtype_of
 from ._bodies import CondBody, RematBody, ScanBody
 from ._carries import (
     moved_lanes,
@@ -56,7 +56,6 @@ from ._compat import (
     PRIVATE_PLATFORM_INDEX,
     PRIVATE_RESHARDS,
     JaxprEqn,
-    Literal,
     Primitive,
     shard_map_body_context,
     shard_map_p,
@@ -149,21 +148,6 @@ def _negative_exponent(eqn: JaxprEqn) -> bool:
     return eqn.params["y"] < 0
 
 
-def _exponent_may_be_singular(eqn: JaxprEqn) -> bool:
-    """`x ** y` and its derivatives are finite for every finite `x` when `y` is a literal whole
-    number >= 0 (`x ** 2.`, a scalar constant the inlining pass made a literal): JAX's
-    derivative is `y * x ** (y - 1)`, a whole power again. Any other `y`: NaN below 0, or a
-    pole at 0."""
-    y = eqn.invars[1]
-    if not isinstance(y, Literal):
-        return True
-    value = np.asarray(literal_value(y))
-    if not np.issubdtype(value.dtype, np.floating) and not np.issubdtype(value.dtype,
-                                                                         np.integer):
-        return True
-    return not bool(np.all(np.isfinite(value) & (value >= 0) & (value == np.floor(value))))
-
-
 def _complex_operand(eqn: JaxprEqn) -> bool:
     return np.issubdtype(dtype_of(eqn.invars[0]), np.complexfloating)
 
@@ -193,8 +177,10 @@ register_elementwise(prims.div_p, guard=Guard({1: 1.0}, finite_at_singularities=
                      bound=bounds.quotient,
                      derivative_reads=(frozenset({1}), frozenset({0, 1})))
 register_elementwise(prims.rem_p, guard=Guard({1: 1.0}, finite_at_singularities=False))
-register_elementwise(prims.pow_p,                     # x ** y: singular at 0 for y < 1, NaN below
-                     guard=Guard({0: 1.0}, _exponent_may_be_singular))
+# x ** y: singular at 0 for y < 1, NaN below; a whole y too, past its order: JAX's derivative
+# y * x ** (y - 1) selects 0 where y == 0, and the untaken x ** -1 is inf at x = 0 (the third
+# reverse-mode derivative of x ** 2. at 0 is NaN)
+register_elementwise(prims.pow_p, guard=ONE)
 register_elementwise(prims.integer_pow_p,
                      guard=Guard({0: 1.0}, _negative_exponent, finite_at_singularities=False),
                      bound=bounds.even_power)

@@ -44,3 +44,24 @@ def test_questions_that_are_not_plain_data_are_not_remembered():
     jax.jit(traced)(1.0)
     body = _eqn(lambda x: lax.cond(x > 0, jnp.sin, jnp.cos, x), np.float32(1.0))
     assert _MEMO.key("fold", body, [np.True_, np.float32(1.0)]) is None  # bodies
+
+
+def test_scalar_constants_become_literals_and_the_program_computes_the_same():
+    from jax.extend.core import Literal
+
+    from jaxsafe._compat import eval_jaxpr
+    from jaxsafe._flatten import inline_scalar_constants
+
+    alpha, table = jnp.float32(2.5), jnp.arange(3.0)
+    closed = jax.make_jaxpr(lambda x: (x * alpha + table) / alpha)(jnp.ones(3))
+    assert len(closed.consts) == 2
+    inlined = inline_scalar_constants(closed)
+    assert [np.shape(c) for c in inlined.consts] == [(3,)]  # the array stays a constant
+    literals = [a for e in inlined.jaxpr.eqns for a in e.invars if isinstance(a, Literal)]
+    assert len(literals) == 2 and all(float(a.val) == 2.5 for a in literals)
+    x = jnp.array([1.0, -2.0, 3.0])
+    np.testing.assert_array_equal(eval_jaxpr(inlined.jaxpr, inlined.consts, x)[0],
+                                  eval_jaxpr(closed.jaxpr, closed.consts, x)[0])
+    assert inline_scalar_constants(jax.make_jaxpr(jnp.sin)(1.0)) is not None
+    plain = jax.make_jaxpr(lambda x: x * table)(jnp.ones(3))
+    assert inline_scalar_constants(plain) is plain  # nothing to inline: the same object
