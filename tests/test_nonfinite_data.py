@@ -490,23 +490,21 @@ def test_nan_padding_rows_through_a_linear_layer_and_cross_entropy():
 def test_a_value_taken_only_below_a_finite_bound_is_finite_where_taken():
     """`jnp.where(t < 1., t, 0.)` of a value bounded below (`|x|`, a distance): NaN and +inf
     fail `t < 1.`, and -inf is below the bound, so what it takes is finite even from a NaN
-    argument: the NaN test of `nan_to_num` after it does not make the whole power before it
-    suspect (jax-md's soft sphere with NaN positions). `t > -1.` lets +inf through, and
-    `(1 - inf) ** 2.` keeps its guard."""
-    def f(x):
-        t = jnp.abs(x)
-        s = jnp.where(t < 1.0, t, 0.0)
-        return jnp.sum(jnp.nan_to_num(jnp.where(s < 0.9, (1.0 - s) ** 2.0, 0.0)))
+    argument: the NaN test of `nan_to_num` after it does not make the product before it
+    suspect (jax-md's soft sphere with NaN positions). `t > -1.` lets +inf through, and the
+    product keeps its guard (plain JAX's derivative in `w` is NaN there)."""
+    def energy(keep):
+        def f(x, w):
+            t = jnp.abs(x)
+            s = jnp.where(keep(t), t, 0.0)
+            return jnp.sum(jnp.nan_to_num(jnp.where(s < 0.9, s * w, 0.0)))
+        return f
 
-    def g(x):
-        t = jnp.abs(x)
-        s = jnp.where(t > -1.0, t, 0.0)
-        return jnp.sum(jnp.nan_to_num(jnp.where(s < 0.9, (1.0 - s) ** 2.0, 0.0)))
-
-    x = jnp.array([nan, inf, 0.95, 0.5, -0.2])
-    expected = jnp.array([0.0, 0.0, 0.0, -1.0, 1.6])  # -2 (1 - |x|) sign(x) where kept
-    assert "guarded pow" not in str(jaxsafe.explain(f)(x))
-    assert_close(jax.grad(jaxsafe.nan_safe(f))(x), expected)
-    assert np.isnan(np.asarray(jax.grad(g)(x))).any()
-    assert "guarded pow" in str(jaxsafe.explain(g)(x))
-    assert_close(jax.grad(jaxsafe.nan_safe(g))(x), expected)
+    f, g = energy(lambda t: t < 1.0), energy(lambda t: t > -1.0)
+    x, w = jnp.array([nan, inf, 0.95, 0.5, -0.2]), jnp.ones(5)  # w: promised finite
+    expected = jnp.array([0.0, 0.0, 0.0, 0.5, 0.2])
+    assert [gd.primitive for gd in jaxsafe.explain(f, finite_args=1)(x, w).guards] == ["abs"]
+    assert_close(jax.grad(jaxsafe.nan_safe(f, finite_args=1), 1)(x, w), expected)
+    assert np.isnan(np.asarray(jax.grad(g, 1)(x, w))).any()
+    assert "guarded mul" in str(jaxsafe.explain(g, finite_args=1)(x, w))
+    assert_close(jax.grad(jaxsafe.nan_safe(g, finite_args=1), 1)(x, w), expected)
