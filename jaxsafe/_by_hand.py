@@ -65,37 +65,29 @@ class HandGuards:
         dead = sym_not(self.sweep.sym(out))
         if dead is None or dead == FALSE:
             return dead == FALSE
-        singular = self._operands_free(i, eqn, dead)
-        return singular is not None and self._tangent_dropped(i, out, singular)
+        return self._operands_free(i, eqn, dead) and self._tangent_dropped(i, out, dead)
 
-    def _operands_free(self, i: int, eqn: JaxprEqn, dead: Sym) -> Sym | None:
+    def _operands_free(self, i: int, eqn: JaxprEqn, dead: Sym) -> bool:
         """Reverse mode: each differentiated operand carries no derivative in the dead lanes,
         made so by a selection, so whatever reaches its cotangent there stops; or, in the dead
         lanes where it does carry one, a predicate holds that keeps the equation finite with
-        its derivative (`safe_mask(r2 > 1e-12, jnp.sqrt, r2)`: `sqrt` where `r2 > 1e-12`).
-
-        Returns the dead lanes where the derivative may still be singular (those of the first
-        kind: a forward-mode tangent there is `inf * 0`), or None where neither holds."""
+        its derivative (`safe_mask(r2 > 1e-12, jnp.sqrt, r2)`: `sqrt` where `r2 > 1e-12`)."""
         shape = shape_of(eqn.outvars[0])
-        singular: Sym = FALSE
         for k, (v, d) in enumerate(zip(eqn.invars, self.sweep.diff[i], strict=True)):
             if not d or not isinstance(v, Var) or not is_float(v) or v in self.fixed:
                 continue
             if shape_of(v) != shape:  # a broadcast operand: its lane feeds live lanes too
-                return None
+                return False
             free = self.free.free_sym(v)
             if not self.free.selected(v):
-                return None
+                return False
             if implies(dead, free):
-                singular = dead
                 continue
             carrying = sym_not(free)
             rest = None if carrying is None else sym_and(dead, carrying)
             if rest is None or not self._in_domain(eqn, k, rest):
-                return None
-            free_dead = sym_and(dead, free)
-            singular = sym_or(singular, dead if free_dead is None else free_dead)
-        return singular
+                return False
+        return True
 
     def _in_domain(self, eqn: JaxprEqn, k: int, lanes: Sym) -> bool:
         """Whether operand k of `eqn` (the only one) is, in every lane of `lanes`, where a
@@ -129,22 +121,13 @@ class HandGuards:
         point = np.asarray(bound, dtype_of(a)).reshape(())
         if strict:
             point = np.nextafter(point, np.asarray(np.inf, point.dtype))
-        tiny = np.asarray(np.finfo(point.dtype).tiny, point.dtype)
-        if 0 < point < tiny:
-            # a subnormal point (`r2 > 0`): where the hardware reads subnormals as 0 (XLA on
-            # CPU), the comparison does too and the first lane it admits is the smallest normal
-            # number; where it does not, the subnormals themselves, which only the row can vouch
-            # for (evaluated here, `sqrt` of one would be flushed: 0, derivative inf)
-            if not rule_for(eqn.primitive).finite_on_subnormals:
-                return False
-            point = tiny
-        return finite_with_derivatives(eqn, [point])
+        # not below the smallest normal number: XLA flushes subnormals to zero on CPU (sqrt of
+        # one is 0, its derivative inf), and where it does not, log's derivative overflows there
+        return bool(point >= np.finfo(point.dtype).tiny) and finite_with_derivatives(eqn, [point])
 
     def _tangent_dropped(self, i: int, out: Var, dead: Sym) -> bool:
         """Forward mode: the lanes whose tangent may be NaN (`dead`, from `out` on) are dropped
         by selections before anything weighs them or an output reads them."""
-        if dead == FALSE:
-            return True
         poisoned: dict[Any, Sym] = {out: dead}
         if out in self.outvars:
             return False

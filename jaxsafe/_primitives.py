@@ -168,9 +168,9 @@ POLE_AT_ZERO = Guard({0: 0.0}, finite_at_singularities=False)
 
 # --------------------------------------------------------------------------- elementwise
 # NaN-prone (the guard table): each listed operand takes the safe value in dropped lanes.
-register_elementwise(prims.sqrt_p, guard=ONE, decreasing=True, finite_on_subnormals=True,
+register_elementwise(prims.sqrt_p, guard=ONE, decreasing=True,
                      bound=bounds.non_negative_if_bounded)
-register_elementwise(prims.cbrt_p, guard=ONE, decreasing=True, finite_on_subnormals=True)
+register_elementwise(prims.cbrt_p, guard=ONE, decreasing=True)
 register_elementwise(prims.rsqrt_p, prims.log_p, guard=POLE_AT_ONE, decreasing=True)
 register_elementwise(prims.log1p_p, guard=POLE_AT_ZERO)              # singular at -1
 register_elementwise(prims.div_p, guard=Guard({1: 1.0}, finite_at_singularities=False),

@@ -308,11 +308,6 @@ class PrimitiveRule:
     """Guarded operand 0 of a primitive whose value and derivative are finite for every operand
     at or above a positive point where they are finite (`sqrt`, `log`): bounded operands need
     no guard."""
-    finite_on_subnormals: bool = False
-    """A `decreasing` primitive whose value and derivative are finite at every positive
-    subnormal of every float dtype (`sqrt`, `cbrt`: `x ** -0.5` at 2**-149 is about 1e22),
-    unlike `log` and `rsqrt` (`1 / x` overflows there): a predicate `x > 0` bounds it into its
-    domain, whether the hardware reads subnormals as 0 (then the comparison does too) or not."""
 
     # -- nested jaxprs --------------------------------------------------------------------------
     inline: bool = False

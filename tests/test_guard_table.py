@@ -344,22 +344,3 @@ def test_register_guard_rejects_a_non_finite_safe_value_with_a_value_error(safe)
     finally:
         RULES.pop(prim, None)
 
-
-# value and derivative of the rows that vouch for the subnormals: c * x ** e, by hand
-_SUBNORMAL_DERIVATIVES = {jex.primitives.sqrt_p: (0.5, -0.5),
-                          jex.primitives.cbrt_p: (1 / 3, -2 / 3)}
-
-
-def test_rows_finite_on_subnormals_are_so_at_the_smallest_subnormal_of_every_dtype():
-    """`PrimitiveRule.finite_on_subnormals` lets `x > 0` bound a primitive into its domain;
-    checked here by hand at the worst lane, the smallest positive subnormal, where the CPU
-    (which reads subnormals as 0) cannot evaluate it."""
-    assert {p for p, r in RULES.items() if r.finite_on_subnormals} == set(_SUBNORMAL_DERIVATIVES)
-    for primitive, (c, e) in _SUBNORMAL_DERIVATIVES.items():
-        for dtype in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
-            info = jnp.finfo(dtype)
-            log10_derivative = math.log10(c) + e * math.log10(float(info.smallest_subnormal))
-            assert log10_derivative < math.log10(float(info.max)), (primitive, dtype)
-    # and the rows that must not: 1 / x overflows at the smallest float32 subnormal
-    assert not RULES[jex.primitives.log_p].finite_on_subnormals
-    assert not RULES[jex.primitives.rsqrt_p].finite_on_subnormals
