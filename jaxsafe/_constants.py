@@ -98,14 +98,21 @@ def _fold(eqn: JaxprEqn, values: Sequence[Any]) -> list[np.ndarray]:
     return outs
 
 
-def finite_with_derivatives(eqn: JaxprEqn, point: Sequence[Any]) -> bool:
+PROOF_ORDER = 3
+"""The order up to which a lower bound proves a unary primitive's domain (`_by_hand`,
+`_sites`): Hessians and one more. A bound closer to 0 than that allows (`sqrt` under
+`r2 > 1e-30`: its second derivative overflows there) keeps the guard."""
+
+
+def finite_with_derivatives(eqn: JaxprEqn, point: Sequence[Any], order: int = 1) -> bool:
     """Whether `eqn`'s output and its first derivative in each floating-point operand are
-    finite at `point` (one value per operand). False where JAX defines no such derivative."""
-    return _MEMO.get(_MEMO.key("finite", eqn, point),
-                     lambda: _finite_with_derivatives(eqn, point))
+    finite at `point` (one value per operand). False where JAX defines no such derivative.
+    With `order` > 1 (one floating-point operand only), the derivatives up to that order too."""
+    return _MEMO.get(_MEMO.key(f"finite{order}", eqn, point),
+                     lambda: _finite_with_derivatives(eqn, point, order))
 
 
-def _finite_with_derivatives(eqn: JaxprEqn, point: Sequence[Any]) -> bool:
+def _finite_with_derivatives(eqn: JaxprEqn, point: Sequence[Any], order: int) -> bool:
     point = [np.asarray(p).reshape(()) if np.size(p) == 1 else np.asarray(p) for p in point]
     floats = [j for j, p in enumerate(point) if np.issubdtype(p.dtype, np.inexact)]
     if any(j in rule_for(eqn.primitive).no_derivative for j in floats):
@@ -124,4 +131,15 @@ def _finite_with_derivatives(eqn: JaxprEqn, point: Sequence[Any]) -> bool:
             tangents = [np.ones_like(a) if n == j else np.zeros_like(a)
                         for n, a in enumerate(args)]
             outs.append(np.asarray(jax.jvp(op, args, tangents)[1]))
+        if order > 1:
+            if len(floats) != 1:
+                return False
+            derivative = op
+            for _ in range(order):
+                derivative = _derivative_of(derivative)
+                outs.append(np.asarray(derivative(args[0])))
     return all(bool(np.all(np.isfinite(o))) for o in outs)
+
+
+def _derivative_of(fn: Callable) -> Callable:
+    return lambda x: jax.jvp(fn, (x,), (jax.numpy.ones_like(x),))[1]

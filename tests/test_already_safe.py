@@ -155,6 +155,21 @@ def test_a_predicate_that_admits_subnormals_does_not_bound_the_sqrt():
     assert_close(hessian, jnp.diag(jnp.array([0.0, -0.5 / 81, 0.0])), rtol=1e-6)
 
 
+def test_a_bound_too_close_to_zero_for_the_hessian_keeps_the_guard():
+    """`r2 > 1e-30` keeps `sqrt` and its first derivative finite, not its second
+    (`x ** -1.5 / 4` overflows float32 there): a Hessian would read it in the lanes the log's
+    where drops. A bound proves the domain up to the third order (`PROOF_ORDER`)."""
+    def f(r2):
+        d = safe_mask(r2 > 1e-30, jnp.sqrt, r2)
+        return jnp.sum(safe_mask(d > 2.0, jnp.log, d))
+
+    r2 = jnp.array([2e-30, 9.0], jnp.float32)
+    assert np.isnan(np.asarray(jax.hessian(f)(r2))).any()
+    assert "guarded sqrt" in str(jaxsafe.explain(f, finite_args=True)(r2))
+    assert_close(jax.hessian(jaxsafe.nan_safe(f, finite_args=True))(r2),
+                 jnp.diag(jnp.array([0.0, -0.5 / 81])), rtol=1e-6)
+
+
 # --------------------------------------------------------------------------- whole powers
 
 
