@@ -127,17 +127,17 @@ def _finite_with_derivatives(eqn: JaxprEqn, point: Sequence[Any], order: int) ->
     with jax.ensure_compile_time_eval():
         args = [point[j] for j in floats]
         outs = [np.asarray(op(*args))]
-        for j in range(len(floats)):
-            tangents = [np.ones_like(a) if n == j else np.zeros_like(a)
-                        for n, a in enumerate(args)]
-            outs.append(np.asarray(jax.jvp(op, args, tangents)[1]))
-        if order > 1:
+        if order > 1:  # one operand: each derivative from the one before
             if len(floats) != 1:
                 return False
             derivative = op
             for _ in range(order):
                 derivative = _derivative_of(derivative)
                 outs.append(np.asarray(derivative(args[0])))
+        for j in range(len(floats) if order == 1 else 0):
+            tangents = [np.ones_like(a) if n == j else np.zeros_like(a)
+                        for n, a in enumerate(args)]
+            outs.append(np.asarray(jax.jvp(op, args, tangents)[1]))
     return all(bool(np.all(np.isfinite(o))) for o in outs)
 
 

@@ -295,6 +295,4 @@ def _taints_outputs(eqn: JaxprEqn, rule: PrimitiveRule, tainted: set, site: Site
     if not rule.known or rule.makes_nonfinite or any(
             isinstance(v, Literal) and literal_taints(eqn, v) for v in eqn.invars):
         return True
-    if value_finite_above_bound(eqn, bounds):
-        return False
     return rule.has_body and any(contains_hazard(s) for s in sub_jaxprs(eqn))
