@@ -15,7 +15,9 @@ import numpy as np
 
 from . import _guards
 from ._by_value import concrete_values, make_jaxpr_by_value
-from ._compat import ClosedJaxpr, Tracer, eval_jaxpr
+from ._collector import fewer_collections
+from ._compat import ClosedJaxpr, Tracer, differentiated_while_staging, eval_jaxpr
+from ._replay import replay
 from ._report import Report
 from ._rewrite import rewrite_with_report, values_of
 
@@ -453,6 +455,16 @@ class NanSafeFunction:
         traced, leaves = self._trace(args, kwargs)
         return jax.tree_util.tree_unflatten(traced.out_tree, traced.evaluate(*leaves))
 
+    def _replayed(self, args: tuple, kwargs: dict):
+        """A call differentiated while the caller's program is staged: the rewritten program
+        goes straight into the caller's trace (`_replay`), with neither the jit front nor the
+        custom_jvp around it, whose linearization costs JAX more than the user's own code."""
+        with fewer_collections():  # the trace, rewrite and replay allocate and free little
+            traced, leaves = self._trace(args, kwargs)
+            closed = traced.closed
+            outs = replay(closed.jaxpr, closed.consts, *leaves)
+        return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+
     def _front(self) -> Callable:
         """`jax.jit` of the staged call: a cached call takes jit's C++ dispatch path, and a
         new signature traces (and rewrites) once. Re-made when a guard is registered."""
@@ -499,6 +511,8 @@ class NanSafeFunction:
     def __call__(self, *args, **kwargs):
         if not self._use_jit or self._known_to_need_values(args, kwargs):
             return self._staged(*args, **kwargs)
+        if differentiated_while_staging((args, kwargs)):
+            return self._replayed(args, kwargs)
         try:
             if self._static_leaves_seen and self._has_static_leaves(args, kwargs):
                 return self._call_by_leaves(args, kwargs)

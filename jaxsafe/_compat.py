@@ -49,8 +49,8 @@ importlib.import_module("jax._src.traceback_util").register_exclusion(
     str(pathlib.Path(__file__).resolve().parent))
 
 def _extend_core(name: str) -> Any:
-    """`jax.extend.core.<name>`; JAX 0.9 did not export `DropVar`, `set_current_trace` and
-    `concrete_or_error` there yet, so they come from `jax._src.core`, where 0.9 defines them
+    """`jax.extend.core.<name>`; JAX 0.9 did not export `DropVar`, `set_current_trace`,
+    `find_top_trace` and `concrete_or_error` there yet, so they come from `jax._src.core`, where 0.9 defines them
     under the same names (and 0.10 too: `jax.extend.core` re-exports them)."""
     found = getattr(jex, name, None)
     return found if found is not None else getattr(importlib.import_module("jax._src.core"), name)
@@ -225,3 +225,37 @@ def wrap_function(fun: Any, like: Any) -> Any:
     """`fun` as a `linear_util.WrappedFun` (what JAX binds a custom_vjp's `bwd` as), with the
     debug info of `like`, the wrapped function it stands for."""
     return linear_util.wrap_init(fun, debug_info=like.debug_info)
+
+
+# -- a call differentiated while a program is staged (_api's replayed path) ----------------------
+# No public API names JAX's differentiation traces or tells a staging trace (jax.jit,
+# make_jaxpr) from eager evaluation: the trace classes come from jax._src.interpreters.
+def _trace_classes(module: str, *names: str) -> tuple[type, ...]:
+    try:
+        found = importlib.import_module(module)
+    except ImportError:  # pragma: no cover - another JAX layout: never seen as differentiated
+        return ()
+    return tuple(getattr(found, n) for n in names if isinstance(getattr(found, n, None), type))
+
+
+_DIFFERENTIATING_TRACES = _trace_classes("jax._src.interpreters.ad", "JVPTrace", "LinearizeTrace")
+_STAGING_TRACES = _trace_classes("jax._src.interpreters.partial_eval", "DynamicJaxprTrace")
+_current_trace = _extend_core("find_top_trace")  # JAX 0.9: in jax._src.core only
+
+
+def differentiated_while_staging(args: Any) -> bool:
+    """Whether the leaves of `args` hold a tracer of the current trace, that trace
+    differentiates (jvp, grad, linearize), and a staging trace lies under it (the call's
+    program is being built, not run eagerly). Cheap when nothing is differentiated: one look at
+    the current trace, before `args` is flattened."""
+    trace = _current_trace(())
+    if not isinstance(trace, _DIFFERENTIATING_TRACES):
+        return False
+    if not any(isinstance(x, Tracer) and getattr(x, "_trace", None) is trace
+               for x in jax.tree_util.tree_leaves(args)):
+        return False
+    while trace is not None:
+        if isinstance(trace, _STAGING_TRACES):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
