@@ -50,8 +50,9 @@ importlib.import_module("jax._src.traceback_util").register_exclusion(
 
 def _extend_core(name: str) -> Any:
     """`jax.extend.core.<name>`; JAX 0.9 did not export `DropVar`, `set_current_trace`,
-    `find_top_trace` and `concrete_or_error` there yet, so they come from `jax._src.core`, where 0.9 defines them
-    under the same names (and 0.10 too: `jax.extend.core` re-exports them)."""
+    `find_top_trace` and `concrete_or_error` there yet, so they come from `jax._src.core`,
+    where 0.9 defines them under the same names (and 0.10 too: `jax.extend.core` re-exports
+    them)."""
     found = getattr(jex, name, None)
     return found if found is not None else getattr(importlib.import_module("jax._src.core"), name)
 
