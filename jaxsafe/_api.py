@@ -16,7 +16,13 @@ import numpy as np
 from . import _guards
 from ._by_value import concrete_values, make_jaxpr_by_value
 from ._collector import fewer_collections
-from ._compat import ClosedJaxpr, Tracer, differentiated_while_staging, eval_jaxpr
+from ._compat import (
+    ClosedJaxpr,
+    Tracer,
+    differentiated_while_staging,
+    differentiating_now,
+    eval_jaxpr,
+)
 from ._replay import replay
 from ._report import Report
 from ._rewrite import rewrite_with_report, values_of
@@ -511,7 +517,7 @@ class NanSafeFunction:
     def __call__(self, *args, **kwargs):
         if not self._use_jit or self._known_to_need_values(args, kwargs):
             return self._staged(*args, **kwargs)
-        if differentiated_while_staging((args, kwargs)):
+        if differentiating_now() and differentiated_while_staging((args, kwargs)):
             return self._replayed(args, kwargs)
         try:
             if self._static_leaves_seen and self._has_static_leaves(args, kwargs):

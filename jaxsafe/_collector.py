@@ -6,7 +6,8 @@ rewrite time of a 25,000-equation program (`make bench`, "Collector during the r
 `fewer_collections` raises the collection thresholds for the duration of the outermost rewrite
 and puts the user's back afterwards, also on error. The collector is never turned off: garbage
 that other threads make meanwhile is still collected, less often. A user who disabled automatic
-collection (`gc.disable()`, or a threshold of 0) is left alone.
+collection (`gc.disable()`, or a threshold of 0) is left alone. A call differentiated under
+`jit` holds them through its trace, rewrite and replay (`_api`), which allocate the same way.
 """
 
 from __future__ import annotations

@@ -49,10 +49,9 @@ importlib.import_module("jax._src.traceback_util").register_exclusion(
     str(pathlib.Path(__file__).resolve().parent))
 
 def _extend_core(name: str) -> Any:
-    """`jax.extend.core.<name>`; JAX 0.9 did not export `DropVar`, `set_current_trace`,
-    `find_top_trace` and `concrete_or_error` there yet, so they come from `jax._src.core`,
-    where 0.9 defines them under the same names (and 0.10 too: `jax.extend.core` re-exports
-    them)."""
+    """`jax.extend.core.<name>`; JAX 0.9 did not export `DropVar`, `set_current_trace` and
+    `concrete_or_error` there yet, so they come from `jax._src.core`, where 0.9 defines them
+    under the same names (and 0.10 too: `jax.extend.core` re-exports them)."""
     found = getattr(jex, name, None)
     return found if found is not None else getattr(importlib.import_module("jax._src.core"), name)
 
@@ -241,15 +240,24 @@ def _trace_classes(module: str, *names: str) -> tuple[type, ...]:
 
 _DIFFERENTIATING_TRACES = _trace_classes("jax._src.interpreters.ad", "JVPTrace", "LinearizeTrace")
 _STAGING_TRACES = _trace_classes("jax._src.interpreters.partial_eval", "DynamicJaxprTrace")
-_current_trace = _extend_core("find_top_trace")  # JAX 0.9: in jax._src.core only
+# the trace context: `jax.extend.core.find_top_trace` reads it too, through two calls that
+# would cost every cached nan_safe call a tenth of jax.jit's dispatch
+_TRACE_CONTEXT = importlib.import_module("jax._src.core").trace_ctx
+
+
+def differentiating_now() -> bool:
+    """Whether the current trace differentiates (jvp, grad, linearize): a cheap first test,
+    made on every call."""
+    return isinstance(_TRACE_CONTEXT.trace, _DIFFERENTIATING_TRACES)
 
 
 def differentiated_while_staging(args: Any) -> bool:
     """Whether the leaves of `args` hold a tracer of the current trace, that trace
     differentiates (jvp, grad, linearize), and a staging trace lies under it (the call's
     program is being built, not run eagerly). Cheap when nothing is differentiated: one look at
-    the current trace, before `args` is flattened."""
-    trace = _current_trace(())
+    the current trace, before `args` is flattened (`differentiating_now` first is cheaper
+    still)."""
+    trace = _TRACE_CONTEXT.trace
     if not isinstance(trace, _DIFFERENTIATING_TRACES):
         return False
     if not any(isinstance(x, Tracer) and getattr(x, "_trace", None) is trace
