@@ -227,6 +227,22 @@ def wrap_function(fun: Any, like: Any) -> Any:
     return linear_util.wrap_init(fun, debug_info=like.debug_info)
 
 
+# Primitives whose meaning depends on the named axes in scope (collectives, `axis_index`,
+# `pvary`): `_replay` binds them as they are, never through a jit cached across axis sizes.
+# jax.extend.core.primitives lists some, not all; they are defined in these two modules.
+def _module_primitives(module: str) -> frozenset:
+    try:
+        found = importlib.import_module(module)
+    except ImportError:  # pragma: no cover - another JAX layout
+        return frozenset()
+    return frozenset(v for v in vars(found).values() if isinstance(v, Primitive))
+
+
+AXIS_PRIMITIVES = (_module_primitives("jax._src.lax.parallel")
+                   | frozenset(_private_primitives("jax._src.core", "pvary_p",
+                                                   "reduced_vary_cast_p")))
+
+
 # -- a call differentiated while a program is staged (_api's replayed path) ----------------------
 # No public API names JAX's differentiation traces or tells a staging trace (jax.jit,
 # make_jaxpr) from eager evaluation: the trace classes come from jax._src.interpreters.

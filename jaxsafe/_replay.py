@@ -6,7 +6,7 @@ time, each equation costs JAX a fresh linearization (its fallback rule traces th
 jvp and partially evaluates it, every time); the user's own code reaches the same primitives
 through `jax.numpy`'s jitted functions, whose linearizations JAX caches per program. `replay`
 does what `jax.numpy` does: a plain primitive (JAX's own, no body, no effect, parameters that
-are plain data) is bound through an inlined `jax.jit` of that one primitive, cached by the
+are plain data, no named axes) is bound through an inlined `jax.jit` of that one primitive, cached by the
 primitive, its parameters and its literal operands, so JAX linearizes (and transposes) each kind
 of equation once. The equations that reach the caller's trace are the same ones: the jit is
 inlined, under the equation's own source line, name stack and context; anything else is bound
@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._compat import Jaxpr, JaxprEqn, Literal, bind_eqn, eqn_context
+from ._compat import AXIS_PRIMITIVES, Jaxpr, JaxprEqn, Literal, bind_eqn, eqn_context
 from ._rules import JAX_PRIMITIVES
 
 CACHE_SIZE = 4096
@@ -57,8 +57,8 @@ class _Functions:
     def get(self, eqn: JaxprEqn) -> Callable | None:
         """The inlined jit that binds `eqn`'s primitive on its variable operands, or None when
         `eqn` is not plain (it is then bound as it is)."""
-        if (eqn.primitive not in JAX_PRIMITIVES or eqn.effects
-                or not all(_plain(v) for v in eqn.params.values())):
+        if (eqn.primitive not in JAX_PRIMITIVES or eqn.primitive in AXIS_PRIMITIVES
+                or eqn.effects or not all(_plain(v) for v in eqn.params.values())):
             return None
         try:
             literals = tuple((i, v.aval, type(v.val), *_value_key(v.val))

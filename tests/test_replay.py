@@ -186,3 +186,21 @@ def test_the_replayed_path_under_jvp_and_vmap():
     ours = jax.jit(jax.vmap(lambda t: jax.jvp(jaxsafe.nan_safe(hazard), (XS,), (t,))[1]))(
         jnp.eye(len(XS), dtype=jnp.float32))
     assert_close(ours, jax.jit(jax.jacfwd(hazard_by_hand))(XS).T, rtol=1e-6)
+
+
+def test_collectives_over_named_axes_in_a_replayed_gradient():
+    """A `psum` and an `axis_index` over a vmapped axis, differentiated under jit, at two axis
+    sizes: bound as they are, never through a jit cached across axis sizes."""
+    def f(x):
+        total = jax.lax.psum(x, "i") + jax.lax.axis_index("i")
+        return jnp.where(x > 0, jnp.sqrt(x) * total, 0.)
+
+    def hand(x):
+        total = jax.lax.psum(x, "i") + jax.lax.axis_index("i")
+        return jnp.where(x > 0, jnp.sqrt(jnp.where(x > 0, x, 1.)) * total, 0.)
+    for n in (2, 3, 5):
+        xs = jnp.linspace(-1., 2., n, dtype=jnp.float32)
+        ours = jax.jit(jax.vmap(jax.grad(jaxsafe.nan_safe(f)), axis_name="i"))(xs)
+        assert_close(ours, jax.jit(jax.vmap(jax.grad(hand), axis_name="i"))(xs))
+        assert_close(jax.jit(jax.vmap(jaxsafe.nan_safe(f), axis_name="i"))(xs),
+                     jax.jit(jax.vmap(f, axis_name="i"))(xs))
