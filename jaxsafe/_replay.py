@@ -6,9 +6,9 @@ time, each equation costs JAX a fresh linearization (its fallback rule traces th
 jvp and partially evaluates it, every time); the user's own code reaches the same primitives
 through `jax.numpy`'s jitted functions, whose linearizations JAX caches per program. `replay`
 does what `jax.numpy` does: a plain primitive (JAX's own, no body, no effect, parameters that
-are plain data, no named axes) is bound through an inlined `jax.jit` of that one primitive, cached by the
-primitive, its parameters and its literal operands, so JAX linearizes (and transposes) each kind
-of equation once. The equations that reach the caller's trace are the same ones: the jit is
+are plain data, no named axes) is bound through an inlined `jax.jit` of that one primitive,
+cached by the primitive, its arity, its parameters and its literal operands, so JAX linearizes
+(and transposes) each kind of equation once. The equations that reach the caller's trace are the same ones: the jit is
 inlined, under the equation's own source line, name stack and context; anything else is bound
 as `jax.core.eval_jaxpr` binds it.
 """
