@@ -8,9 +8,9 @@ through `jax.numpy`'s jitted functions, whose linearizations JAX caches per prog
 does what `jax.numpy` does: a plain primitive (JAX's own, no body, no effect, parameters that
 are plain data, no named axes) is bound through an inlined `jax.jit` of that one primitive,
 cached by the primitive, its arity, its parameters and its literal operands, so JAX linearizes
-(and transposes) each kind of equation once. The equations that reach the caller's trace are the same ones: the jit is
-inlined, under the equation's own source line, name stack and context; anything else is bound
-as `jax.core.eval_jaxpr` binds it.
+(and transposes) each kind of equation once. The equations that reach the caller's trace are
+the same ones: the jit is inlined, under the equation's own source line, name stack and
+context; anything else is bound as `jax.core.eval_jaxpr` binds it.
 """
 
 from __future__ import annotations
