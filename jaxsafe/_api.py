@@ -20,7 +20,6 @@ from ._compat import (
     ClosedJaxpr,
     Tracer,
     differentiated_while_staging,
-    differentiating_now,
     eval_jaxpr,
 )
 from ._replay import replay
@@ -517,7 +516,7 @@ class NanSafeFunction:
     def __call__(self, *args, **kwargs):
         if not self._use_jit or self._known_to_need_values(args, kwargs):
             return self._staged(*args, **kwargs)
-        if differentiating_now() and differentiated_while_staging((args, kwargs)):
+        if differentiated_while_staging(args, kwargs):
             return self._replayed(args, kwargs)
         try:
             if self._static_leaves_seen and self._has_static_leaves(args, kwargs):

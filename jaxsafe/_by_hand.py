@@ -27,7 +27,7 @@ import numpy as np
 
 from ._atoms import dtype_of, is_float, literal_value, shape_of
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
-from ._constants import PROOF_ORDER, finite_with_derivatives
+from ._constants import domain_holds_above
 from ._free import FreeValues
 from ._liveness import Sweep
 from ._rules import rule_for
@@ -121,10 +121,7 @@ class HandGuards:
         point = np.asarray(bound, dtype_of(a)).reshape(())
         if strict:
             point = np.nextafter(point, np.asarray(np.inf, point.dtype))
-        # not below the smallest normal number: XLA flushes subnormals to zero on CPU (sqrt of
-        # one is 0, its derivative inf), and where it does not, log's derivative overflows there
-        return bool(point >= np.finfo(point.dtype).tiny) and finite_with_derivatives(
-            eqn, [point], PROOF_ORDER)
+        return domain_holds_above(eqn, point)
 
     def _tangent_dropped(self, i: int, out: Var, dead: Sym) -> bool:
         """Forward mode: the lanes whose tangent may be NaN (`dead`, from `out` on) are dropped

@@ -139,11 +139,13 @@ def _private_primitives(module: str, *names: str) -> list[Primitive]:
     """Primitives that jax.extend.core.primitives does not list, from `module` (JAX 0.10 keeps
     `shard_map` bodies' `psum_invariant`, `pmin`, `reduce_scatter`, ... in jax._src.lax.parallel,
     `pvary` in jax._src.core and `jax.sharding.reshard`'s in jax._src.pjit); absent ones are
-    skipped (they stay unknown: live, reported)."""
+    skipped (they stay unknown: live, reported). No names: every primitive `module` defines."""
     try:
         found = importlib.import_module(module)
     except ImportError:  # pragma: no cover - another JAX layout
         return []
+    if not names:
+        return [v for v in vars(found).values() if isinstance(v, Primitive)]
     return [getattr(found, n) for n in names if hasattr(found, n)]
 
 
@@ -230,17 +232,9 @@ def wrap_function(fun: Any, like: Any) -> Any:
 # Primitives whose meaning depends on the named axes in scope (collectives, `axis_index`,
 # `pvary`): `_replay` binds them as they are, never through a jit cached across axis sizes.
 # jax.extend.core.primitives lists some, not all; they are defined in these two modules.
-def _module_primitives(module: str) -> frozenset:
-    try:
-        found = importlib.import_module(module)
-    except ImportError:  # pragma: no cover - another JAX layout
-        return frozenset()
-    return frozenset(v for v in vars(found).values() if isinstance(v, Primitive))
-
-
-AXIS_PRIMITIVES = (_module_primitives("jax._src.lax.parallel")
-                   | frozenset(_private_primitives("jax._src.core", "pvary_p",
-                                                   "reduced_vary_cast_p")))
+AXIS_PRIMITIVES = frozenset(_private_primitives("jax._src.lax.parallel")
+                            + _private_primitives("jax._src.core", "pvary_p",
+                                                  "reduced_vary_cast_p"))
 
 
 # -- a call differentiated while a program is staged (_api's replayed path) ----------------------
@@ -261,23 +255,16 @@ _STAGING_TRACES = _trace_classes("jax._src.interpreters.partial_eval", "DynamicJ
 _TRACE_CONTEXT = importlib.import_module("jax._src.core").trace_ctx
 
 
-def differentiating_now() -> bool:
-    """Whether the current trace differentiates (jvp, grad, linearize): a cheap first test,
-    made on every call."""
-    return isinstance(_TRACE_CONTEXT.trace, _DIFFERENTIATING_TRACES)
-
-
-def differentiated_while_staging(args: Any) -> bool:
-    """Whether the leaves of `args` hold a tracer of the current trace, that trace
-    differentiates (jvp, grad, linearize), and a staging trace lies under it (the call's
-    program is being built, not run eagerly). Cheap when nothing is differentiated: one look at
-    the current trace, before `args` is flattened (`differentiating_now` first is cheaper
-    still)."""
+def differentiated_while_staging(args: tuple, kwargs: dict) -> bool:
+    """Whether the arguments hold a tracer of the current trace, that trace differentiates
+    (jvp, grad, linearize), and a staging trace lies under it (the call's program is being
+    built, not run eagerly). Made on every call: one look at the trace context first, the
+    arguments flattened only under differentiation."""
     trace = _TRACE_CONTEXT.trace
     if not isinstance(trace, _DIFFERENTIATING_TRACES):
         return False
     if not any(isinstance(x, Tracer) and getattr(x, "_trace", None) is trace
-               for x in jax.tree_util.tree_leaves(args)):
+               for x in jax.tree_util.tree_leaves((args, kwargs))):
         return False
     while trace is not None:
         if isinstance(trace, _STAGING_TRACES):

@@ -104,6 +104,16 @@ PROOF_ORDER = 3
 `r2 > 1e-30`: its second derivative overflows there) keeps the guard."""
 
 
+def domain_holds_above(eqn: JaxprEqn, point: Any) -> bool:
+    """Whether a unary `decreasing` primitive is finite with its derivatives up to
+    `PROOF_ORDER` at `point`, a lower bound of its operand: then at every operand above it. Not
+    below the smallest normal number: XLA flushes subnormals to zero on CPU (`sqrt` of one is 0,
+    its derivative inf), and where it does not, `log`'s derivative overflows there."""
+    point = np.asarray(point).reshape(())
+    return bool(point >= np.finfo(point.dtype).tiny) and finite_with_derivatives(
+        eqn, [point], PROOF_ORDER)
+
+
 def finite_with_derivatives(eqn: JaxprEqn, point: Sequence[Any], order: int = 1) -> bool:
     """Whether `eqn`'s output and its first derivative in each floating-point operand are
     finite at `point` (one value per operand). False where JAX defines no such derivative.

@@ -45,7 +45,7 @@ from ._atoms import dtype_of, is_float, shape_of
 from ._bounds import Bounds, of_program, value_finite_above_bound
 from ._by_hand import HandGuards
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
-from ._constants import PROOF_ORDER, finite_with_derivatives
+from ._constants import domain_holds_above
 from ._dropped import DroppedValues
 from ._free import FreeValues
 from ._liveness import Sweep, kind_of_sym
@@ -280,8 +280,7 @@ def _bounded_into_domain(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bou
     if lower is None or lower <= 0:
         return False
     point = np.asarray(lower, dtype_of(v))
-    return bool(0 < float(point) <= lower) and finite_with_derivatives(eqn, [point],
-                                                                       PROOF_ORDER)
+    return bool(0 < float(point) <= lower) and domain_holds_above(eqn, point)
 
 
 def _taints_outputs(eqn: JaxprEqn, rule: PrimitiveRule, tainted: set, site: Site | None,
