@@ -99,6 +99,63 @@ def non_negative(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
     return 0.0
 
 
+# -- preimages: from a lower bound of a result to one of the operand it grows with ----------
+
+def _slack(eqn: JaxprEqn) -> float:
+    """A relative margin wider than the rounding of one operation in `eqn`'s dtype."""
+    return 8 * float(np.finfo(dtype_of(eqn.outvars[0])).eps)
+
+
+def _positive_finite(const) -> float | None:
+    if const is None or np.size(const) != 1:
+        return None
+    c = float(np.asarray(const).reshape(()))
+    return c if np.isfinite(c) and c > 0 else None
+
+
+def root_preimage(eqn: JaxprEqn, lower: float, consts: list) -> tuple[int, float] | None:
+    """`sqrt(x) >= L > 0` (rounded) holds only where `x >= L ** 2`, less the rounding."""
+    return 0, (lower * (1 - _slack(eqn))) ** 2
+
+
+def quotient_preimage(eqn: JaxprEqn, lower: float, consts: list) -> tuple[int, float] | None:
+    """`x / c >= L` for a positive finite constant c: `x >= L * c`, less the rounding."""
+    c = _positive_finite(consts[1])
+    return None if c is None or consts[0] is not None else (0, lower * c * (1 - _slack(eqn)))
+
+
+def product_preimage(eqn: JaxprEqn, lower: float, consts: list) -> tuple[int, float] | None:
+    """`x * c >= L` (either side) for a positive finite constant c: `x >= L / c`, less the
+    rounding."""
+    k = 0 if consts[0] is None else 1
+    c = _positive_finite(consts[1 - k])
+    return None if c is None or consts[k] is not None else (k, lower / c * (1 - _slack(eqn)))
+
+
+def sum_preimage(eqn: JaxprEqn, lower: float, consts: list) -> tuple[int, float] | None:
+    """`x + c >= L` (either side) for a finite constant c: `x >= L - c`, less the rounding."""
+    k = 0 if consts[0] is None else 1
+    c = consts[1 - k]
+    if c is None or consts[k] is not None or np.size(c) != 1 or not np.isfinite(c):
+        return None
+    c = float(np.asarray(c).reshape(()))
+    return k, lower - c - _slack(eqn) * (abs(lower) + abs(c))
+
+
+def difference_preimage(eqn: JaxprEqn, lower: float, consts: list) -> tuple[int, float] | None:
+    """`x - c >= L` for a finite constant c: `x >= L + c`, less the rounding."""
+    c = consts[1]
+    if c is None or consts[0] is not None or np.size(c) != 1 or not np.isfinite(c):
+        return None
+    c = float(np.asarray(c).reshape(()))
+    return 0, lower + c - _slack(eqn) * (abs(lower) + abs(c))
+
+
+def same_preimage(eqn: JaxprEqn, lower: float, consts: list) -> tuple[int, float] | None:
+    """The value itself (`copy`, a conversion within one dtype)."""
+    return (0, lower) if dtype_of(eqn.invars[0]) == dtype_of(eqn.outvars[0]) else None
+
+
 class Bounds:
     """Lower bounds of the values of one jaxpr, computed on demand and memoized."""
 

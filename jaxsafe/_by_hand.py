@@ -17,17 +17,25 @@ is followed forward, lane by lane, and must be dropped by selections (`select_n`
 before anything weighs it (`0 * NaN` in a masked product, `max`'s derivative) or an output reads
 it. Both are shown with the static formulas (`_symbolic.py`); predicates the program computes
 twice count as one (`Sweep.same_as`).
+
+In the dropped lanes where an operand does carry a derivative, the predicates that drop them
+may bound it into the domain instead: `jnp.where(r < 2.5, f(r), 0.)` with `r = sqrt(r2)` drops
+lanes where `r >= 2.5` (r never NaN there: it is finite in every lane), so `r2 >= 6.25`, back
+through the primitives `r` grows with (`PrimitiveRule.preimage`, rounding allowed for), and
+`sqrt` is finite with its derivatives to the third order. A term asking whether a finite value
+is NaN or inf (`nan_to_num`'s tests) holds in no lane.
 """
 
 from __future__ import annotations
 
+from collections.abc import Set
 from typing import Any
 
 import numpy as np
 
 from ._atoms import dtype_of, is_float, literal_value, shape_of
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
-from ._constants import domain_holds_above
+from ._constants import domain_holds_above, fold
 from ._free import FreeValues
 from ._liveness import Sweep
 from ._rules import rule_for
@@ -43,6 +51,7 @@ from ._symbolic import (
     sym_not,
     sym_or,
 )
+from ._taint import nonfinite_anywhere
 
 MAX_STEPS = 4096
 """Equations the forward walk of one hazard looks at, at most; past that it keeps the guard."""
@@ -51,11 +60,21 @@ MAX_STEPS = 4096
 class HandGuards:
     """Which guarded equations of one program the program already guards by hand."""
 
-    def __init__(self, closed: ClosedJaxpr, sweep: Sweep, free: FreeValues):
+    def __init__(self, closed: ClosedJaxpr, sweep: Sweep, free: FreeValues, seeds: Set):
+        self.closed, self.seeds = closed, seeds
         self.eqns, self.sweep, self.free = closed.jaxpr.eqns, sweep, free
         self.outvars = {v for v in closed.jaxpr.outvars if isinstance(v, Var)}
         self.fixed = {v for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
                       if not isinstance(c, Tracer)}
+        self._nonfinite: set | None = None
+
+    @property
+    def nonfinite(self) -> set:
+        """The values that may hold NaN or inf in some lane of the original program (made on
+        the first question: most programs never ask)."""
+        if self._nonfinite is None:
+            self._nonfinite = nonfinite_anywhere(self.closed, set(self.seeds))
+        return self._nonfinite
 
     def covers(self, i: int, eqn: JaxprEqn) -> bool:
         """Whether every derivative of `eqn`'s dropped lanes is already exactly zero."""
@@ -78,9 +97,8 @@ class HandGuards:
                 continue
             if shape_of(v) != shape:  # a broadcast operand: its lane feeds live lanes too
                 return False
-            free = self.free.free_sym(v)
-            if not self.free.selected(v):
-                return False
+            # an operand no selection made: every dead lane must be in the domain
+            free = self.free.free_sym(v) if self.free.selected(v) else FALSE
             if implies(dead, free):
                 continue
             carrying = sym_not(free)
@@ -92,36 +110,106 @@ class HandGuards:
     def _in_domain(self, eqn: JaxprEqn, k: int, lanes: Sym) -> bool:
         """Whether operand k of `eqn` (the only one) is, in every lane of `lanes`, where a
         predicate of each term bounds it from below into the domain of a primitive that only
-        gets safer above (`PrimitiveRule.decreasing`: `sqrt`, `log`)."""
+        gets safer above (`PrimitiveRule.decreasing`: `sqrt`, `log`); a term no lane can
+        satisfy (a NaN test of a value that is finite) needs none."""
         if k != 0 or len(eqn.invars) != 1 or not rule_for(eqn.primitive).decreasing:
             return False
-        return all(any(self._bounds(eqn, term_lit) for term_lit in term if term_lit[1])
-                   for term in lanes)
+        for term in lanes:
+            taken = self._decided(eqn.invars[0], term)
+            if not self._impossible(term) and \
+                    not any(self._bounds(eqn, lit, taken) for lit in term):
+                return False
+        return True
 
-    def _bounds(self, eqn: JaxprEqn, lit: tuple) -> bool:
-        """Whether the positive literal `lit` (a predicate holds) bounds `eqn`'s operand into
-        its domain: the operand is, where the predicate holds, a value `a` the predicate
-        compares with a constant from below (`a > c`, `a >= c`, `c < a`, `c <= a`)."""
+    def _decided(self, operand: Any, term: frozenset) -> dict:
+        """The predicates `term` decides lane by lane for `operand` (same shape, same axes),
+        with the value each takes."""
+        rank = len(shape_of(operand))
+        return {self.sweep.same_as(lit[0]): lit[1] for lit in term
+                if isinstance(lit[0], Var) and lit[2] == tuple(range(rank))
+                and shape_of(lit[0]) == shape_of(operand)}
+
+    def _impossible(self, term: frozenset) -> bool:
+        """Whether a literal of `term` never holds: it asks whether a value is NaN or inf
+        (`x != x`, `x == inf`, `isfinite`), and the value is finite in every lane."""
+        for key, positive, _ in term:
+            compare = self.sweep.producer_of(key) if isinstance(key, Var) else None
+            if compare is None or len(compare.outvars) != 1:
+                continue
+            test = rule_for(compare.primitive).tests_nonfinite
+            tested = test(compare) if test is not None else []
+            if not tested or any(v in self.nonfinite for v in tested) or any(
+                    isinstance(v, Var) and v not in tested for v in compare.invars):
+                continue
+            # the answer is the same for every finite value: ask it of 0
+            values = [np.zeros((), dtype_of(v)) if isinstance(v, Var) else literal_value(v)
+                      for v in compare.invars]
+            if bool(np.all(fold(compare, values)[0])) != positive:
+                return True
+        return False
+
+    def _bounds(self, eqn: JaxprEqn, lit: tuple, taken: dict) -> bool:
+        """Whether the literal `lit` bounds `eqn`'s operand into its domain: it compares a value
+        `a` with a constant, and bounds `a` from below (`a > c`; `a < c` fails, where `a` is
+        never NaN), and `a` grows with the operand (`PrimitiveRule.preimage`: `sqrt(x) / s`,
+        through the selections `taken` decides)."""
         key = lit[0]
-        if not isinstance(key, Var):
+        if not isinstance(key, Var) or self.sweep.same_as(key) not in taken:
             return False
         compare = self.sweep.producer_of(key)
         if compare is None or len(compare.invars) != 2:
             return False
-        bounds = rule_for(compare.primitive).bounds_below
-        if bounds is None:
+        order = rule_for(compare.primitive).bounds_below
+        if order is None:
             return False
-        strict, value_side = bounds
+        strict, value_side = order
+        if not lit[1]:  # `a < c` fails: `a >= c`, if neither is NaN
+            strict, value_side = not strict, 1 - value_side
         a, c = compare.invars[value_side], compare.invars[1 - value_side]
         bound = literal_value(c) if isinstance(c, Literal) else self.sweep.constant(c)
         if bound is None or np.size(bound) != 1 or not isinstance(a, Var):
             return False
-        if _taken_where(eqn.invars[0], key, self.sweep) is not self.sweep.same_as(a):
-            return False
         point = np.asarray(bound, dtype_of(a)).reshape(())
+        if not lit[1] and (a in self.nonfinite or not np.isfinite(point)):
+            return False
         if strict:
             point = np.nextafter(point, np.asarray(np.inf, point.dtype))
-        return domain_holds_above(eqn, point)
+        lower = self._operand_bound(eqn.invars[0], a, float(point), taken)
+        if lower is None or not np.isfinite(lower):
+            return False
+        operand_point = np.asarray(lower, dtype_of(eqn.invars[0])).reshape(())
+        if float(operand_point) > lower:  # rounded up: one step down
+            operand_point = np.nextafter(operand_point,
+                                         np.asarray(-np.inf, operand_point.dtype))
+        return domain_holds_above(eqn, operand_point)
+
+    def _operand_bound(self, operand: Any, a: Var, lower: float, taken: dict) -> float | None:
+        """A lower bound of `operand` where `a >= lower`: back from `a` through the selections
+        `taken` decides and the primitives it grows with, to `operand`."""
+        target = self.sweep.same_as(operand) if isinstance(operand, Var) else None
+        v: Any = a
+        shape = shape_of(operand)
+        for _ in range(MAX_STEPS):
+            if isinstance(v, Var) and self.sweep.same_as(v) is target:
+                return lower
+            v = _taken_case(v, taken, self.sweep)
+            if not isinstance(v, Var) or shape_of(v) != shape:
+                return None
+            if self.sweep.same_as(v) is target:
+                return lower
+            producer = self.sweep.producer_of(v)
+            if producer is None or lower <= 0 or len(producer.outvars) != 1:
+                return None
+            preimage = rule_for(producer.primitive).preimage
+            if preimage is None:
+                return None
+            consts = [self.sweep.constant(u) for u in producer.invars]
+            found = preimage(producer, lower, consts)
+            if found is None:
+                return None
+            k, lower = found
+            v = producer.invars[k]
+        return None
 
     def _tangent_dropped(self, i: int, out: Var, dead: Sym) -> bool:
         """Forward mode: the lanes whose tangent may be NaN (`dead`, from `out` on) are dropped
@@ -183,17 +271,20 @@ class HandGuards:
         return None
 
 
-def _taken_where(v: Any, key: Var, sweep: Sweep) -> Any:
-    """The value `v` is in the lanes where predicate `key` holds: through `select_n`s on
-    `key`, the case taken when it holds (the others, `v` itself)."""
-    while True:
+def _taken_case(v: Any, taken: dict, sweep: Sweep) -> Any:
+    """The value `v` is in the lanes where the predicates of `taken` hold as it says: through
+    `select_n`s on them, the case taken (the others, `v` itself)."""
+    while isinstance(v, Var):
         producer = sweep.producer_of(v)
         if producer is None or len(producer.invars) != 3:
-            return sweep.same_as(v)
+            return v
         rule = rule_for(producer.primitive)
         pred = producer.invars[0]
         if rule.selection is None or not rule.selection.by_predicate \
-                or not isinstance(pred, Var) or sweep.same_as(pred) is not sweep.same_as(key) \
-                or not isinstance(producer.invars[2], Var):
-            return sweep.same_as(v)
-        v = producer.invars[2]
+                or not isinstance(pred, Var) or shape_of(pred) != shape_of(v):
+            return v
+        holds = taken.get(sweep.same_as(pred))
+        if holds is None:
+            return v
+        v = producer.invars[2 if holds else 1]
+    return v

@@ -169,12 +169,12 @@ POLE_AT_ZERO = Guard({0: 0.0}, finite_at_singularities=False)
 # --------------------------------------------------------------------------- elementwise
 # NaN-prone (the guard table): each listed operand takes the safe value in dropped lanes.
 register_elementwise(prims.sqrt_p, guard=ONE, decreasing=True,
-                     bound=bounds.non_negative_if_bounded)
+                     bound=bounds.non_negative_if_bounded, preimage=bounds.root_preimage)
 register_elementwise(prims.cbrt_p, guard=ONE, decreasing=True)
 register_elementwise(prims.rsqrt_p, prims.log_p, guard=POLE_AT_ONE, decreasing=True)
 register_elementwise(prims.log1p_p, guard=POLE_AT_ZERO)              # singular at -1
 register_elementwise(prims.div_p, guard=Guard({1: 1.0}, finite_at_singularities=False),
-                     bound=bounds.quotient,
+                     bound=bounds.quotient, preimage=bounds.quotient_preimage,
                      derivative_reads=(frozenset({1}), frozenset({0, 1})))
 register_elementwise(prims.rem_p, guard=Guard({1: 1.0}, finite_at_singularities=False))
 # x ** y: singular at 0 for y < 1, NaN below; a whole y too, past its order: JAX's derivative
@@ -205,19 +205,24 @@ register_elementwise(prims.regularized_incomplete_beta_p,
                      guard=Guard({0: 1.0, 1: 1.0, 2: 0.5}), no_derivative=frozenset({0, 1}))
 
 # finite for every finite input
-register_elementwise(prims.add_p, linear=True, bound=bounds.of_all(max))
-register_elementwise(prims.sub_p, prims.neg_p, prims.add_jaxvals_p, prims.real_p, prims.imag_p,
+register_elementwise(prims.add_p, linear=True, bound=bounds.of_all(max),
+                     preimage=bounds.sum_preimage)
+register_elementwise(prims.sub_p, linear=True, preimage=bounds.difference_preimage)
+register_elementwise(prims.neg_p, prims.add_jaxvals_p, prims.real_p, prims.imag_p,
                      prims.complex_p, prims.conj_p, linear=True)
 BILINEAR = (frozenset({1}), frozenset({0}))  # each operand's derivative is the other operand
 # a factor that carries no derivative masks the other where it is 0 (`_choosers.py`)
-register_elementwise(prims.mul_p, bound=bounds.product, derivative_reads=BILINEAR, carries=PRODUCT,
+register_elementwise(prims.mul_p, bound=bounds.product, preimage=bounds.product_preimage,
+                     derivative_reads=BILINEAR, carries=PRODUCT,
                      masks=product_masks, static=product_syms,
                      chooser=Chooser(by_original, product_applies))
 register_elementwise(prims.square_p, bound=bounds.non_negative)
-register_elementwise(prims.convert_element_type_p, linear=True, bound=bounds.converted)
+register_elementwise(prims.convert_element_type_p, linear=True, bound=bounds.converted,
+                     preimage=bounds.same_preimage)
 register_elementwise(prims.reduce_precision_p, linear=True,
                      bound=bounds.non_negative_if_bounded)
-register_elementwise(prims.copy_p, linear=True, bound=bounds.moved)
+register_elementwise(prims.copy_p, linear=True, bound=bounds.moved,
+                     preimage=bounds.same_preimage)
 # `with_sharding_constraint`: the value itself, placed; re-emitted with its sharding
 register_elementwise(prims.sharding_constraint_p, linear=True, bound=bounds.moved)
 # `reshard` (Explicit mesh axes): its operand and output are typed with different shardings, so a

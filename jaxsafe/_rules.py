@@ -110,6 +110,10 @@ are thunks: asked for only by the rules that need them."""
 BoundRule = Callable[[JaxprEqn, list, list], "float | None"]
 """(equation, operand lower bounds, operand constant values) -> lower bound of the output."""
 
+PreimageRule = Callable[[JaxprEqn, float, list], "tuple[int, float] | None"]
+"""(equation, a positive lower bound of its output, operand constant values) -> (the operand the
+output grows with, a lower bound of that operand), else None (`_bounds.py`)."""
+
 BodyInputs = Callable[[JaxprEqn, list], "dict[str, list[bool]]"]
 """(equation, which operands may be non-finite) -> body parameter -> which of its inputs may."""
 
@@ -304,6 +308,10 @@ class PrimitiveRule:
     back through it, to the axes they really run along)."""
     scalar_move: ScalarMove | None = None
     bound: BoundRule | None = None
+    preimage: PreimageRule | None = None
+    """Increasing in one operand, the others constant: a lower bound of the output bounds that
+    operand from below (`sqrt`, `x / c` for c > 0): a predicate on the result bounds the
+    operand (`_by_hand.py`)."""
     decreasing: bool = False
     """Guarded operand 0 of a primitive whose value and derivative are finite for every operand
     at or above a positive point where they are finite (`sqrt`, `log`): bounded operands need

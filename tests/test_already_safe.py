@@ -230,3 +230,109 @@ def test_a_sqrt_of_a_sum_of_squares_is_finite_for_what_a_nan_test_reads():
     safe = jaxsafe.nan_safe(energy, finite_args=True)
     assert_close(jax.grad(safe)(R), jax.grad(energy)(R))
     assert_close(jax.hessian(safe)(R), jax.hessian(energy)(R), atol=1e-5)
+
+
+# --------------------------------------------------------------------------- a later cutoff's bound
+
+PAIRS_I, PAIRS_J = np.triu_indices(4, 1)
+# four particles: a pair exactly at the cutoff (dropped: `r < 2.5` fails), pairs inside it,
+# and one far out
+CUTOFF_R = jnp.array([[0.0, 0.0, 0.0], [2.5, 0.0, 0.0], [0.0, 1.0, 0.5], [40.0, 3.0, -7.0]])
+
+
+def _pair_r(x):
+    d = x[PAIRS_I] - x[PAIRS_J]
+    return jnp.sqrt(jnp.sum(d ** 2, axis=-1))
+
+
+def cutoff_energy(x):
+    """A cutoff on a distance, no hand guard: `sqrt`'s dropped lanes are those with
+    `r >= 2.5`, where `r2 >= 6.25` keeps it finite with its derivatives."""
+    r = _pair_r(x)
+    return jnp.sum(jnp.where(r < 2.5, (1.0 - r / 2.5) ** 2, 0.0))
+
+
+def cutoff_energy_nan_to_num(x):
+    """The same, through `nan_to_num`: the NaN tests read a value that is finite in every lane,
+    so the lanes they would drop do not exist."""
+    r = _pair_r(x)
+    return jnp.sum(jnp.nan_to_num(jnp.where(r < 2.5, 1.0 - r / 2.5, 0.0) ** 2))
+
+
+def _kept_pairs_energy(x0):
+    """The reference: JAX on the program with the dropped pairs removed (chosen at x0)."""
+    keep = np.asarray(_pair_r(x0) < 2.5)
+    i, j = PAIRS_I[keep], PAIRS_J[keep]
+
+    def energy(x):
+        r = jnp.sqrt(jnp.sum((x[i] - x[j]) ** 2, axis=-1))
+        return jnp.sum((1.0 - r / 2.5) ** 2)
+    return energy
+
+
+@pytest.mark.parametrize("f", [cutoff_energy, cutoff_energy_nan_to_num],
+                         ids=["cutoff", "cutoff through nan_to_num"])
+def test_a_cutoff_on_a_distance_bounds_the_root_in_the_lanes_it_drops(f):
+    """Where `r < 2.5` fails, `r = sqrt(r2) >= 2.5` (r is never NaN for finite positions):
+    `r2 >= 6.25` there, and `sqrt` is finite with its derivatives to the third order. Nothing is
+    guarded, and every derivative is the one of the program without the dropped pairs."""
+    x = CUTOFF_R
+    assert str(jaxsafe.explain(f, finite_args=True)(x)) == \
+        "nothing to guard: the program runs unchanged"
+    assert structure(jaxsafe.make_jaxpr(f, finite_args=True)(x)) == \
+        structure(jax.make_jaxpr(f)(x))
+    safe = jaxsafe.nan_safe(f, finite_args=True)
+    ref = _kept_pairs_energy(x)
+    assert_close(safe(x), ref(x))
+    assert_close(jax.grad(safe)(x), jax.grad(ref)(x), atol=1e-6)
+    assert_close(jax.hessian(safe)(x), jax.hessian(ref)(x), atol=1e-5)
+    third = jax.jit(jax.jacfwd(jax.hessian(safe)))(x)
+    assert_finite(third)
+    assert_close(third, jax.jit(jax.jacfwd(jax.hessian(ref)))(x), atol=1e-5)
+
+
+def test_a_cutoff_on_a_root_of_what_may_be_negative_keeps_the_guard():
+    """`sqrt(r2) < 2.5` fails where r2 < 0 too (NaN compares false): that lane is dropped,
+    and its `sqrt` is not in the domain. The guard stays, as it does behind a NaN test."""
+    def f(r2):
+        r = jnp.sqrt(r2)
+        return jnp.sum(jnp.where(r < 2.5, (1.0 - r / 2.5) ** 2, 0.0))
+
+    def g(r2):
+        r = jnp.sqrt(r2)
+        return jnp.sum(jnp.nan_to_num(jnp.where(r < 2.5, 1.0 - r / 2.5, 0.0)))
+
+    r2 = jnp.array([-1.0, 9.0, 1.0])
+    for fun, live in ((f, 2 * 0.6 * -0.4 * 0.5), (g, -0.4 * 0.5)):
+        assert np.isnan(np.asarray(jax.grad(fun)(r2))).any()
+        assert "guarded sqrt" in str(jaxsafe.explain(fun, finite_args=True)(r2))
+        assert_close(jax.grad(jaxsafe.nan_safe(fun, finite_args=True))(r2),
+                     jnp.array([0.0, 0.0, live]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("f", [
+    lambda x: jnp.sum(jnp.where((x < 4.0).T, jnp.sqrt(x), 0.0)),
+    lambda x: jnp.sum(jnp.where(x < 4.0, jnp.sqrt(x).T, 0.0)),
+], ids=["transposed predicate", "transposed value"])
+def test_a_predicate_on_other_lanes_does_not_bound_the_operand(f):
+    """`sqrt(x)[0, 1]` is dropped because x[1, 0] >= 4, which says nothing of x[0, 1] = -1:
+    the guard stays."""
+    x = jnp.array([[1.0, -1.0], [5.0, 1.0]])
+    assert np.isnan(np.asarray(jax.grad(f)(x))).any()
+    assert "guarded sqrt" in str(jaxsafe.explain(f, finite_args=True)(x))
+    assert_close(jax.grad(jaxsafe.nan_safe(f, finite_args=True))(x),
+                 jnp.array([[0.5, 0.0], [0.5 / np.sqrt(5.0), 0.5]]))
+
+
+def test_a_cutoff_too_close_to_zero_for_the_hessian_keeps_the_guard():
+    """Where `sqrt(r2) < 1e-15` fails, r2 >= 1e-30: `sqrt` and its first derivative are finite
+    there, not its second (`x ** -1.5 / 4` overflows float32). The guard stays for the
+    Hessian's sake."""
+    def f(r2):
+        r = jnp.sqrt(r2)
+        return jnp.sum(jnp.where(r < 1e-15, 1.0 - r, 0.0))
+
+    r2 = jnp.array([2e-30, 9.0], jnp.float32)
+    assert np.isnan(np.asarray(jax.hessian(f)(r2))).any()
+    assert "guarded sqrt" in str(jaxsafe.explain(f, finite_args=True)(r2))
+    assert_close(jax.hessian(jaxsafe.nan_safe(f, finite_args=True))(r2), jnp.zeros((2, 2)))
