@@ -23,6 +23,7 @@ import numpy as np
 from ._atoms import dtype_of
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._constants import fold
+from ._ranges import Range, Ranges
 from ._rules import BoundRule, rule_for
 from ._walk import demand
 
@@ -162,6 +163,13 @@ class Bounds:
     def __init__(self, eqns, producer: dict, constants: dict):
         self.eqns, self.producer, self.constants = eqns, producer, constants
         self.memo: dict = {}
+        self._ranges: Ranges | None = None
+
+    def range_of(self, atom) -> Range:
+        """The range of `atom` (`_ranges.py`), for every finite input."""
+        if self._ranges is None:
+            self._ranges = Ranges(self.eqns, self.producer, self.constants)
+        return self._ranges.of(atom)
 
     def _constant(self, atom):
         if isinstance(atom, Literal):
@@ -221,3 +229,35 @@ def value_finite_above_bound(eqn: JaxprEqn, bounds: Bounds) -> bool:
         return False
     point = np.asarray(lower, dtype_of(eqn.invars[0]))
     return bool(np.isfinite(point)) and bool(np.all(np.isfinite(fold(eqn, [point])[0])))
+
+
+def ranged_operand(eqn: JaxprEqn, bounds: Bounds) -> tuple[int, Range, list] | None:
+    """For a primitive monotone in one operand over (0, inf) (`PrimitiveRule.ranged_operand`,
+    `pow`'s base) whose other operands are scalar constants: that operand, its range (None if
+    unknown) and the operands' values (the ranged one's left None)."""
+    k = rule_for(eqn.primitive).ranged_operand
+    if k is None or len(eqn.outvars) != 1 or not isinstance(eqn.invars[k], Var):
+        return None
+    values = [None if j == k else bounds.constant_of(u) for j, u in enumerate(eqn.invars)]
+    if any(c is None or np.size(c) != 1 for j, c in enumerate(values) if j != k):
+        return None
+    values = [c if c is None else np.asarray(c, dtype_of(u)).reshape(())
+              for c, u in zip(values, eqn.invars, strict=True)]
+    return k, bounds.range_of(eqn.invars[k]), values
+
+
+def value_finite_over_range(eqn: JaxprEqn, bounds: Bounds) -> bool:
+    """Whether `eqn` (see `ranged_operand`) has its ranged operand inside (0, inf), where its
+    value is finite at both ends: then in every lane, for finite inputs."""
+    found = ranged_operand(eqn, bounds)
+    if found is None or found[1] is None:
+        return False
+    k, (lo, hi), values = found[0], found[1], found[2]
+    dtype = dtype_of(eqn.invars[k])
+    if not (lo > 0 and np.isfinite(hi)):
+        return False
+    for end in (lo, hi):
+        point = [np.asarray(end, dtype) if j == k else c for j, c in enumerate(values)]
+        if not np.all(np.isfinite(fold(eqn, point)[0])):
+            return False
+    return True

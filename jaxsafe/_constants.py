@@ -114,17 +114,34 @@ def domain_holds_above(eqn: JaxprEqn, point: Any) -> bool:
         eqn, [point], PROOF_ORDER)
 
 
-def finite_with_derivatives(eqn: JaxprEqn, point: Sequence[Any], order: int = 1) -> bool:
-    """Whether `eqn`'s output and its first derivative in each floating-point operand are
-    finite at `point` (one value per operand). False where JAX defines no such derivative.
-    With `order` > 1 (one floating-point operand only), the derivatives up to that order too."""
-    return _MEMO.get(_MEMO.key(f"finite{order}", eqn, point),
-                     lambda: _finite_with_derivatives(eqn, point, order))
+def domain_holds_between(eqn: JaxprEqn, k: int, lo: Any, hi: Any, point: Sequence[Any]) -> bool:
+    """Whether `eqn` (`PrimitiveRule.ranged_operand` k: monotone with each derivative in k over
+    (0, inf), the other operands constant) is finite with its derivatives in operand k up to
+    `PROOF_ORDER` at both ends of [lo, hi], the range of operand k: then at every value
+    between. `point`: the other operands' values (k's is ignored). Not below the smallest
+    normal number (see `domain_holds_above`)."""
+    lo, hi = np.asarray(lo).reshape(()), np.asarray(hi).reshape(())
+    if not (lo >= np.finfo(lo.dtype).tiny and np.isfinite(hi) and lo <= hi):
+        return False
+    ends = [[end if j == k else p for j, p in enumerate(point)] for end in (lo, hi)]
+    return all(finite_with_derivatives(eqn, end, PROOF_ORDER, wrt=k) for end in ends)
 
 
-def _finite_with_derivatives(eqn: JaxprEqn, point: Sequence[Any], order: int) -> bool:
+def finite_with_derivatives(eqn: JaxprEqn, point: Sequence[Any], order: int = 1,
+                            wrt: int | None = None) -> bool:
+    """Whether `eqn`'s output and its first derivative in each floating-point operand (or in
+    operand `wrt` only) are finite at `point` (one value per operand). False where JAX defines
+    no such derivative. With `order` > 1 (one floating-point operand only, or `wrt`), the
+    derivatives up to that order too."""
+    return _MEMO.get(_MEMO.key(f"finite{order}:{wrt}", eqn, point),
+                     lambda: _finite_with_derivatives(eqn, point, order, wrt))
+
+
+def _finite_with_derivatives(eqn: JaxprEqn, point: Sequence[Any], order: int,
+                             wrt: int | None) -> bool:
     point = [np.asarray(p).reshape(()) if np.size(p) == 1 else np.asarray(p) for p in point]
-    floats = [j for j, p in enumerate(point) if np.issubdtype(p.dtype, np.inexact)]
+    floats = [j for j, p in enumerate(point) if np.issubdtype(p.dtype, np.inexact)
+              and (wrt is None or j == wrt)]
     if any(j in rule_for(eqn.primitive).no_derivative for j in floats):
         return False
 

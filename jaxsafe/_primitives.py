@@ -21,6 +21,7 @@ import numpy as np
 from jax import lax
 
 from . import _bounds as bounds
+from . import _ranges as ranges
 from . import _zero_lanes as zero_lanes
 from ._atoms import dtype_of
 from ._bodies import CondBody, RematBody, ScanBody
@@ -169,21 +170,23 @@ POLE_AT_ZERO = Guard({0: 0.0}, finite_at_singularities=False)
 # --------------------------------------------------------------------------- elementwise
 # NaN-prone (the guard table): each listed operand takes the safe value in dropped lanes.
 register_elementwise(prims.sqrt_p, guard=ONE, decreasing=True,
-                     bound=bounds.non_negative_if_bounded, preimage=bounds.root_preimage)
+                     bound=bounds.non_negative_if_bounded, preimage=bounds.root_preimage,
+                     range=ranges.root_range)
 register_elementwise(prims.cbrt_p, guard=ONE, decreasing=True)
 register_elementwise(prims.rsqrt_p, prims.log_p, guard=POLE_AT_ONE, decreasing=True)
 register_elementwise(prims.log1p_p, guard=POLE_AT_ZERO)              # singular at -1
 register_elementwise(prims.div_p, guard=Guard({1: 1.0}, finite_at_singularities=False),
                      bound=bounds.quotient, preimage=bounds.quotient_preimage,
+                     range=ranges.quotient_range,
                      derivative_reads=(frozenset({1}), frozenset({0, 1})))
 register_elementwise(prims.rem_p, guard=Guard({1: 1.0}, finite_at_singularities=False))
 # x ** y: singular at 0 for y < 1, NaN below; a whole y too, past its order: JAX's derivative
 # y * x ** (y - 1) selects 0 where y == 0, and the untaken x ** -1 is inf at x = 0 (the third
 # reverse-mode derivative of x ** 2. at 0 is NaN)
-register_elementwise(prims.pow_p, guard=ONE)
+register_elementwise(prims.pow_p, guard=ONE, ranged_operand=0)
 register_elementwise(prims.integer_pow_p,
                      guard=Guard({0: 1.0}, _negative_exponent, finite_at_singularities=False),
-                     bound=bounds.even_power)
+                     bound=bounds.even_power, range=ranges.even_power_range)
 register_elementwise(prims.abs_p, guard=Guard({0: 1.0}, _complex_operand),
                      bound=bounds.non_negative)
 register_elementwise(prims.acos_p, prims.asin_p, guard=ZERO)
@@ -206,23 +209,26 @@ register_elementwise(prims.regularized_incomplete_beta_p,
 
 # finite for every finite input
 register_elementwise(prims.add_p, linear=True, bound=bounds.of_all(max),
-                     preimage=bounds.sum_preimage)
-register_elementwise(prims.sub_p, linear=True, preimage=bounds.difference_preimage)
-register_elementwise(prims.neg_p, prims.add_jaxvals_p, prims.real_p, prims.imag_p,
-                     prims.complex_p, prims.conj_p, linear=True)
+                     preimage=bounds.sum_preimage, range=ranges.sum_range)
+register_elementwise(prims.sub_p, linear=True, preimage=bounds.difference_preimage,
+                     range=ranges.difference_range)
+register_elementwise(prims.neg_p, linear=True, range=ranges.negated_range)
+register_elementwise(prims.add_jaxvals_p, prims.real_p, prims.imag_p, prims.complex_p,
+                     prims.conj_p, linear=True)
 BILINEAR = (frozenset({1}), frozenset({0}))  # each operand's derivative is the other operand
 # a factor that carries no derivative masks the other where it is 0 (`_choosers.py`)
 register_elementwise(prims.mul_p, bound=bounds.product, preimage=bounds.product_preimage,
+                     range=ranges.product_range,
                      derivative_reads=BILINEAR, carries=PRODUCT,
                      masks=product_masks, static=product_syms,
                      chooser=Chooser(by_original, product_applies))
 register_elementwise(prims.square_p, bound=bounds.non_negative)
 register_elementwise(prims.convert_element_type_p, linear=True, bound=bounds.converted,
-                     preimage=bounds.same_preimage)
+                     preimage=bounds.same_preimage, range=ranges.converted_range)
 register_elementwise(prims.reduce_precision_p, linear=True,
                      bound=bounds.non_negative_if_bounded)
 register_elementwise(prims.copy_p, linear=True, bound=bounds.moved,
-                     preimage=bounds.same_preimage)
+                     preimage=bounds.same_preimage, range=ranges.same_range)
 # `with_sharding_constraint`: the value itself, placed; re-emitted with its sharding
 register_elementwise(prims.sharding_constraint_p, linear=True, bound=bounds.moved)
 # `reshard` (Explicit mesh axes): its operand and output are typed with different shardings, so a
@@ -272,15 +278,17 @@ register_movement(prims.dynamic_slice_p, prims.dynamic_update_slice_p,
 register_movement(prims.pad_p, masks=by_transpose_masks, drops=pad_drops, carries=MOVED)
 register_movement(prims.rev_p, masks=by_transpose_masks, carries=MOVED)
 register_movement(prims.transpose_p, masks=transpose_masks, align=transpose_alignment,
-                  static=aligned_syms, bound=bounds.moved, carries=MOVED)
+                  static=aligned_syms, bound=bounds.moved, range=ranges.same_range,
+                  carries=MOVED)
 register_movement(prims.reshape_p, masks=reshape_masks, align=reshape_alignment,
                   static=aligned_syms, scalar_move=reshaped_scalar, bound=bounds.moved,
-                  carries=MOVED)
+                  range=ranges.same_range, carries=MOVED)
 register_movement(prims.squeeze_p, masks=squeeze_masks, align=reshape_alignment,
-                  static=aligned_syms, scalar_move=same_scalar, bound=bounds.moved, carries=MOVED)
+                  static=aligned_syms, scalar_move=same_scalar, bound=bounds.moved,
+                  range=ranges.same_range, carries=MOVED)
 register_movement(prims.broadcast_in_dim_p, masks=broadcast_in_dim_masks,
                   align=broadcast_in_dim_alignment, static=aligned_syms, broadcast=True,
-                  scalar_move=same_scalar, bound=bounds.moved)
+                  scalar_move=same_scalar, bound=bounds.moved, range=ranges.same_range)
 register_movement(prims.concatenate_p, masks=concatenate_masks, carries=MOVED)
 if hasattr(lax, "split_p"):
     register(lax.split_p, masks=split_masks, foldable=True)
@@ -290,7 +298,7 @@ register(prims.scatter_add_p, linear=True)  # no liveness rule: every lane live
 
 # --------------------------------------------------------------------------- reductions
 register_reduction(prims.reduce_sum_p, linear=True, scalar_move=summed_scalar,
-                   bound=bounds.non_negative_if_bounded)
+                   bound=bounds.non_negative_if_bounded, range=ranges.non_negative_sum_range)
 # --------------------------------------------------------------------------- choosers
 # Only the lanes their derivative chooses on the original values are live (`_choosers.py`).
 FILL = Chooser(by_fill, keeps_dropped_values=False)

@@ -110,6 +110,9 @@ are thunks: asked for only by the rules that need them."""
 BoundRule = Callable[[JaxprEqn, list, list], "float | None"]
 """(equation, operand lower bounds, operand constant values) -> lower bound of the output."""
 
+RangeRule = Callable[[JaxprEqn, list, list], "tuple[float, float] | None"]
+"""(equation, operand ranges, operand constant values) -> range of the output (`_ranges.py`)."""
+
 PreimageRule = Callable[[JaxprEqn, float, list], "tuple[int, float] | None"]
 """(equation, a positive lower bound of its output, operand constant values) -> (the operand the
 output grows with, a lower bound of that operand), else None (`_bounds.py`)."""
@@ -308,6 +311,11 @@ class PrimitiveRule:
     back through it, to the axes they really run along)."""
     scalar_move: ScalarMove | None = None
     bound: BoundRule | None = None
+    range: RangeRule | None = None
+    ranged_operand: int | None = None
+    """The operand over whose range, inside (0, inf), the value and each derivative in it are
+    monotone when the other operands are constant (`pow`'s base): finite at both ends of the
+    range is finite between (`_sites.py`, `_taint.py`)."""
     preimage: PreimageRule | None = None
     """Increasing in one operand, the others constant: a lower bound of the output bounds that
     operand from below (`sqrt`, `x / c` for c > 0): a predicate on the result bounds the

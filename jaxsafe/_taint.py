@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ._atoms import dtype_of, is_float, is_nonfinite_literal, literal_value, shape_of
-from ._bounds import Bounds, of_program, value_finite_above_bound
+from ._bounds import Bounds, of_program, value_finite_above_bound, value_finite_over_range
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._constants import finite_with_derivatives
 from ._liveness import Sweep
@@ -215,10 +215,15 @@ def nonfinite_anywhere(closed: ClosedJaxpr, seeds: set) -> set:
         if reads:
             tainted.update(o for o in eqn.outvars if is_float(o))
         elif may_produce_nonfinite(eqn):
-            if rule_for(eqn.primitive).decreasing:
+            rule = rule_for(eqn.primitive)
+            if rule.decreasing:
                 bounds = bounds or of_program(closed)
                 if value_finite_above_bound(eqn, bounds):
                     continue  # `sqrt` of a sum of squares
+            if rule.ranged_operand is not None:
+                bounds = bounds or of_program(closed)
+                if value_finite_over_range(eqn, bounds):
+                    continue  # `(1 - where(d < 1, d, 0)) ** 2.5` of a distance
             tainted.update(o for o in eqn.outvars if is_float(o))
     return tainted
 

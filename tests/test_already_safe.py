@@ -211,25 +211,84 @@ def test_a_power_that_is_not_whole_keeps_its_guard(exponent):
     assert_close(jax.grad(jaxsafe.nan_safe(f, finite_args=True))(x), jax.grad(hand)(x))
 
 
-def test_a_sqrt_of_a_sum_of_squares_is_finite_for_what_a_nan_test_reads():
-    """jax-md's soft sphere: `sqrt` of a sum of squares (at least 0: its value is finite,
-    whatever its derivative is at 0), then a whole power under a cutoff, then `nan_to_num`.
-    The NaN test makes suspect only what may be non-finite: with finite positions nothing
-    is, so nothing is guarded for it ("may be non-finite"); the table guards stay (`r2 > 0`
-    does not bound `sqrt`, and a whole power is singular at 0 from its third derivative)."""
-    def energy(r):
-        dr = r[:, None, :] - r[None, :, :]
-        r2 = jnp.sum(dr ** 2, axis=-1)
-        d = safe_mask(r2 > 0, jnp.sqrt, r2)
-        e = safe_mask(d < 1.5, lambda d: (1.0 - d / 1.5) ** jnp.float32(2.0), d)
-        return jnp.sum(jnp.nan_to_num(e))
+def _soft_sphere_terms(r, pairs=None):
+    """jax-md's soft sphere on every pair of `r` (or on `pairs` only): `sqrt` of a sum of
+    squares under `safe_mask(r2 > 0)`, then `(1 - d / 1.5) ** 2.` under a cutoff, then
+    `nan_to_num`."""
+    i, j = (slice(None), None), (None, slice(None))  # every pair
+    if pairs is not None:
+        i, j = pairs
+    dr = r[i] - r[j]
+    r2 = jnp.sum(dr ** 2, axis=-1)
+    d = safe_mask(r2 > 0, jnp.sqrt, r2)
+    e = safe_mask(d < 1.5, lambda d: (1.0 - d / 1.5) ** jnp.float32(2.0), d)
+    return jnp.nan_to_num(e)
 
-    report = jaxsafe.explain(energy, finite_args=True)(R)
-    assert {(g.primitive, o.reason) for g in report.guards for o in g.operands} == \
-        {("sqrt", "table"), ("pow", "table")}
+
+def test_a_soft_sphere_with_finite_positions_needs_no_guard():
+    """jax-md's soft sphere without its diagonal mask: the `sqrt` lanes `r2 > 0` keeps are
+    dropped by the cutoff only where `d >= 1.5`, so `r2 >= 2.25` there; the power's base
+    `1 - where(d < 1.5, d, 0) / 1.5` is in [2**-24, 1] in every lane, where `x ** 2.` is finite
+    with its derivatives; and the NaN tests of `nan_to_num` read a value finite in every lane,
+    so they drop nothing. Every derivative, to the third, is the one of the program on the
+    pairs the cutoff keeps (the coincident pair and the diagonal included: `safe_mask` gives
+    them a zero derivative, in both)."""
+    energy = lambda r: jnp.sum(_soft_sphere_terms(r))
+    assert str(jaxsafe.explain(energy, finite_args=True)(R)) == \
+        "nothing to guard: the program runs unchanged"
+    n = R.shape[0]
+    i, j = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
+    dist = np.sqrt(np.sum((np.asarray(R)[:, None] - np.asarray(R)[None]) ** 2, axis=-1))
+    keep = dist < 1.5
+    assert not keep.all()  # the cutoff drops pairs here
+    kept = lambda r: jnp.sum(_soft_sphere_terms(r, (i[keep], j[keep])))
     safe = jaxsafe.nan_safe(energy, finite_args=True)
-    assert_close(jax.grad(safe)(R), jax.grad(energy)(R))
-    assert_close(jax.hessian(safe)(R), jax.hessian(energy)(R), atol=1e-5)
+    assert_close(safe(R), kept(R))
+    assert_close(jax.grad(safe)(R), jax.grad(kept)(R), atol=1e-6)
+    assert_close(jax.hessian(safe)(R), jax.hessian(kept)(R), atol=1e-5)
+    third = jax.jit(jax.jacfwd(jax.hessian(safe)))(R)
+    assert_finite(third)
+    assert_close(third, jax.jit(jax.jacfwd(jax.hessian(kept)))(R), atol=1e-5)
+
+
+def test_a_power_whose_base_may_reach_zero_in_a_dropped_lane_keeps_its_guard():
+    """`where(d <= 1, d, 0)` admits d = 1, and `1 - 1` is 0: the third derivative of `x ** 2.`
+    at a base of 0 is NaN (JAX's untaken `x ** -1.`), in a lane the outer `d < 1` drops."""
+    def f(x):
+        d = x ** 2
+        return jnp.sum(jnp.where(d < 1.0, (1.0 - jnp.where(d <= 1.0, d, 0.0)) ** 2.0, 0.0))
+
+    def hand(x):
+        d = x ** 2
+        return jnp.sum(jnp.where(d < 1.0, (1.0 - jnp.where(d < 1.0, d, 0.0)) ** 2.0, 0.0))
+
+    x = jnp.array([1.0, 0.5, 3.0])
+    third = lambda g: jax.jacfwd(jax.hessian(g))
+    assert np.isnan(np.asarray(third(f)(x))).any()
+    assert "guarded pow" in str(jaxsafe.explain(f, finite_args=True)(x))
+    got = third(jaxsafe.nan_safe(f, finite_args=True))(x)
+    assert_finite(got)
+    assert_close(got, third(hand)(x))
+
+
+def test_a_power_that_overflows_at_an_end_of_its_base_keeps_its_guard():
+    """The base is in [2**-24, 1], but `x ** -30.` overflows near 2**-24, in lanes `d < 0.5`
+    drops (`d` close to 1): no proof, the guard stays. With the base in [1, 2] there is one."""
+    def f(x, shift=1.0):
+        d = x ** 2
+        base = shift - jnp.where(d < 1.0, d, 0.0)
+        return jnp.sum(jnp.where(d < 0.5, base ** -30.0, 0.0))
+
+    def hand(x):
+        d = x ** 2
+        return jnp.sum(jnp.where(d < 0.5, (1.0 - jnp.where(d < 0.5, d, 0.0)) ** -30.0, 0.0))
+
+    x = jnp.array([0.99999994, 0.5, 3.0], jnp.float32)
+    assert np.isnan(np.asarray(jax.grad(f)(x))).any()
+    assert "guarded pow" in str(jaxsafe.explain(f, finite_args=True)(x))
+    assert_close(jax.grad(jaxsafe.nan_safe(f, finite_args=True))(x), jax.grad(hand)(x))
+    g = lambda x: f(x, 2.0)
+    assert "nothing to guard" in str(jaxsafe.explain(g, finite_args=True)(x))
 
 
 # --------------------------------------------------------------------------- a later cutoff's bound

@@ -1,0 +1,242 @@
+"""Ranges of values, for every finite input: a power whose base stays inside (0, inf) needs no
+guard.
+
+jax-md's soft sphere computes `(1 - d) ** alpha` on `d = jnp.where(d < 1, d, 0)` of a
+non-negative distance: the base is in [2**-24, 1] in float32, whatever the positions are, and a
+power with a constant exponent is finite there with its derivatives. A lower bound alone
+(`_bounds.py`) cannot show it: the base is a difference, bounded from below by the upper bound
+of what it subtracts, and that upper bound comes from the comparison that selects it.
+
+Each value's range is derived from its equation, one rule per primitive (`PrimitiveRule.range`,
+filled in by `_primitives.py`); a `select_n` narrows each case by the comparison that takes it
+(`where(d < 1, d, 0)`: the case `d` only where `d < 1`). Ends are computed in float64 and
+rounded outward in the value's dtype (one ulp past the rounding of the dtype's own arithmetic,
+which is monotone). A range assumes finite operands, as the lower bounds do (values that may
+be NaN are the taint pass's business): no range ever admits NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+import numpy as np
+
+from ._atoms import dtype_of, is_float, shape_of
+from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer
+from ._rules import rule_for
+from ._walk import demand
+
+Range = tuple[float, float] | None
+"""lo <= every value <= hi (floats, possibly infinite); None: nothing known."""
+
+
+def _outward(eqn: JaxprEqn, lo: float, hi: float, exact: bool = True) -> Range:
+    """[lo, hi] (computed in float64) as ends in the output's dtype that hold whatever the
+    dtype's own rounding of the operation gives (correctly rounded or faithful): an end that
+    rounds inward is moved one ulp out. `exact`: the operation's result is exactly `lo`/`hi`
+    where those are representable (a sum, a product), not only close (a root, a quotient).
+    None where NaN came in."""
+    if np.isnan(lo) or np.isnan(hi) or lo > hi:
+        return None
+    dtype = dtype_of(eqn.outvars[0])
+    if not np.issubdtype(dtype, np.floating):
+        return None
+    return _end(lo, dtype, -np.inf, exact), _end(hi, dtype, np.inf, exact)
+
+
+def _end(x: float, dtype: Any, outward: float, exact: bool) -> float:
+    with np.errstate(over="ignore"):
+        q = np.asarray(x, dtype)
+    inward = float(q) < x if outward > 0 else float(q) > x
+    if inward or (float(q) == x and not exact and x != 0):
+        q = np.nextafter(q, np.asarray(outward, dtype))
+    return float(q)
+
+
+def constant_range(value: Any) -> Range:
+    """The range of a constant: its smallest and largest lanes, when none is NaN."""
+    value = np.asarray(value)
+    if value.size == 0 or value.dtype.kind not in "fiu" or np.any(np.isnan(value)):
+        return None
+    return float(np.min(value)), float(np.max(value))
+
+
+def same_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
+    """Lanes that move, unchanged (a broadcast, a reshape, a copy)."""
+    return ranges[0]
+
+
+def converted_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
+    """A conversion rounds monotonically: the ends, converted (outward)."""
+    return None if ranges[0] is None else _outward(eqn, *ranges[0])
+
+
+def negated_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
+    return None if ranges[0] is None else (-ranges[0][1], -ranges[0][0])
+
+
+def sum_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
+    a, b = ranges
+    if a is None or b is None:
+        return None
+    with np.errstate(invalid="ignore"):
+        return _outward(eqn, a[0] + b[0], a[1] + b[1])
+
+
+def difference_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
+    a, b = ranges
+    if a is None or b is None:
+        return None
+    with np.errstate(invalid="ignore"):
+        return _outward(eqn, a[0] - b[1], a[1] - b[0])
+
+
+def product_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
+    """Interval product; None where an infinite end meets a zero (0 * inf is NaN)."""
+    a, b = ranges
+    if a is None or b is None:
+        return None
+    ends = [x * y for x in a for y in b]
+    if any(np.isnan(e) for e in ends):
+        return None
+    return _outward(eqn, min(ends), max(ends))
+
+
+def quotient_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
+    """Division by a constant that is finite and not 0."""
+    a, c = ranges[0], consts[1]
+    if a is None or c is None or np.size(c) != 1:
+        return None
+    c = float(np.asarray(c).reshape(()))
+    if c == 0 or not np.isfinite(c):
+        return None
+    ends = (a[0] / c, a[1] / c)
+    return _outward(eqn, min(ends), max(ends), exact=False)
+
+
+def root_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
+    a = ranges[0]
+    if a is None or a[0] < 0:
+        return None
+    return _outward(eqn, float(np.sqrt(a[0])), float(np.sqrt(a[1])), exact=False)
+
+
+def even_power_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
+    """`integer_pow` with a positive even exponent: at least 0, at most the larger end's power
+    (every finite input: unknown operands included)."""
+    y = eqn.params["y"]
+    if y <= 0 or y % 2:
+        return None
+    a = ranges[0]
+    if a is None:
+        return 0.0, np.inf
+    with np.errstate(over="ignore"):
+        ends = (abs(a[0]) ** y if np.isfinite(a[0]) else np.inf,
+                abs(a[1]) ** y if np.isfinite(a[1]) else np.inf)
+    low = 0.0 if a[0] <= 0 <= a[1] else min(ends)
+    return _outward(eqn, low, max(ends), exact=False)
+
+
+def non_negative_sum_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
+    """A sum of non-negative lanes: at least 0, at most their count times the largest."""
+    a = ranges[0]
+    if a is None or a[0] < 0:
+        return None
+    count = int(np.prod(shape_of(eqn.invars[0]))) // max(1, int(np.prod(shape_of(eqn.outvars[0]))))
+    return _outward(eqn, 0.0, a[1] * max(count, 1) * 2)  # 2: the rounding of a long sum
+
+
+def compared(compare: JaxprEqn, holds: bool) -> tuple[int, bool] | None:
+    """Where the comparison `compare` holds (or fails), which operand is at least the other,
+    and strictly or not: `a > c` holds: (0, True); `a < c` fails: (0, False), if neither is
+    NaN (NaN fails every comparison: the caller must know the operands are not NaN)."""
+    order = rule_for(compare.primitive).bounds_below
+    if order is None or len(compare.invars) != 2:
+        return None
+    strict, greater = order
+    return (greater, strict) if holds else (1 - greater, not strict)
+
+
+class Ranges:
+    """The ranges of the values of one jaxpr, computed on demand and memoized."""
+
+    def __init__(self, eqns, producer: dict, constants: dict):
+        self.eqns, self.producer, self.constants = eqns, producer, constants
+        self.memo: dict = {}
+
+    def constant_of(self, atom):
+        if isinstance(atom, Literal):
+            return np.asarray(atom.val)
+        return self.constants.get(atom)
+
+    def of(self, atom) -> Range:
+        value = self.constant_of(atom)
+        if value is not None:
+            return constant_range(value)
+        return demand(atom, self.memo, self._range)
+
+    def _range(self, v) -> Generator[Any, Range, Range]:
+        """The rule `demand` runs: yields each operand whose range it needs."""
+        i = self.producer.get(v)
+        if i is None or len(self.eqns[i].outvars) != 1 or not is_float(v):
+            return None
+        eqn = self.eqns[i]
+        rule = rule_for(eqn.primitive)
+        if rule.selection is not None and rule.selection.by_predicate:
+            return (yield from self._selected(eqn))
+        if rule.range is None:
+            return None
+        consts = [self.constant_of(u) for u in eqn.invars]
+        ranges: list[Range] = []
+        for u, c in zip(eqn.invars, consts, strict=True):
+            ranges.append(constant_range(c) if c is not None else (yield u))
+        return rule.range(eqn, ranges, consts)
+
+    def _selected(self, eqn: JaxprEqn) -> Generator[Any, Range, Range]:
+        """`select_n`: the hull of its cases, each narrowed by the comparison that takes it."""
+        if len(eqn.invars) != 3:
+            return None
+        pred, cases = eqn.invars[0], eqn.invars[1:]
+        compare = self.eqns[self.producer[pred]] if pred in self.producer else None
+        hull: list[float] = []
+        for holds, case in zip((False, True), cases, strict=True):
+            c = self.constant_of(case)
+            r = constant_range(c) if c is not None else (yield case)
+            if r is None:
+                return None
+            if compare is not None and shape_of(case) == shape_of(eqn.outvars[0]):
+                r = self._narrowed(compare, holds, case, r)
+            hull = [min(hull[0], r[0]), max(hull[1], r[1])] if hull else list(r)
+        return hull[0], hull[1]
+
+    def _narrowed(self, compare: JaxprEqn, holds: bool, case: Any, r: tuple) -> tuple:
+        """`r`, the range of `case`, where `compare` holds (or fails) and compares `case` with
+        a finite constant. `case` has a range, so it is never NaN."""
+        order = compared(compare, holds)
+        if order is None or case not in compare.invars:
+            return r
+        greater, strict = order
+        other = compare.invars[1 - compare.invars.index(case)]
+        c = self.constant_of(other)
+        if c is None or np.size(c) != 1 or not np.isfinite(c):
+            return r
+        dtype = dtype_of(case)
+        point = np.asarray(c, dtype).reshape(())
+        if compare.invars.index(case) == greater:  # case >= c
+            if strict:
+                point = np.nextafter(point, np.asarray(np.inf, dtype))
+            return max(r[0], float(point)), r[1]
+        if strict:  # case <= c
+            point = np.nextafter(point, np.asarray(-np.inf, dtype))
+        return r[0], min(r[1], float(point))
+
+
+def ranges_of(closed: ClosedJaxpr, producer: dict | None = None) -> Ranges:
+    """The ranges of `closed`'s values (its concrete constants known)."""
+    jaxpr = closed.jaxpr
+    if producer is None:
+        producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
+    return Ranges(jaxpr.eqns, producer,
+                  {v: c for v, c in zip(jaxpr.constvars, closed.consts, strict=True)
+                   if not isinstance(c, Tracer)})
