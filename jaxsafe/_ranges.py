@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ._atoms import dtype_of, is_float, shape_of
-from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer
+from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._rules import rule_for
 from ._walk import demand
 
@@ -198,14 +198,16 @@ class Ranges:
         if len(eqn.invars) != 3:
             return None
         pred, cases = eqn.invars[0], eqn.invars[1:]
-        compare = self.eqns[self.producer[pred]] if pred in self.producer else None
+        at = self.producer.get(pred) if isinstance(pred, Var) else None
+        compare = None if at is None else self.eqns[at]
         hull: list[float] = []
         for holds, case in zip((False, True), cases, strict=True):
             c = self.constant_of(case)
             r = constant_range(c) if c is not None else (yield case)
             if r is None:
                 return None
-            if compare is not None and shape_of(case) == shape_of(eqn.outvars[0]):
+            if compare is not None and isinstance(case, Var) and \
+                    shape_of(case) == shape_of(eqn.outvars[0]):
                 r = self._narrowed(compare, holds, case, r)
             hull = [min(hull[0], r[0]), max(hull[1], r[1])] if hull else list(r)
         return hull[0], hull[1]

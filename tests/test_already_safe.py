@@ -395,3 +395,20 @@ def test_a_cutoff_too_close_to_zero_for_the_hessian_keeps_the_guard():
     assert np.isnan(np.asarray(jax.hessian(f)(r2))).any()
     assert "guarded sqrt" in str(jaxsafe.explain(f, finite_args=True)(r2))
     assert_close(jax.hessian(jaxsafe.nan_safe(f, finite_args=True))(r2), jnp.zeros((2, 2)))
+
+
+def test_a_selection_on_a_literal_predicate_has_a_range_too():
+    """`lax.select_n(True, ...)` (a predicate the program fixed): its range is its cases' hull,
+    and the analysis reads it without failing."""
+    from jax import lax
+
+    def f(x):
+        d = lax.select_n(True, jnp.zeros_like(x), x ** 2)
+        return jnp.sum(jnp.where(d < 1.0, (2.0 - jnp.where(d < 1.0, d, 0.0)) ** 2.5, 0.0))
+
+    x = jnp.array([0.5, 3.0])
+    assert "nothing to guard" in str(jaxsafe.explain(f, finite_args=True)(x))
+    assert_close(jax.grad(jaxsafe.nan_safe(f, finite_args=True))(x), jax.grad(f)(x))
+    from jaxsafe._bounds import of_program
+    closed = jax.make_jaxpr(lambda x: lax.select_n(True, jnp.sqrt(x), x * 2.0))(1.0)
+    assert of_program(closed).range_of(closed.jaxpr.outvars[0]) is None  # sqrt: no range known
