@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ._atoms import dtype_of, is_float, shape_of
-from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
+from ._compat import JaxprEqn, Literal, Var
 from ._rules import rule_for
 from ._walk import demand
 
@@ -232,13 +232,3 @@ class Ranges:
         if strict:  # case <= c
             point = np.nextafter(point, np.asarray(-np.inf, dtype))
         return r[0], min(r[1], float(point))
-
-
-def ranges_of(closed: ClosedJaxpr, producer: dict | None = None) -> Ranges:
-    """The ranges of `closed`'s values (its concrete constants known)."""
-    jaxpr = closed.jaxpr
-    if producer is None:
-        producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
-    return Ranges(jaxpr.eqns, producer,
-                  {v: c for v, c in zip(jaxpr.constvars, closed.consts, strict=True)
-                   if not isinstance(c, Tracer)})

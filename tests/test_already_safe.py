@@ -211,6 +211,16 @@ def test_a_power_that_is_not_whole_keeps_its_guard(exponent):
     assert_close(jax.grad(jaxsafe.nan_safe(f, finite_args=True))(x), jax.grad(hand)(x))
 
 
+def assert_same_to_the_third_order(safe, ref, x):
+    """Values and derivatives of orders 1 to 3 equal the reference's, the third finite."""
+    assert_close(safe(x), ref(x))
+    assert_close(jax.grad(safe)(x), jax.grad(ref)(x), atol=1e-6)
+    assert_close(jax.hessian(safe)(x), jax.hessian(ref)(x), atol=1e-5)
+    third = jax.jit(jax.jacfwd(jax.hessian(safe)))(x)
+    assert_finite(third)
+    assert_close(third, jax.jit(jax.jacfwd(jax.hessian(ref)))(x), atol=1e-5)
+
+
 def _soft_sphere_terms(r, pairs=None):
     """jax-md's soft sphere on every pair of `r` (or on `pairs` only): `sqrt` of a sum of
     squares under `safe_mask(r2 > 0)`, then `(1 - d / 1.5) ** 2.` under a cutoff, then
@@ -242,13 +252,7 @@ def test_a_soft_sphere_with_finite_positions_needs_no_guard():
     keep = dist < 1.5
     assert not keep.all()  # the cutoff drops pairs here
     kept = lambda r: jnp.sum(_soft_sphere_terms(r, (i[keep], j[keep])))
-    safe = jaxsafe.nan_safe(energy, finite_args=True)
-    assert_close(safe(R), kept(R))
-    assert_close(jax.grad(safe)(R), jax.grad(kept)(R), atol=1e-6)
-    assert_close(jax.hessian(safe)(R), jax.hessian(kept)(R), atol=1e-5)
-    third = jax.jit(jax.jacfwd(jax.hessian(safe)))(R)
-    assert_finite(third)
-    assert_close(third, jax.jit(jax.jacfwd(jax.hessian(kept)))(R), atol=1e-5)
+    assert_same_to_the_third_order(jaxsafe.nan_safe(energy, finite_args=True), kept, R)
 
 
 def test_a_power_whose_base_may_reach_zero_in_a_dropped_lane_keeps_its_guard():
@@ -340,14 +344,7 @@ def test_a_cutoff_on_a_distance_bounds_the_root_in_the_lanes_it_drops(f):
         "nothing to guard: the program runs unchanged"
     assert structure(jaxsafe.make_jaxpr(f, finite_args=True)(x)) == \
         structure(jax.make_jaxpr(f)(x))
-    safe = jaxsafe.nan_safe(f, finite_args=True)
-    ref = _kept_pairs_energy(x)
-    assert_close(safe(x), ref(x))
-    assert_close(jax.grad(safe)(x), jax.grad(ref)(x), atol=1e-6)
-    assert_close(jax.hessian(safe)(x), jax.hessian(ref)(x), atol=1e-5)
-    third = jax.jit(jax.jacfwd(jax.hessian(safe)))(x)
-    assert_finite(third)
-    assert_close(third, jax.jit(jax.jacfwd(jax.hessian(ref)))(x), atol=1e-5)
+    assert_same_to_the_third_order(jaxsafe.nan_safe(f, finite_args=True), _kept_pairs_energy(x), x)
 
 
 def test_a_cutoff_on_a_root_of_what_may_be_negative_keeps_the_guard():
