@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from jax import lax
 
-from ._compat import ClosedJaxpr, JaxprEqn, eval_jaxpr
+from ._compat import ClosedJaxpr, JaxprEqn, eval_jaxpr, scan_counts
 from ._lanewise import carry_kinds, carry_masks
 from ._rules import Kind, Mask
 
@@ -75,7 +75,7 @@ class ScanBody:
     (`_lanewise.py`)."""
 
     def plan(self, eqn: JaxprEqn, out_kinds: Sequence[Kind], plan_body: PlanBody) -> list | None:
-        n_carry = eqn.params["num_carry"]
+        _, n_carry = scan_counts(eqn.params)
         kinds = carry_kinds(eqn, out_kinds) + _body_out_kinds(out_kinds)[n_carry:]
         if all(k == Kind.LIVE for k in kinds):
             return None
@@ -83,7 +83,7 @@ class ScanBody:
 
     def emit(self, eqn: JaxprEqn, plans: list, invals: list, out_masks: list, params: dict,
              emit_body: EmitBody) -> list:
-        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        n_consts, n_carry = scan_counts(params)
         consts, init, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
                             invals[n_consts + n_carry:])
         fn = _body_fn(plans[0], params["jaxpr"], emit_body)

@@ -99,7 +99,10 @@ class _ValueTrace(Trace):
 
     def process_primitive(self, primitive, tracers, params, /):
         values, staged, differentiated = self.split(tracers)
-        out_values = primitive.bind(*values, **params)  # bind runs on the eval trace here
+        # Eagerly on the values. JAX >= 0.12 binds with no current trace while a trace processes
+        # a primitive (earlier releases left the eval trace current): name it.
+        with eval_context():
+            out_values = primitive.bind(*values, **params)
         with set_current_trace(self.parent):
             out_staged = primitive.bind(*staged, **params)
         if primitive.multiple_results:

@@ -271,3 +271,14 @@ def differentiated_while_staging(args: tuple, kwargs: dict) -> bool:
             return True
         trace = getattr(trace, "parent_trace", None)
     return False
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """(constants, carries) among a `scan`'s operands, before its stacked inputs. JAX 0.9 and
+    0.10 name them `num_consts` and `num_carry`; from 0.11 the operands are described by a
+    flat tree `ft_in` of three parts (constants, carries, stacked inputs), each of whose
+    lengths is its number of leaves."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)

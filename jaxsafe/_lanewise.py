@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._atoms import shape_of
-from ._compat import ClosedJaxpr, JaxprEqn
+from ._compat import ClosedJaxpr, JaxprEqn, scan_counts
 from ._masks import any_of, broadcast, broadcast_mask, reduce_any
 from ._nested import call_jaxpr
 from ._rules import Context, Kind, Mask, rule_for
@@ -80,7 +80,7 @@ def _per_step(k: int, stacked_from: int, shape: tuple) -> tuple:
 def _lane_mask(eqn: JaxprEqn, outs: Sequence[Mask], lanes: tuple[int, ...]) -> Mask:
     """The lanes live in some output, at some step: final carries, and the per-step outputs
     reduced over their step axis."""
-    n_carry = eqn.params["num_carry"]
+    _, n_carry = scan_counts(eqn.params)
     per_lane: list[Mask] = []
     for k, (v, m) in enumerate(zip(eqn.outvars, outs, strict=True)):
         if _per_step(k, n_carry, shape_of(v)) != lanes:
@@ -104,7 +104,7 @@ def scan_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     anything = _anything(outs)
     lanes = _scan_lane_shape(eqn)
     lane = None if lanes is None else _lane_mask(eqn, outs, lanes)
-    n_lead = eqn.params["num_consts"] + eqn.params["num_carry"]
+    n_lead = sum(scan_counts(eqn.params))
     masks: list[Mask] = []
     for k, v in enumerate(eqn.invars):
         shape = shape_of(v)
@@ -121,7 +121,7 @@ def scan_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
 def _lane_kind(eqn: JaxprEqn, out_kinds: Sequence[Kind], lanes: tuple[int, ...]) -> Kind:
     """The kind of the lane mask: the union of the lane-shaped outputs' (an output that no lane
     reaches, such as an unused final carry, adds nothing)."""
-    n_carry = eqn.params["num_carry"]
+    _, n_carry = scan_counts(eqn.params)
     kinds = [k for i, (v, k) in enumerate(zip(eqn.outvars, out_kinds, strict=True))
              if _per_step(i, n_carry, shape_of(v)) == lanes]
     return max(kinds, default=Kind.LIVE)
@@ -134,7 +134,7 @@ def scan_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]
     if lanes is None:
         return [Kind.LIVE] * len(eqn.invars)
     lane = _lane_kind(eqn, out_kinds, lanes)
-    n_lead = eqn.params["num_consts"] + eqn.params["num_carry"]
+    n_lead = sum(scan_counts(eqn.params))
     return [lane if _per_step(k, n_lead, shape_of(v)) == lanes else Kind.LIVE
             for k, v in enumerate(eqn.invars)]
 
@@ -142,7 +142,7 @@ def scan_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]
 def carry_kinds(eqn: JaxprEqn, out_kinds: Sequence[Kind]) -> list[Kind]:
     """The kinds of the body's carry outputs: MAYBE for a lane-shaped carry of a lane-by-lane
     scan some of whose output lanes are dropped, LIVE otherwise."""
-    carries = eqn.outvars[:eqn.params["num_carry"]]
+    carries = eqn.outvars[:scan_counts(eqn.params)[1]]
     lanes = _scan_lane_shape(eqn)
     if lanes is None or _lane_kind(eqn, out_kinds, lanes) == Kind.LIVE:
         return [Kind.LIVE] * len(carries)
@@ -152,7 +152,7 @@ def carry_kinds(eqn: JaxprEqn, out_kinds: Sequence[Kind]) -> list[Kind]:
 def carry_masks(eqn: JaxprEqn, outs: Sequence[Mask]) -> list[Mask]:
     """The masks of the body's carry outputs, the same at every step: the scan's lane mask for a
     lane-shaped carry, live for a scalar one (and for every carry of any other scan)."""
-    n_carry = eqn.params["num_carry"]
+    _, n_carry = scan_counts(eqn.params)
     lanes = _scan_lane_shape(eqn)
     if lanes is None:
         return [None] * n_carry

@@ -27,7 +27,7 @@ import numpy as np
 
 from ._atoms import dtype_of, is_float, is_nonfinite_literal, literal_value, shape_of
 from ._bounds import Bounds, of_program, value_finite_above_bound, value_finite_over_range
-from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
+from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var, scan_counts
 from ._constants import finite_with_derivatives
 from ._liveness import Sweep
 from ._nested import any_equation, sub_jaxprs
@@ -262,7 +262,7 @@ def cond_body_inputs(eqn: JaxprEqn, operands: list[bool]) -> dict[str, list[bool
 
 
 def scan_body_inputs(eqn: JaxprEqn, operands: list[bool]) -> dict[str, list[bool]]:
-    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    n_consts, n_carry = scan_counts(eqn.params)
     consts, carry = operands[:n_consts], operands[n_consts:n_consts + n_carry]
     xs = operands[n_consts + n_carry:]
     carry = _carried(eqn.params["jaxpr"], consts, carry, xs, slice(0, n_carry))
