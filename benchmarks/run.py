@@ -123,7 +123,8 @@ def run_workload_row(w: W.Workload, mode: str, cfg: Config, seed: int) -> dict:
             lower_s[v].append(t1 - t0)
             compile_s[v].append(t2 - t1)
             args_of[v] = args
-    outputs = {v: jax.block_until_ready(compiled[v](*args_of[v])) for v in W.VARIANTS}
+    outputs = {v: jax.block_until_ready(W.check_outputs(w, v, compiled[v](*args_of[v])))
+               for v in W.VARIANTS}
     check = W.check(outputs)
     del outputs
     m = timing.measure({v: (compiled[v], args_of[v]) for v in W.VARIANTS},
@@ -711,8 +712,15 @@ def main(argv=None) -> int:
                              "(a temporary git worktree; section 'Against REV')")
     parser.add_argument("--note", default=None, help="a note printed in the report header")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile-rounds", type=int, default=None, metavar="N",
+                        help="compiles of each variant per row (default 7, 1 with --quick): "
+                             "fewer where device time is short")
     opts = parser.parse_args(argv)
     cfg = Config(opts.quick)
+    if opts.compile_rounds is not None:
+        if opts.compile_rounds < 1:
+            parser.error(f"--compile-rounds {opts.compile_rounds}: give at least 1")
+        cfg.compile_rounds = opts.compile_rounds
     skip = set(filter(None, opts.skip.split(",")))
     if opts.only:
         skip |= {"nn", "sharded", "scaling", "collector", "dispatch"}
