@@ -6,12 +6,13 @@ BENCH_ARGS ?=
 STAMP = $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help demo test test-libs test-jax-min test-jax-newest lint fuzz bench clean package docs
+.PHONY: help demo test test-tables test-libs test-jax-min test-jax-newest lint fuzz bench clean package docs
 
 help:
 	@echo "Targets:"
 	@echo "  make demo    build $(VENV) and run examples/quickstart.py"
 	@echo "  make test    build $(VENV), run the house checks (make lint) and the test suite (not slow)"
+	@echo "  make test-tables  the table sweeps in float16, bfloat16 and float64 (make test runs float32; CI runs both)"
 	@echo "  make test-libs  install the heavy libraries (jax-md, Flax) and run their tests (CI runs it)"
 	@echo "  make test-jax-min  the core and composition tests on the lowest JAX supported, in its own venv (CI runs it)"
 	@echo "  make test-jax-newest  the same on the newest JAX checked (needs PYTHON312=python3.12; not in CI)"
@@ -33,17 +34,27 @@ demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
 # One pytest worker per CPU (pytest-xdist), one test file per worker: the suite is
-# compile-bound and takes about 15 minutes on one core. `make fuzz` stays in one process (it writes tests/.fuzz-counts.json).
+# compile-bound. `make fuzz` stays in one process (it writes tests/.fuzz-counts.json).
 test: lint
-	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "not slow and not libs" \
+	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder \
+		-m "not slow and not libs and not tables" \
 		--ignore=tests/test_x64.py \
 		--ignore=tests/test_x64_transparency.py --ignore=tests/test_x64_where.py \
 		--ignore=tests/test_multidevice.py
-	JAX_ENABLE_X64=1 $(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "not slow" \
+	JAX_ENABLE_X64=1 $(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder \
+		-m "not slow and not tables" \
 		tests/test_x64.py \
 		tests/test_x64_transparency.py tests/test_x64_where.py
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -m "not slow" \
 		tests/test_multidevice.py
+
+# The table sweeps in their other dtypes (float16, bfloat16; float64 with x64): `make test` runs
+# every case of the tables in float32 (tests/conftest.py marks the rest `tables`). CI runs both.
+test-tables: $(STAMP)
+	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "tables and not slow" \
+		tests/test_transparency.py tests/test_guard_table.py
+	JAX_ENABLE_X64=1 $(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder \
+		-m "tables and not slow" tests/test_x64_transparency.py tests/test_x64_where.py
 
 package: $(STAMP)
 	rm -rf dist

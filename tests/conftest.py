@@ -57,6 +57,30 @@ _LONGEST_FIRST = (
 )
 
 
+# The table sweeps run every case in float32 in `make test`. Their other dtypes (float16 and
+# bfloat16; float64 in the x64 session) are marked `tables`: `make test-tables` runs them, and
+# CI runs both (.ci/run), so that `make test` stays within its 10 minutes on 2 cores.
+_TABLE_MODULES = frozenset({"test_transparency.py", "test_x64_transparency.py",
+                            "test_x64_where.py", "test_guard_table.py"})
+
+
+def _dtype_name(value) -> str | None:
+    try:
+        return jax.numpy.dtype(value).name
+    except TypeError:
+        return None
+
+
+def _in_other_dtype(item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    if item.path.name not in _TABLE_MODULES or callspec is None or "dtype" not in callspec.params:
+        return False
+    return _dtype_name(callspec.params["dtype"]) != "float32"
+
+
 def pytest_collection_modifyitems(session, config, items):
+    for item in items:
+        if _in_other_dtype(item):
+            item.add_marker(pytest.mark.tables)
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
