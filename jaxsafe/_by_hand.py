@@ -36,6 +36,7 @@ import numpy as np
 from ._atoms import dtype_of, is_float, literal_value, shape_of
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._constants import domain_holds_above, fold
+from ._diagonal import DiagonalValues
 from ._free import FreeValues
 from ._liveness import Sweep
 from ._rules import rule_for
@@ -67,6 +68,7 @@ class HandGuards:
         self.fixed = {v for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
                       if not isinstance(c, Tracer)}
         self._nonfinite: set | None = None
+        self._diagonals: DiagonalValues | None = None
 
     @property
     def nonfinite(self) -> set:
@@ -130,6 +132,36 @@ class HandGuards:
                 and shape_of(lit[0]) == shape_of(operand)}
 
     def _impossible(self, term: frozenset) -> bool:
+        """Whether no lane satisfies `term`: a literal of it asks whether a finite value is NaN
+        or inf (`_never_holds`), or it holds on a diagonal only, where another of its literals
+        is known to fail (`_fails_on_diagonal`)."""
+        return self._never_holds(term) or self._fails_on_diagonal(term)
+
+    def _fails_on_diagonal(self, term: frozenset) -> bool:
+        """`term` holds `eq(i, j)` (the lanes `1 - eye(n)` drops) and a predicate whose value on
+        that diagonal is the opposite (`r2 > 0`, with `r2` a sum of `(x_j - x_i) ** 2`)."""
+        diagonals = self.diagonals
+        for key, positive, embed in term:
+            diagonal = diagonals.of_predicate(key, embed) if positive else None
+            if diagonal is None:
+                continue
+            for other, holds, other_embed in term:
+                axes = diagonals.in_frame(diagonal, other_embed)
+                if other is key or not isinstance(other, Var) or axes is None:
+                    continue
+                value = diagonals.holds(other, axes)
+                if value is not None and value.dtype == np.bool_ and bool(value) != holds:
+                    return True
+        return False
+
+    @property
+    def diagonals(self) -> DiagonalValues:
+        """What values hold on diagonals (made on the first question)."""
+        if self._diagonals is None:
+            self._diagonals = DiagonalValues(_DiagonalContext(self))
+        return self._diagonals
+
+    def _never_holds(self, term: frozenset) -> bool:
         """Whether a literal of `term` never holds: it asks whether a value is NaN or inf
         (`x != x`, `x == inf`, `isfinite`), and the value is finite in every lane."""
         for key, positive, _ in term:
@@ -233,6 +265,8 @@ class HandGuards:
         carried = self._carried(eqn, reads, poisoned)
         if carried is None:
             return False
+        # terms no lane satisfies (`eq(i, j)` and `r2 > 0` together) poison nothing
+        carried = frozenset(term for term in carried if not self._impossible(term))
         target = eqn.outvars[0]
         if carried != FALSE:
             if target in self.outvars or not disjoint(carried, self.sweep.sym(target)):
@@ -269,6 +303,22 @@ class HandGuards:
                 out = sym_or(out, poisoned[eqn.invars[k]])
             return out
         return None
+
+
+class _DiagonalContext:
+    """What `_diagonal.py`'s rules ask, answered from the sweep and the taint pass."""
+
+    def __init__(self, hand: HandGuards):
+        self.hand = hand
+
+    def finite(self, v: Any) -> bool:
+        return v not in self.hand.nonfinite
+
+    def same_as(self, v: Var) -> Var:
+        return self.hand.sweep.same_as(v)
+
+    def producer_of(self, v: Any) -> JaxprEqn | None:
+        return self.hand.sweep.producer_of(v)
 
 
 def _taken_case(v: Any, taken: dict, sweep: Sweep) -> Any:

@@ -33,8 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._atoms import is_float, literal_value, shape_of
+from ._atoms import dtype_of, is_float, literal_value, shape_of
 from ._compat import JaxprEqn, Literal, Var, bind_eqn
+from ._constants import fold
 from ._liveness_rules import aligned_syms, elementwise_masks, pulled_back
 from ._masks import (
     all_of,
@@ -49,7 +50,7 @@ from ._masks import (
     zeros,
 )
 from ._rules import Context, Mask, MaskRule, rule_for
-from ._symbolic import Sym, sym_and_literal, unknown
+from ._symbolic import Lit, Sym, predicate_literal, sym_and_literal, unknown
 
 # --------------------------------------------------------------------------- liveness
 
@@ -301,15 +302,58 @@ def product_applies(eqn: JaxprEqn, ctx: Context) -> bool:
 
 
 def product_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
-    """Aligned, and decided at run time for a factor that another may mask."""
+    """Aligned, and decided at run time for a factor that another may mask; named where that
+    factor is an indicator of a predicate (`1 - eye(n)`: the lanes where `eq(i, j)` fails)."""
     syms = aligned_syms(eqn, out_syms, ctx)
     if syms is None or ctx.structural:
         return syms
     for k, j in ((0, 1), (1, 0)):
         if syms[k] and _maskable(eqn.invars[k]) and _may_mask(eqn.invars[j], ctx):
             shape = shape_of(eqn.invars[k])
-            syms[k] = sym_and_literal(syms[k], unknown(i for i, n in enumerate(shape) if n != 1))
+            named = _indicator_literal(eqn.invars[j], shape, ctx)
+            syms[k] = sym_and_literal(syms[k], named if named is not None else
+                                      unknown(i for i, n in enumerate(shape) if n != 1))
     return syms
+
+
+MAX_INDICATOR_STEPS = 8
+"""Equations followed back from a factor to the one predicate it is computed from."""
+
+
+def _indicator_literal(factor: Any, shape: tuple, ctx: Context) -> Lit | None:
+    """The literal that holds exactly where `factor` is not 0, when `factor` is computed lane by
+    lane from one boolean predicate `p` of `shape` (and scalar literals): evaluated at `p`
+    False and True (`float(p)`, `1 - float(p)`, `where(p, 0., 1.)`), 0 at exactly one of them.
+    None otherwise (the run-time mask `factor != 0` decides, an unknown literal)."""
+    chain, atom = [], factor
+    for _ in range(MAX_INDICATOR_STEPS):
+        if not isinstance(atom, Var) or shape_of(atom) != shape:
+            return None
+        if np.dtype(dtype_of(atom)) == np.bool_ and chain:
+            break
+        eqn = ctx.producer_of(atom)
+        if eqn is None or len(eqn.outvars) != 1 or eqn.effects:
+            return None
+        rule = rule_for(eqn.primitive)
+        operands = [u for u in eqn.invars if isinstance(u, Var)]
+        if not (rule.elementwise or rule.selection is not None) or not rule.foldable \
+                or len(set(operands)) != 1 or any(np.ndim(literal_value(u)) != 0
+                                                  for u in eqn.invars if isinstance(u, Literal)):
+            return None
+        chain.append(eqn)
+        atom = operands[0]
+    else:
+        return None
+    zero_at = []
+    for held in (False, True):
+        value = np.asarray(held)
+        for eqn in reversed(chain):
+            value = np.asarray(fold(eqn, [value if isinstance(u, Var) else literal_value(u)
+                                          for u in eqn.invars])[0])
+        zero_at.append(bool(value == 0))
+    if zero_at[0] == zero_at[1]:
+        return None
+    return predicate_literal(atom, zero_at[0], ctx.broadcast_of, ctx.same_as)
 
 
 # --------------------------------------------------------------------------- emission

@@ -62,6 +62,12 @@ from ._compat import (
     shard_map_p,
 )
 from ._compat import primitives as prims
+from ._diagonal import (
+    broadcast_diagonal,
+    difference_diagonal,
+    elementwise_diagonal,
+    reduced_diagonal,
+)
 from ._dropped import chosen_scalar, reshaped_scalar, same_scalar, summed_scalar
 from ._free import moved_held, product_held, winner_held
 from ._lanewise import scan_kinds, scan_masks
@@ -123,7 +129,7 @@ def _always(eqn: JaxprEqn) -> bool:
 def register_elementwise(*primitives: Primitive, **facts: Any) -> None:
     """Lane-to-lane primitives; a broadcast operand is live where any lane it feeds is."""
     family = dict(masks=elementwise_masks, align=same_rank_alignment, static=aligned_syms,
-                  elementwise=True, foldable=True)
+                  elementwise=True, foldable=True, diagonal=elementwise_diagonal)
     register(*primitives, **{**family, **facts})
 
 
@@ -211,7 +217,7 @@ register_elementwise(prims.regularized_incomplete_beta_p,
 register_elementwise(prims.add_p, linear=True, bound=bounds.of_all(max),
                      preimage=bounds.sum_preimage, range=ranges.sum_range)
 register_elementwise(prims.sub_p, linear=True, preimage=bounds.difference_preimage,
-                     range=ranges.difference_range)
+                     range=ranges.difference_range, diagonal=difference_diagonal)
 register_elementwise(prims.neg_p, linear=True, range=ranges.negated_range)
 register_elementwise(prims.add_jaxvals_p, prims.real_p, prims.imag_p, prims.complex_p,
                      prims.conj_p, linear=True)
@@ -247,7 +253,8 @@ register_elementwise(prims.sign_p, prims.floor_p, prims.ceil_p, prims.round_p,
                      zero_derivative=True)
 register_elementwise(prims.is_finite_p, zero_derivative=True, tests_nonfinite=every_operand)
 # comparisons and logic: no tangent, but in structural mode every read counts
-register_elementwise(prims.eq_p, prims.ne_p, prims.lt_p, prims.le_p, prims.gt_p, prims.ge_p,
+register_elementwise(prims.eq_p, tests_nonfinite=compared_with_nonfinite, equality=True)
+register_elementwise(prims.ne_p, prims.lt_p, prims.le_p, prims.gt_p, prims.ge_p,
                      tests_nonfinite=compared_with_nonfinite)
 register_elementwise(prims.and_p, prims.or_p, prims.not_p, prims.xor_p)
 
@@ -288,7 +295,8 @@ register_movement(prims.squeeze_p, masks=squeeze_masks, align=reshape_alignment,
                   range=ranges.same_range, carries=MOVED)
 register_movement(prims.broadcast_in_dim_p, masks=broadcast_in_dim_masks,
                   align=broadcast_in_dim_alignment, static=aligned_syms, broadcast=True,
-                  scalar_move=same_scalar, bound=bounds.moved, range=ranges.same_range)
+                  scalar_move=same_scalar, bound=bounds.moved, range=ranges.same_range,
+                  diagonal=broadcast_diagonal)
 register_movement(prims.concatenate_p, masks=concatenate_masks, carries=MOVED)
 if hasattr(lax, "split_p"):
     register(lax.split_p, masks=split_masks, foldable=True)
@@ -298,14 +306,17 @@ register(prims.scatter_add_p, linear=True)  # no liveness rule: every lane live
 
 # --------------------------------------------------------------------------- reductions
 register_reduction(prims.reduce_sum_p, linear=True, scalar_move=summed_scalar,
-                   bound=bounds.non_negative_if_bounded, range=ranges.non_negative_sum_range)
+                   bound=bounds.non_negative_if_bounded, range=ranges.non_negative_sum_range,
+                   diagonal=reduced_diagonal)
+# an index along one axis (`eye` compares two): no operand, no derivative
+register(prims.iota_p, iota_axis=lambda eqn: eqn.params["dimension"])
 # --------------------------------------------------------------------------- choosers
 # Only the lanes their derivative chooses on the original values are live (`_choosers.py`).
 FILL = Chooser(by_fill, keeps_dropped_values=False)
 for prim, identity in ((prims.reduce_max_p, -np.inf), (prims.reduce_min_p, np.inf)):
     register_reduction(prim, masks=comparison_masks(row_reads), static=selected_syms,
                        drops=_always, chooser=FILL, identity=identity,
-                       scalar_move=chosen_scalar)
+                       scalar_move=chosen_scalar, diagonal=reduced_diagonal)
 # a running maximum only grows: its choice is two cumulative ops, not a scan tree's derivative
 register(prims.cummax_p, masks=comparison_masks(reads_as(prims.cumsum_p),
                                                 running_choice(lax.cummin, np.inf)),

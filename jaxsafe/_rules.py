@@ -61,6 +61,10 @@ class Context(Protocol):
         """The equation that computes `var` as a broadcast of one operand, else None."""
         ...
 
+    def producer_of(self, v: Any) -> JaxprEqn | None:
+        """The equation that computes `v`, else None (an input, a constant)."""
+        ...
+
     def inner_masks(self, closed: ClosedJaxpr, invals: Sequence[Any],
                     out_masks: Sequence[Mask], structural: bool) -> list[Mask]:
         """Run-time masks of a sub-jaxpr's inputs, given its outputs' masks."""
@@ -123,6 +127,13 @@ BodyInputs = Callable[[JaxprEqn, list], "dict[str, list[bool]]"]
 ScalarMove = Callable[[JaxprEqn, np.ndarray], "np.ndarray | None"]
 """(equation, the one scalar its operand holds in dropped lanes) -> the scalar the output holds
 in its dropped lanes, or None when unknown."""
+
+DiagonalRule = Callable[[JaxprEqn, "tuple[int, int]", Any], Any]
+"""(equation, a diagonal of its output, context) -> a generator that yields (operand, its
+diagonal) and returns the scalar the output holds on the diagonal, or None (`_diagonal.py`)."""
+
+IotaAxis = Callable[[JaxprEqn], "int | None"]
+"""(equation) -> the axis along which an `iota` counts."""
 
 NonfiniteTest = Callable[[JaxprEqn], "list[Var]"]
 """(equation) -> the variables it tests for NaN or inf (`is_finite(x)`, `x != x`, `x == inf`)."""
@@ -320,6 +331,12 @@ class PrimitiveRule:
     """Increasing in one operand, the others constant: a lower bound of the output bounds that
     operand from below (`sqrt`, `x / c` for c > 0): a predicate on the result bounds the
     operand (`_by_hand.py`)."""
+    diagonal: DiagonalRule | None = None
+    """What the output holds on the diagonal of two of its axes, from the operands'
+    (`_diagonal.py`: a pair program's `x[None] - x[:, None]` is 0 there)."""
+    iota_axis: IotaAxis | None = None
+    equality: bool = False
+    """`a == b`, lane by lane (`_diagonal.py`: two indices compared make `eye`)."""
     decreasing: bool = False
     """Guarded operand 0 of a primitive whose value and derivative are finite for every operand
     at or above a positive point where they are finite (`sqrt`, `log`): bounded operands need

@@ -409,3 +409,96 @@ def test_a_selection_on_a_literal_predicate_has_a_range_too():
     from jaxsafe._bounds import of_program
     closed = jax.make_jaxpr(lambda x: lax.select_n(True, jnp.sqrt(x), x * 2.0))(1.0)
     assert of_program(closed).range_of(closed.jaxpr.outvars[0]) is None  # sqrt: no range known
+
+
+# --------------------------------------------------------------------------- a pair matrix's
+# diagonal: jax-md's `smap` computes every ordered pair, then drops the diagonal by multiplying
+# with `1 - eye(n)` (`smap._diagonal_mask`)
+
+def _without_diagonal(terms, eye=jnp.eye):
+    """`smap`'s pair sum: every ordered pair, the diagonal dropped by a `1 - eye` factor."""
+    def energy(r):
+        n = r.shape[0]
+        return 0.5 * jnp.sum((1.0 - eye(n, dtype=r.dtype)) * terms(r))
+    return energy
+
+
+def _off_diagonal_reference(terms_on_pairs, r0, keep=None):
+    """JAX on the program with the dropped pairs removed: the diagonal (and the pairs `keep`
+    leaves out), chosen at r0."""
+    n = r0.shape[0]
+    i, j = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
+    kept = i != j if keep is None else (i != j) & keep
+    return lambda r: 0.5 * jnp.sum(terms_on_pairs(r, (i[kept], j[kept])))
+
+
+def test_a_pair_matrix_whose_diagonal_a_mask_drops_needs_no_guard():
+    """On the diagonal, `r2 = sum((x_i - x_i) ** 2)` is exactly 0 for finite positions, so
+    `r2 > 0` fails there and `safe_mask` has already put its constant under `sqrt`: the lanes
+    `1 - eye(n)` drops are lanes the double where made harmless (`_diagonal.py`). Nothing to
+    guard, and every derivative to the third is JAX's on the off-diagonal pairs the cutoff
+    keeps (the coincident pair included)."""
+    energy = _without_diagonal(_soft_sphere_terms)
+    assert str(jaxsafe.explain(energy, finite_args=True)(R)) == \
+        "nothing to guard: the program runs unchanged"
+    dist = np.sqrt(np.sum((np.asarray(R)[:, None] - np.asarray(R)[None]) ** 2, axis=-1))
+    assert not (dist < 1.5).all()
+    kept = _off_diagonal_reference(_soft_sphere_terms, R, dist < 1.5)
+    assert_same_to_the_third_order(jaxsafe.nan_safe(energy, finite_args=True), kept, R)
+
+
+def test_the_diagonal_proof_needs_finite_positions():
+    """`x_i - x_i` is NaN for an infinite or NaN position: without `finite_args` the guard
+    stays, and the live pairs' derivatives are unchanged."""
+    energy = _without_diagonal(_soft_sphere_terms)
+    assert "guarded sqrt" in str(jaxsafe.explain(energy)(R))
+    dist = np.sqrt(np.sum((np.asarray(R)[:, None] - np.asarray(R)[None]) ** 2, axis=-1))
+    kept = _off_diagonal_reference(_soft_sphere_terms, R, dist < 1.5)
+    assert_same_to_the_third_order(jaxsafe.nan_safe(energy), kept, R)
+
+
+def _unmasked_root_terms(r, pairs=None):
+    """`sqrt` under `r2 >= 0`: on the diagonal it reads `r2 = 0`, infinite derivative."""
+    i, j = (slice(None), None), (None, slice(None))
+    if pairs is not None:
+        i, j = pairs
+    r2 = jnp.sum((r[i] - r[j]) ** 2, axis=-1)
+    return safe_mask(r2 >= 0, jnp.sqrt, r2)
+
+
+def test_a_predicate_that_holds_on_the_diagonal_keeps_the_guard():
+    """`r2 >= 0` holds where `r2 = 0`: the diagonal's `sqrt(0)` meets the zero of `1 - eye`, a
+    NaN in plain JAX's gradient, which the guard removes (the pairs apart are unchanged)."""
+    r = R[:3]  # no coincident pair: the reference is finite
+    energy = _without_diagonal(_unmasked_root_terms)
+    assert not np.isfinite(np.asarray(jax.grad(energy)(r))).all()
+    assert "guarded sqrt" in str(jaxsafe.explain(energy, finite_args=True)(r))
+    kept = _off_diagonal_reference(_unmasked_root_terms, r)
+    safe = jaxsafe.nan_safe(energy, finite_args=True)
+    assert_close(jax.grad(safe)(r), jax.grad(kept)(r), atol=1e-6)
+    assert_close(jax.hessian(safe)(r), jax.hessian(kept)(r), atol=1e-5)
+
+
+def _shifted_eye(n, dtype):
+    return jnp.eye(n, k=1, dtype=dtype)
+
+
+def _other_positions_terms(r, pairs=None):
+    """`x[None] - y[:, None]` with `y = x + 0.`: not one array read twice."""
+    i, j = (slice(None), None), (None, slice(None))
+    if pairs is not None:
+        i, j = pairs
+    r2 = jnp.sum((r[i] - (r + 0.0)[j]) ** 2, axis=-1)
+    return safe_mask(r2 > 0, jnp.sqrt, r2)
+
+
+@pytest.mark.parametrize("terms, eye", [(_soft_sphere_terms, _shifted_eye),
+                                        (_other_positions_terms, jnp.eye)],
+                         ids=["eye shifted off the diagonal", "two arrays"])
+def test_a_mask_off_the_zero_diagonal_keeps_the_guard(terms, eye):
+    """A mask that drops another diagonal (`eye(n, k=1)`), or pairs of two arrays (whose
+    diagonal is not known to be 0): no proof, the guard stays, the live lanes unchanged."""
+    energy = _without_diagonal(terms, eye)
+    assert "guarded sqrt" in str(jaxsafe.explain(energy, finite_args=True)(R))
+    safe = jaxsafe.nan_safe(energy, finite_args=True)
+    assert_close(jax.grad(safe)(R), jax.grad(jax.jit(energy))(R), atol=1e-6)
