@@ -323,8 +323,8 @@ MAX_INDICATOR_STEPS = 8
 def _indicator_literal(factor: Any, shape: tuple, ctx: Context) -> Lit | None:
     """The literal that holds exactly where `factor` is not 0, when `factor` is computed lane by
     lane from one boolean predicate `p` of `shape` (and scalar literals): evaluated at `p`
-    False and True (`float(p)`, `1 - float(p)`, `where(p, 0., 1.)`), 0 at exactly one of them.
-    None otherwise (the run-time mask `factor != 0` decides, an unknown literal)."""
+    False and True (`float(p)`, `1 - float(p)`), 0 at exactly one of them. None otherwise (the
+    run-time mask `factor != 0` decides, an unknown literal)."""
     chain, atom = [], factor
     for _ in range(MAX_INDICATOR_STEPS):
         if not isinstance(atom, Var) or shape_of(atom) != shape:
@@ -336,9 +336,8 @@ def _indicator_literal(factor: Any, shape: tuple, ctx: Context) -> Lit | None:
             return None
         rule = rule_for(eqn.primitive)
         operands = [u for u in eqn.invars if isinstance(u, Var)]
-        if not (rule.elementwise or rule.selection is not None) or not rule.foldable \
-                or len(set(operands)) != 1 or any(np.ndim(literal_value(u)) != 0
-                                                  for u in eqn.invars if isinstance(u, Literal)):
+        if not rule.elementwise or not rule.foldable or len(set(operands)) != 1 or any(
+                np.ndim(literal_value(u)) != 0 for u in eqn.invars if isinstance(u, Literal)):
             return None
         chain.append(eqn)
         atom = operands[0]

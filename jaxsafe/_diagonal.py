@@ -189,12 +189,11 @@ def difference_diagonal(eqn: JaxprEqn, diagonal: Diagonal,
 
 def broadcast_diagonal(eqn: JaxprEqn, diagonal: Diagonal,
                        ctx: DiagonalContext) -> Generator[Any, Scalar, Scalar]:
-    """`broadcast_in_dim`: the operand's diagonal where both axes come from it; a scalar
-    operand's value everywhere."""
+    """`broadcast_in_dim`: the operand's diagonal where both axes come from it; a literal
+    scalar everywhere."""
     u = eqn.invars[0]
-    if not shape_of(u):
-        return (yield (u, diagonal)) if isinstance(u, Var) else \
-            np.asarray(literal_value(u)).reshape(())
+    if isinstance(u, Literal):
+        return np.asarray(literal_value(u)).reshape(())
     dims = list(eqn.params["broadcast_dimensions"])
     if diagonal[0] not in dims or diagonal[1] not in dims:
         return None
