@@ -54,7 +54,8 @@ test-tables: $(STAMP)
 	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "tables and not slow" \
 		tests/test_transparency.py tests/test_guard_table.py
 	JAX_ENABLE_X64=1 $(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder \
-		-m "tables and not slow" tests/test_x64_transparency.py tests/test_x64_where.py
+		-m "tables and not slow" tests/test_x64.py tests/test_x64_transparency.py \
+		tests/test_x64_where.py
 
 package: $(STAMP)
 	rm -rf dist
