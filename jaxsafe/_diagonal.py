@@ -52,7 +52,7 @@ DiagonalRule = Callable[[JaxprEqn, Diagonal, DiagonalContext], Generator[Any, Sc
 
 
 class DiagonalValues:
-    """The scalars values of one program hold on diagonals, computed on demand."""
+    """The scalars that the values of one program hold on diagonals, computed on demand."""
 
     def __init__(self, ctx: DiagonalContext):
         self.ctx = ctx
