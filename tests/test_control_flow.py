@@ -157,3 +157,28 @@ def test_liveness_flows_into_scan_outputs_from_outside():
     assert_close(jax.grad(nan_safe(f))(XS), jax.grad(hand)(XS))
     assert_close(jax.hessian(nan_safe(f))(XS), jax.hessian(hand)(XS))
     assert _prims(jaxsafe.make_jaxpr(f)(XS)).count(P.scan_p) == 1
+
+
+def test_scan_operand_counts_are_read_in_both_of_jax_s_forms():
+    """JAX 0.9/0.10 name a scan's constants and carries (`num_consts`, `num_carry`); JAX 0.11+
+    describes its operands as a flat tree of three parts (`ft_in`: constants, carries, stacked
+    inputs). CI runs the first; the second is what `make test-jax-newest` runs, so here it is
+    checked on the shape of that object: three parts whose lengths are their leaf counts."""
+    from jaxsafe._compat import scan_counts
+
+    eqn = next(e for e in jax.make_jaxpr(
+        lambda c, x, k: lax.scan(lambda a, b: ((a[0] * k + b[0], a[1] + b[1]), a[0]), (c, c), x))(
+            1.0, jnp.ones((3, 2)), 2.0).eqns if e.primitive.name == "scan")
+    consts, carries = scan_counts(eqn.params)
+    n_xs = len(eqn.invars) - consts - carries
+    assert (consts, carries, n_xs) == (1, 2, 1)
+
+    class FlatTree:  # JAX 0.11's flattree: unpack() -> parts, len(part) -> its leaves
+        def __init__(self, *parts):
+            self.parts = parts
+
+        def unpack(self):
+            return self.parts
+
+    assert scan_counts({"ft_in": FlatTree([None], [None, None], [None])}) == (1, 2)
+    assert scan_counts({"ft_in": FlatTree([], [None], [None, None])}) == (0, 1)
