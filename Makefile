@@ -73,6 +73,10 @@ package: $(STAMP)
 
 # The lowest JAX release supported (constraints-jax-min.txt), in a virtualenv of its own: the
 # core and composition tests. The newest (constraints.txt) is what make test runs on.
+# The core and composition tests, run on the lowest and the newest JAX checked.
+CORE_TESTS = tests/test_core.py tests/test_composition.py tests/test_api.py \
+	tests/test_control_flow.py tests/test_masks.py tests/test_nn.py \
+	tests/test_diagnostics.py tests/test_cli.py tests/test_by_value.py
 JAX_MIN_VENV = .venv-jax-min
 JAX_MIN_STAMP = $(JAX_MIN_VENV)/.installed
 
@@ -85,10 +89,7 @@ $(JAX_MIN_STAMP): pyproject.toml constraints-jax-min.txt
 
 test-jax-min: $(JAX_MIN_STAMP)
 	$(JAX_MIN_VENV)/bin/python -c "import jax; assert jax.__version__ == '0.9.2', jax.__version__"
-	$(JAX_MIN_VENV)/bin/python -m pytest -n auto -m "not slow" -p no:cacheprovider \
-		tests/test_core.py tests/test_composition.py tests/test_api.py \
-		tests/test_control_flow.py tests/test_masks.py tests/test_nn.py \
-		tests/test_diagnostics.py tests/test_cli.py tests/test_by_value.py
+	$(JAX_MIN_VENV)/bin/python -m pytest -n auto -m "not slow" -p no:cacheprovider $(CORE_TESTS)
 
 # The newest JAX release checked (constraints-jax-newest.txt), by hand: it needs Python >= 3.12
 # (PYTHON312=...), which CI's machine does not have. The same tests as test-jax-min, less two
@@ -107,10 +108,7 @@ $(JAX_NEWEST_STAMP): pyproject.toml constraints-jax-newest.txt
 
 test-jax-newest: $(JAX_NEWEST_STAMP)
 	$(JAX_NEWEST_VENV)/bin/python -c "import jax; assert jax.__version__ == '0.12.0.1', jax.__version__"
-	$(JAX_NEWEST_VENV)/bin/python -m pytest -n auto -m "not slow" -p no:cacheprovider \
-		tests/test_core.py tests/test_composition.py tests/test_api.py \
-		tests/test_control_flow.py tests/test_masks.py tests/test_nn.py \
-		tests/test_diagnostics.py tests/test_cli.py tests/test_by_value.py \
+	$(JAX_NEWEST_VENV)/bin/python -m pytest -n auto -m "not slow" -p no:cacheprovider $(CORE_TESTS) \
 		--deselect "tests/test_nn.py::test_gradients_of_valid_rows_equal_jax_nn_on_those_rows_alone[softmax]" \
 		--deselect tests/test_by_value.py::test_nonzero_without_size_equals_the_program_with_the_dropped_lanes_removed
 

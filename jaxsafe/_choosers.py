@@ -35,7 +35,7 @@ from jax import lax
 
 from ._atoms import dtype_of, is_float, literal_value, shape_of
 from ._compat import JaxprEqn, Literal, Var, bind_eqn
-from ._constants import fold
+from ._constants import fold_chain, lane_chain
 from ._liveness_rules import aligned_syms, elementwise_masks, pulled_back
 from ._masks import (
     all_of,
@@ -316,43 +316,21 @@ def product_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[S
     return syms
 
 
-MAX_INDICATOR_STEPS = 8
-"""Equations followed back from a factor to the one predicate it is computed from."""
-
-
 def _indicator_literal(factor: Any, shape: tuple, ctx: Context) -> Lit | None:
     """The literal that holds exactly where `factor` is not 0, when `factor` is computed lane by
-    lane from one boolean predicate `p` of `shape` (and scalar literals): evaluated at `p`
-    False and True (`float(p)`, `1 - float(p)`), 0 at exactly one of them. None otherwise (the
-    run-time mask `factor != 0` decides, an unknown literal)."""
-    chain, atom = [], factor
-    for _ in range(MAX_INDICATOR_STEPS):
-        if not isinstance(atom, Var) or shape_of(atom) != shape:
-            return None
-        if np.dtype(dtype_of(atom)) == np.bool_ and chain:
-            break
-        eqn = ctx.producer_of(atom)
-        if eqn is None or len(eqn.outvars) != 1 or eqn.effects:
-            return None
-        rule = rule_for(eqn.primitive)
-        operands = [u for u in eqn.invars if isinstance(u, Var)]
-        if not rule.elementwise or not rule.foldable or len(set(operands)) != 1 or any(
-                np.ndim(literal_value(u)) != 0 for u in eqn.invars if isinstance(u, Literal)):
-            return None
-        chain.append(eqn)
-        atom = operands[0]
-    else:
+    lane from one boolean predicate `p` of `shape` (`lane_chain`): evaluated at `p` False and
+    True (`float(p)`, `1 - float(p)`), 0 at exactly one of them. None otherwise (the run-time
+    mask `factor != 0` decides, an unknown literal)."""
+    found = lane_chain(factor, ctx.producer_of, lambda v: np.dtype(dtype_of(v)) == np.bool_)
+    if found is None:
         return None
-    zero_at = []
-    for held in (False, True):
-        value = np.asarray(held)
-        for eqn in reversed(chain):
-            value = np.asarray(fold(eqn, [value if isinstance(u, Var) else literal_value(u)
-                                          for u in eqn.invars])[0])
-        zero_at.append(bool(value == 0))
+    chain, p = found
+    if not chain or any(shape_of(v) != shape for v in [p, *(e.outvars[0] for e in chain)]):
+        return None
+    zero_at = [bool(fold_chain(chain, np.asarray(held)) == 0) for held in (False, True)]
     if zero_at[0] == zero_at[1]:
         return None
-    return predicate_literal(atom, zero_at[0], ctx.broadcast_of, ctx.same_as)
+    return predicate_literal(p, zero_at[0], ctx.broadcast_of, ctx.same_as)
 
 
 # --------------------------------------------------------------------------- emission

@@ -21,7 +21,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._compat import JaxprEqn, Tracer, bind_eqn
+from ._atoms import literal_value
+from ._compat import JaxprEqn, Literal, Tracer, Var, bind_eqn
 from ._rules import rule_for
 
 _PLAIN = (type(None), bool, int, float, complex, str, np.dtype, np.generic, enum.Enum)
@@ -96,6 +97,44 @@ def _fold(eqn: JaxprEqn, values: Sequence[Any]) -> list[np.ndarray]:
     for out in outs:
         out.setflags(write=False)
     return outs
+
+
+MAX_CHAIN_STEPS = 8
+"""Equations a `lane_chain` follows back, at most."""
+
+
+def lane_chain(atom: Any, producer_of: Callable[[Any], JaxprEqn | None],
+               stop: Callable[[Any], bool]) -> tuple[list[JaxprEqn], Any] | None:
+    """The equations that compute `atom` lane by lane from one variable, the first on the way
+    back for which `stop` holds (`1 - float(p)` from `p`, `iota + 0` from `iota`): each
+    elementwise and foldable, of one variable operand and scalar literals, the last first; and
+    that variable. None where another equation or more than `MAX_CHAIN_STEPS` come between."""
+    chain: list[JaxprEqn] = []
+    for _ in range(MAX_CHAIN_STEPS):
+        if not isinstance(atom, Var):
+            return None
+        if stop(atom):
+            return chain, atom
+        eqn = producer_of(atom)
+        if eqn is None or len(eqn.outvars) != 1 or eqn.effects:
+            return None
+        rule = rule_for(eqn.primitive)
+        operands = {u for u in eqn.invars if isinstance(u, Var)}
+        if not rule.elementwise or not rule.foldable or len(operands) != 1 or any(
+                np.ndim(literal_value(u)) != 0 for u in eqn.invars if isinstance(u, Literal)):
+            return None
+        chain.append(eqn)
+        atom = operands.pop()
+    return None
+
+
+def fold_chain(chain: Sequence[JaxprEqn], value: Any) -> np.ndarray:
+    """A `lane_chain`'s value, with `value` in place of its variable (any shape)."""
+    out = np.asarray(value)
+    for eqn in reversed(chain):
+        out = np.asarray(fold(eqn, [out if isinstance(u, Var) else literal_value(u)
+                                    for u in eqn.invars])[0])
+    return out
 
 
 PROOF_ORDER = 3

@@ -24,14 +24,12 @@ import numpy as np
 
 from ._atoms import dtype_of, literal_value, shape_of
 from ._compat import JaxprEqn, Literal, Var
-from ._constants import fold
+from ._constants import fold, fold_chain, lane_chain
 from ._rules import rule_for
 from ._walk import demand
 
 Diagonal = tuple[int, int]
 Scalar = np.ndarray | None
-MAX_INDEX_STEPS = 8
-"""Equations followed back from an index comparison to its `iota` (`iota + 0`, converts)."""
 
 
 class DiagonalContext(Protocol):
@@ -117,38 +115,22 @@ def _valid(v: Any, diagonal: Diagonal) -> bool:
 
 
 def _index_values(atom: Any, ctx: DiagonalContext) -> tuple[int, np.ndarray] | None:
-    """(axis, values): `atom` is an elementwise function of `iota` along `axis` alone (its
-    other operands scalar literals), and `values` that function on range(n), n the axis size."""
-    chain = []
-    for _ in range(MAX_INDEX_STEPS):
-        eqn = ctx.producer_of(atom) if isinstance(atom, Var) else None
-        if eqn is None or len(eqn.outvars) != 1:
-            return None
-        rule = rule_for(eqn.primitive)
-        if rule.iota_axis is not None:
-            axis = rule.iota_axis(eqn)
-            if axis is None:
-                return None
-            values = np.arange(shape_of(eqn.outvars[0])[axis], dtype=dtype_of(eqn.outvars[0]))
-            for step in reversed(chain):
-                values = _fold_on(step, values)
-                if values is None:
-                    return None
-            return axis, values
-        operands = [u for u in eqn.invars if isinstance(u, Var)]
-        if not rule.elementwise or not rule.foldable or len(operands) != 1 or any(
-                np.ndim(literal_value(u)) != 0 for u in eqn.invars if isinstance(u, Literal)):
-            return None
-        chain.append(eqn)
-        atom = operands[0]
-    return None
+    """(axis, values): `atom` is an elementwise function of `iota` along `axis` alone
+    (`lane_chain`), and `values` that function on range(n), n the axis size."""
+    def is_iota(v: Any) -> bool:
+        eqn = ctx.producer_of(v)
+        return eqn is not None and rule_for(eqn.primitive).iota_axis is not None
 
-
-def _fold_on(eqn: JaxprEqn, values: np.ndarray) -> np.ndarray | None:
-    """An elementwise equation of one variable operand, on `values` in its place."""
-    args = [values if isinstance(u, Var) else np.asarray(literal_value(u)) for u in eqn.invars]
-    out = np.asarray(fold(eqn, args)[0])
-    return out if out.shape == values.shape else None
+    found = lane_chain(atom, ctx.producer_of, is_iota)
+    if found is None:
+        return None
+    chain, index = found
+    iota = ctx.producer_of(index)
+    axis = rule_for(iota.primitive).iota_axis(iota)  # type: ignore[union-attr,misc]
+    if axis is None:
+        return None
+    values = fold_chain(chain, np.arange(shape_of(index)[axis], dtype=dtype_of(index)))
+    return (axis, values) if values.shape == (shape_of(index)[axis],) else None
 
 
 # --------------------------------------------------------------------------- the rules
