@@ -231,6 +231,16 @@ def value_finite_above_bound(eqn: JaxprEqn, bounds: Bounds) -> bool:
     return bool(np.isfinite(point)) and bool(np.all(np.isfinite(fold(eqn, [point])[0])))
 
 
+def value_finite_in_range(eqn: JaxprEqn, bounds: Bounds) -> bool:
+    """Whether `eqn`'s output ranges between finite ends for finite operands (`_ranges.py`:
+    `exp(-alpha * (r - sigma))` of a distance r >= 0, `(1 - e) ** 2.` of a bounded e): it makes
+    no NaN or inf of its own. A range never admits NaN."""
+    if len(eqn.outvars) != 1:
+        return False
+    found = bounds.range_of(eqn.outvars[0])
+    return found is not None and bool(np.isfinite(found[0]) and np.isfinite(found[1]))
+
+
 def ranged_operand(eqn: JaxprEqn, bounds: Bounds) -> tuple[int, Range, list] | None:
     """For a primitive monotone in one operand over (0, inf) (`PrimitiveRule.ranged_operand`,
     `pow`'s base) whose other operands are scalar constants: that operand, its range (None if
@@ -261,3 +271,47 @@ def value_finite_over_range(eqn: JaxprEqn, bounds: Bounds) -> bool:
         if not np.all(np.isfinite(fold(eqn, point)[0])):
             return False
     return True
+
+
+def never_wins_alone(eqn: JaxprEqn, k: int, bounds: Bounds) -> bool:
+    """Whether operand k of a `max` (`min`) never wins alone: another operand is at least (at
+    most) as large in every lane, for every finite input (`jnp.maximum(sum_of_squares, 0.)`).
+    A NaN lane is no one's win either, so NaN does not break it; a tie shares the derivative."""
+    selection = rule_for(eqn.primitive).selection
+    larger = None if selection is None else selection.larger_wins
+    if larger is None or len(eqn.outvars) != 1:
+        return False
+    mine = bounds.range_of(eqn.invars[k])
+    if mine is None:
+        return False
+    for j, other in enumerate(eqn.invars):
+        if j == k:
+            continue
+        theirs = bounds.range_of(other)
+        if larger:
+            lower = max(-np.inf if theirs is None else theirs[0],
+                        -np.inf if (b := bounds.of(other)) is None else b)
+            if lower >= mine[1]:
+                return True
+        elif theirs is not None and theirs[1] <= mine[0]:
+            return True
+    return False
+
+
+
+def never_loses(eqn: JaxprEqn, k: int, bounds: Bounds) -> bool:
+    """Whether operand k of a `max` (`min`) wins or ties in every lane: no other operand ever
+    wins alone against it, so its derivative never weighs the cotangent by 0 (a NaN lane is
+    shared, as `_liveness_rules.winner_masks` reads it)."""
+    selection = rule_for(eqn.primitive).selection
+    if selection is None or selection.larger_wins is None or len(eqn.invars) < 2:
+        return False
+    return all(never_wins_alone(eqn, j, bounds) for j in range(len(eqn.invars)) if j != k)
+
+
+def never_weighed_by_zero(eqn: JaxprEqn, carrying: list[bool], bounds: Bounds) -> bool:
+    """Whether a `max` (`min`) never weighs the cotangent of an operand that carries a
+    derivative by 0 (`jnp.maximum(sum_of_squares, 0.)`): an inf or NaN cotangent is then
+    never multiplied by 0 there, and there is nothing to re-decide."""
+    return any(carrying) and all(never_loses(eqn, k, bounds)
+                                 for k, c in enumerate(carrying) if c)

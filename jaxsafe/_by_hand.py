@@ -84,6 +84,8 @@ class HandGuards:
             return False
         out = eqn.outvars[0]
         dead = sym_not(self.sweep.sym(out))
+        if dead is not None:  # a NaN test of a finite value, a diagonal a predicate fails on
+            dead = frozenset(term for term in dead if not self._impossible(term))
         if dead is None or dead == FALSE:
             return dead == FALSE
         return self._operands_free(i, eqn, dead) and self._tangent_dropped(i, out, dead)

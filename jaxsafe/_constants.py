@@ -153,6 +153,24 @@ def domain_holds_above(eqn: JaxprEqn, point: Any) -> bool:
         eqn, [point], PROOF_ORDER)
 
 
+ABOVE_END = 1e-3
+"""The relative margin past a range's upper end at which `domain_holds_below` evaluates: XLA's
+`exp` is faithful to a few ulps, not correctly rounded, and the range's end is itself a
+bound."""
+
+
+def domain_holds_below(eqn: JaxprEqn, point: Any) -> bool:
+    """Whether a unary `increasing` primitive (`exp`) is finite with its derivatives up to
+    `PROOF_ORDER` a little above `point`, an upper bound of its operand: then at every operand
+    below it (-inf included: `exp` and its derivatives are 0 there)."""
+    point = np.asarray(point).reshape(())
+    if not np.isfinite(point):
+        return False
+    with np.errstate(over="ignore"):
+        past = np.asarray(float(point) + abs(float(point)) * ABOVE_END + ABOVE_END, point.dtype)
+    return bool(np.isfinite(past)) and finite_with_derivatives(eqn, [past], PROOF_ORDER)
+
+
 def domain_holds_between(eqn: JaxprEqn, k: int, lo: Any, hi: Any, point: Sequence[Any]) -> bool:
     """Whether `eqn` (`PrimitiveRule.ranged_operand` k: monotone with each derivative in k over
     (0, inf), the other operands constant) is finite with its derivatives in operand k up to

@@ -24,6 +24,8 @@ from collections.abc import Mapping, Set
 from typing import Any
 
 from ._atoms import is_float
+from ._bounds import Bounds, never_weighed_by_zero
+from ._carries import Carry
 from ._compat import ClosedJaxpr, JaxprEqn, Var
 from ._cotangents import selects_by_value
 from ._liveness import Sweep
@@ -91,15 +93,17 @@ class ChangedLanes:
 
 def plan_decisions(closed: ClosedJaxpr, sweep: Sweep, sites: Mapping[int, Site],
                    masked: Mapping[int, list], report: Report,
-                   bad_cotangents: Set = frozenset()) -> Decisions:
+                   bad_cotangents: Set = frozenset(), bounds: Bounds | None = None) -> Decisions:
     """Walk the equations forward, following the guarded values. `bad_cotangents`: the values
-    whose cotangent may be non-finite (`_cotangents.py`)."""
+    whose cotangent may be non-finite (`_cotangents.py`). `bounds`: the values' bounds, where
+    known (a `max` whose differentiable operand never loses weighs nothing by 0)."""
     out = Decisions()
     lanes = ChangedLanes(sweep)
     i = 0
     try:
         for i, eqn in enumerate(closed.jaxpr.eqns):
-            _plan_equation(i, eqn, sweep, sites, masked, lanes, out, report, bad_cotangents)
+            _plan_equation(i, eqn, sweep, sites, masked, lanes, out, report, bad_cotangents,
+                           bounds)
     except Exception as e:
         note_failure(e, closed.jaxpr.eqns[i], "decision")
         raise
@@ -108,7 +112,7 @@ def plan_decisions(closed: ClosedJaxpr, sweep: Sweep, sites: Mapping[int, Site],
 
 def _plan_equation(i: int, eqn: JaxprEqn, sweep: Sweep, sites: Mapping[int, Site],
                    masked: Mapping[int, list], lanes: ChangedLanes, out: Decisions,
-                   report: Report, bad_cotangents: Set) -> None:
+                   report: Report, bad_cotangents: Set, bounds: Bounds | None) -> None:
     """Whether `eqn` is emitted again, and how it reads changed values."""
     rule = rule_for(eqn.primitive)
     diff = sweep.diff[i]
@@ -123,7 +127,8 @@ def _plan_equation(i: int, eqn: JaxprEqn, sweep: Sweep, sites: Mapping[int, Site
         picks = rule.chooser is not None and rule.chooser.picks  # a picker never weighs
         if read_differentiably and not eqn.effects and not picks and selects_by_value(
                 eqn, sweep) and any(o in bad_cotangents for o in eqn.outvars) and any(
-                d and isinstance(v, Var) for d, v in zip(diff, eqn.invars, strict=True)):
+                d and isinstance(v, Var) for d, v in zip(diff, eqn.invars, strict=True)) and not (
+                bounds is not None and never_weighed_by_zero(eqn, _carrying(eqn, sweep), bounds)):
             # its derivative weighs a cotangent that may be inf or NaN: select it instead
             out.selections.add(i)
             report.selections.append(eqn)
@@ -141,6 +146,13 @@ def _plan_equation(i: int, eqn: JaxprEqn, sweep: Sweep, sites: Mapping[int, Site
     if selects_by_value(eqn, sweep):
         out.selections.add(i)  # any changed operand: decide on the original values
         report.selections.append(eqn)
+
+
+def _carrying(eqn: JaxprEqn, sweep: Sweep) -> list[bool]:
+    """Which operands of `eqn` carry a derivative of the inputs in some lane (`_carries.py`)."""
+    classes = sweep.carry_classes()
+    return [isinstance(v, Var) and classes.get(v, Carry.NONE) != Carry.NONE
+            for v in eqn.invars]
 
 
 def _plan_decision(i: int, eqn: JaxprEqn, diff: list[bool], read_differentiably: bool,

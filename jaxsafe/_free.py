@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._atoms import dtype_of, is_float, literal_value, shape_of
+from ._bounds import Bounds, never_wins_alone
 from ._carries import Carry
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._constants import finite_with_derivatives, fold
@@ -86,9 +87,11 @@ def _union(parts: list[Held]) -> Held:
 class FreeValues:
     """What the lanes of one jaxpr's values that carry no derivative hold, computed on demand."""
 
-    def __init__(self, closed: ClosedJaxpr | None, sweep: Sweep):
-        """`closed`: the program, for its constants' values (None: they are unknown)."""
-        self.eqns, self.sweep = sweep.jaxpr.eqns, sweep
+    def __init__(self, closed: ClosedJaxpr | None, sweep: Sweep, bounds: Bounds | None = None):
+        """`closed`: the program, for its constants' values (None: they are unknown).
+        `bounds`: its values' bounds, where known: an operand of `max` that another is always
+        at least as large as never shows its lanes (None: every operand may win)."""
+        self.eqns, self.sweep, self.bounds = sweep.jaxpr.eqns, sweep, bounds
         self.memo: dict[Any, Held] = {}
         self.syms: dict[Any, Sym] = {}
         self.selections: dict[Any, bool] = {}
@@ -128,6 +131,10 @@ class FreeValues:
                 helds.append(self.held(u))
             else:
                 helds.append((yield u))
+        if self.bounds is not None and rule.selection is not None \
+                and rule.selection.larger_wins is not None:
+            helds = [() if h and never_wins_alone(eqn, k, self.bounds) else h
+                     for k, h in enumerate(helds)]
         return _combined(eqn, rule, classes, helds)
 
     def free_sym(self, atom: Any) -> Sym:
@@ -224,7 +231,12 @@ class FreeValues:
         where its output carries no derivative."""
         helds = [self.held(u) for u in eqn.invars]
         points = _points(helds)
-        return points is not None and all(finite_with_derivatives(eqn, p) for p in points)
+        # derivatives in the operands that pass a tangent only: a literal exponent has none
+        # (`(1 - e) ** 2.` at a negative base: its derivative in the exponent is NaN)
+        passing = [k for k, u in enumerate(eqn.invars) if isinstance(u, Var) and is_float(u)]
+        wrt = passing[0] if len(passing) == 1 else None
+        return points is not None and all(finite_with_derivatives(eqn, p, wrt=wrt)
+                                          for p in points)
 
 
 def _combined(eqn: JaxprEqn, rule: PrimitiveRule, classes: list, helds: list[Held]) -> Held:

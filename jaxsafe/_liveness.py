@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ._atoms import SMALL_CONSTANT, is_float, literal_value, shape_of
+from ._bounds import Bounds, never_loses
 from ._carries import Carry, carry_classes, carrying_lanes
 from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, bind_eqn
 from ._constants import fold
@@ -186,6 +187,7 @@ class Sweep:
         self._producer_eqns: dict = {}
         self._numbering: dict | None = None  # same_as: on a predicate's demand
         self._free_values: FreeValues | None = None  # what lanes carrying nothing hold
+        self._bounds: Bounds | None = None  # lower bounds and ranges: on a `max`'s demand
         # per equation, the formula each operand receives from it (the guard pass reads them)
         self.operand_syms: list[list[Sym]] = [[] for _ in jaxpr.eqns]
         self.syms = self._static_liveness(out_kinds)
@@ -282,6 +284,11 @@ class Sweep:
             self._free_values = FreeValues(None, self)
         held = self._free_values.held(atom)
         return held is None or any(h == 0 for h in held)
+
+    def operand_never_loses(self, eqn: JaxprEqn, k: int) -> bool:
+        if self._bounds is None:  # the literals' values only: a sweep sees no constants
+            self._bounds = Bounds(self.jaxpr.eqns, self.producer, {})
+        return never_loses(eqn, k, self._bounds)
 
     def carry_mask(self, atom: Any, env: Any) -> Mask:
         memo = scoped_memo("carries", id(self), id(env))  # tracers: never kept past the trace

@@ -567,7 +567,8 @@ def _aligned(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context,
         if align is None:
             return None
         sym = out if align == identity else move(out, backward_mapping(align))
-        if by_value and sym:  # which operand wins is decided by value, at run time
+        if by_value and sym and not ctx.operand_never_loses(eqn, k):
+            # which operand wins is decided by value, at run time
             shape = shape_of(v)
             sym = sym_and_literal(sym, unknown(i for i, n in enumerate(shape) if n != 1))
         syms.append(sym)

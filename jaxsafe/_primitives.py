@@ -189,7 +189,7 @@ register_elementwise(prims.rem_p, guard=Guard({1: 1.0}, finite_at_singularities=
 # x ** y: singular at 0 for y < 1, NaN below; a whole y too, past its order: JAX's derivative
 # y * x ** (y - 1) selects 0 where y == 0, and the untaken x ** -1 is inf at x = 0 (the third
 # reverse-mode derivative of x ** 2. at 0 is NaN)
-register_elementwise(prims.pow_p, guard=ONE, ranged_operand=0)
+register_elementwise(prims.pow_p, guard=ONE, ranged_operand=0, range=ranges.power_range)
 register_elementwise(prims.integer_pow_p,
                      guard=Guard({0: 1.0}, _negative_exponent, finite_at_singularities=False),
                      bound=bounds.even_power, range=ranges.even_power_range)
@@ -200,7 +200,10 @@ register_elementwise(prims.atanh_p, prims.erf_inv_p, guard=POLE_AT_ZERO)
 register_elementwise(prims.acosh_p, guard=Guard({0: 2.0}))
 register_elementwise(prims.atan2_p, guard=Guard({0: 0.0, 1: 1.0}))
 # overflow: inf in the forward, inf * 0 = NaN in the backward
-register_elementwise(prims.exp_p, prims.exp2_p, guard=POLE_AT_ZERO, bound=bounds.non_negative)
+register_elementwise(prims.exp_p, guard=POLE_AT_ZERO, bound=bounds.non_negative, increasing=True,
+                     range=ranges.exp_range)
+register_elementwise(prims.exp2_p, guard=POLE_AT_ZERO, bound=bounds.non_negative,
+                     increasing=True, range=ranges.exp2_range)
 register_elementwise(prims.expm1_p, prims.sinh_p, prims.cosh_p, prims.tan_p, guard=POLE_AT_ZERO)
 # special functions with poles at the non-positive integers
 register_elementwise(prims.lgamma_p, prims.digamma_p, guard=POLE_AT_ONE)
@@ -266,10 +269,10 @@ register_selection(prims.select_n_p, masks=select_masks, static=select_syms,
 # comparisons): a NaN operand never meets a cotangent in a product, and a guard there would
 # bend the decision.
 register_selection(prims.max_p, masks=winner_masks, static=selected_syms, carries=WINNER,
-                   selection=Selection(by_predicate=False, wins=max_wins),
+                   selection=Selection(by_predicate=False, wins=max_wins, larger_wins=True),
                    chooser=Chooser(by_wins), identity=-np.inf, bound=bounds.of_all(max))
 register_selection(prims.min_p, masks=winner_masks, static=selected_syms, carries=WINNER,
-                   selection=Selection(by_predicate=False, wins=min_wins),
+                   selection=Selection(by_predicate=False, wins=min_wins, larger_wins=False),
                    chooser=Chooser(by_wins), identity=np.inf)
 register_selection(prims.clamp_p, masks=winner_masks, static=selected_syms, carries=WINNER,
                    selection=Selection(by_predicate=False, wins=clamp_wins),

@@ -138,6 +138,59 @@ def even_power_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
     return _outward(eqn, low, max(ends), exact=False)
 
 
+EXP_SLACK = 1e-5
+"""The relative error allowed to XLA's `exp` and `exp2` (faithful to a few ulps, not correctly
+rounded), past the outward rounding of the ends."""
+
+
+def _exponential(eqn: JaxprEqn, ranges: list, fn) -> Range:
+    """`fn` (exp, exp2) at the ends, widened by `EXP_SLACK`: (0, inf) for an unknown operand
+    (underflow gives 0, overflow inf)."""
+    a = ranges[0]
+    if a is None:
+        return _outward(eqn, 0.0, np.inf)
+    with np.errstate(over="ignore"):
+        lo, hi = float(fn(a[0])), float(fn(a[1]))
+    return _outward(eqn, lo * (1 - EXP_SLACK), hi * (1 + EXP_SLACK), exact=False)
+
+
+def exp_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
+    return _exponential(eqn, ranges, np.exp)
+
+
+def exp2_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
+    return _exponential(eqn, ranges, np.exp2)
+
+
+def power_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
+    """`x ** y` for a scalar constant y: a whole y >= 1 at any finite base (`(1 - e) ** 2.`,
+    odd ones monotone, even ones through 0), another y > 0 over a base at least 0, a y < 0 over
+    a base above 0. Widened by `EXP_SLACK` (XLA computes it as `exp(y * log(x))`)."""
+    a, y = ranges[0], consts[1]
+    if a is None or y is None or np.size(y) != 1:
+        return None
+    y = float(np.asarray(y).reshape(()))
+    lo, hi = a
+    if not (np.isfinite(y) and np.isfinite(lo) and np.isfinite(hi)) or y == 0:
+        return None
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        if y == int(y) and y >= 1:
+            ends = [lo ** y, hi ** y]
+            if int(y) % 2 == 0:
+                top = max(ends)
+                bottom = 0.0 if lo <= 0 <= hi else min(ends)
+            else:
+                bottom, top = ends
+        elif y > 0 and lo >= 0:
+            bottom, top = lo ** y, hi ** y
+        elif y < 0 and lo > 0:
+            bottom, top = hi ** y, lo ** y
+        else:
+            return None
+    return _outward(eqn, bottom - abs(bottom) * EXP_SLACK, top + abs(top) * EXP_SLACK,
+                    exact=False)
+
+
 def non_negative_sum_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
     """A sum of non-negative lanes: at least 0, at most their count times the largest."""
     a = ranges[0]

@@ -35,6 +35,7 @@ import jax
 
 from ._atoms import dtype_of, is_float, is_nonfinite_literal, shape_of
 from ._backward import guarded_backward
+from ._bounds import of_program
 from ._collector import fewer_collections
 from ._compat import (
     ClosedJaxpr,
@@ -137,9 +138,10 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
         bad = nonfinite_cotangents(closed, sweep, anywhere, outputs)
     nested = rewrite_nested_bodies(closed, sweep, report, sweeps, anywhere, bad)
     nested.update(guard_backward_rules(closed, sweep, report, anywhere, nested))
-    sites = place_guards(closed, sweep, seeds, report)
+    bounds = of_program(closed, sweep.producer)
+    sites = place_guards(closed, sweep, seeds, report, bounds)
     masked = plan_masked_bodies(closed, sweep, report, sweeps, anywhere, bad)
-    decisions = plan_decisions(closed, sweep, sites, masked, report, bad)
+    decisions = plan_decisions(closed, sweep, sites, masked, report, bad, bounds)
     return Plan(closed, sweep, nested, sites, masked, decisions, report)
 
 

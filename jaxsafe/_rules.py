@@ -79,6 +79,11 @@ class Context(Protocol):
         """Whether some lane of `atom` may carry no derivative of the inputs (`_carries.py`)."""
         ...
 
+    def operand_never_loses(self, eqn: JaxprEqn, k: int) -> bool:
+        """Whether operand k of a selection by value (`max`, `min`) wins or ties in every lane,
+        for every input (`_bounds.never_loses`): it drops none of its lanes."""
+        ...
+
     def carry_mask(self, atom: Any, env: Any) -> Mask:
         """The lanes of `atom` that carry a derivative, at run time (None: all may); `env` maps a
         variable to its original value."""
@@ -223,6 +228,10 @@ class Selection:
     wins: WinsRule | None = None
     """For a selection by value: where each operand wins alone (disjoint; ties and NaN are no
     one's win). The re-emitted equation selects each operand where it wins, itself elsewhere."""
+    larger_wins: bool | None = None
+    """True for `max` (the larger operand wins alone), False for `min`, None otherwise: an
+    operand that another is always at least as large as (as small as) never wins alone
+    (`_bounds.never_wins_alone`)."""
 
 
 def _applies_everywhere(eqn: JaxprEqn, ctx: Context) -> bool:
@@ -341,6 +350,10 @@ class PrimitiveRule:
     """Guarded operand 0 of a primitive whose value and derivative are finite for every operand
     at or above a positive point where they are finite (`sqrt`, `log`): bounded operands need
     no guard."""
+    increasing: bool = False
+    """Guarded operand 0 of a primitive whose value and derivatives are finite for every
+    operand at or below a point where they are finite (`exp`'s overflow): an operand whose
+    range ends below such a point needs no guard (`x - max(x)`, `-alpha * r` for r >= 0)."""
 
     # -- nested jaxprs --------------------------------------------------------------------------
     inline: bool = False

@@ -42,10 +42,10 @@ from collections.abc import Callable, Set
 import numpy as np
 
 from ._atoms import dtype_of, is_float, shape_of
-from ._bounds import Bounds, of_program, ranged_operand, value_finite_above_bound
+from ._bounds import Bounds, ranged_operand, value_finite_above_bound
 from ._by_hand import HandGuards
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
-from ._constants import domain_holds_above, domain_holds_between
+from ._constants import domain_holds_above, domain_holds_below, domain_holds_between
 from ._dropped import DroppedValues
 from ._free import FreeValues
 from ._liveness import Sweep, kind_of_sym
@@ -56,17 +56,17 @@ from ._symbolic import backward_mapping, runs_only_along
 from ._taint import contains_hazard, literal_taints, selected_only_where_finite
 
 
-def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report) -> dict[int, Site]:
-    """The guard sites of `closed`, by equation index."""
+def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report,
+                 bounds: Bounds) -> dict[int, Site]:
+    """The guard sites of `closed`, by equation index. `bounds`: its values' bounds."""
     jaxpr = closed.jaxpr
     sites: dict[int, Site] = {}
     tainted = set(seeds)
     dropped = DroppedValues(closed, sites, sweep)
-    free = dropped.free = FreeValues(closed, sweep)
+    free = dropped.free = FreeValues(closed, sweep, bounds)
     by_hand = HandGuards(closed, sweep, free, seeds)
     covered: set[int] = set()
     fixed = _without_tangent(closed)
-    bounds = of_program(closed, sweep.producer)
     i = 0
     try:
         for i, eqn in enumerate(jaxpr.eqns):
@@ -265,6 +265,8 @@ def _value_guards(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool], guarded:
             continue  # e.g. rsqrt(mean(d ** 2) + 1e-5): in domain for any d
         if _ranged_into_domain(eqn, k, bounds, tainted):
             continue  # e.g. (1 - where(d < 1, d, 0)) ** 2.5 for d >= 0: base in [2**-24, 1]
+        if _ranged_below_domain(eqn, k, rule, bounds, tainted):
+            continue  # e.g. exp(-alpha * (r - sigma)) for r >= 0: at most exp(alpha * sigma)
         if dropped.move_chain_guards(eqn, k, guard.safe):
             continue  # e.g. igamma(_, abs(guarded x) ** 1.5): the guard of x takes 1, not 0
         replace[k], reasons[k] = value, "table"
@@ -283,6 +285,17 @@ def _bounded_into_domain(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bou
         return False
     point = np.asarray(lower, dtype_of(v))
     return bool(0 < float(point) <= lower) and domain_holds_above(eqn, point)
+
+
+def _ranged_below_domain(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bounds,
+                         tainted: set) -> bool:
+    """Whether operand k ranges, for every finite input, at or below a point where `eqn` and
+    its derivatives are finite, for a primitive that only gets safer below it (`exp`)."""
+    v = eqn.invars[k]
+    if not rule.increasing or k != 0 or not isinstance(v, Var) or v in tainted:
+        return False
+    found = bounds.range_of(v)
+    return found is not None and domain_holds_below(eqn, np.asarray(found[1], dtype_of(v)))
 
 
 def _ranged_into_domain(eqn: JaxprEqn, k: int, bounds: Bounds, tainted: set) -> bool:

@@ -20,13 +20,20 @@ carries the taint forward, since a guard cleans it).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from ._atoms import dtype_of, is_float, is_nonfinite_literal, literal_value, shape_of
-from ._bounds import Bounds, of_program, value_finite_above_bound, value_finite_over_range
+from ._bounds import (
+    Bounds,
+    of_program,
+    value_finite_above_bound,
+    value_finite_in_range,
+    value_finite_over_range,
+)
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var, scan_counts
 from ._constants import finite_with_derivatives
 from ._liveness import Sweep
@@ -202,30 +209,30 @@ def nonfinite_anywhere(closed: ClosedJaxpr, seeds: set) -> set:
     (no guard is counted: a guard cleans dropped lanes only). What a body receives from the
     program around it is judged by this."""
     tainted = set(seeds)
-    bounds = None  # made on first use: most hazards have no bounded operand to ask about
+    # made on first use: most hazards have no bounded operand to ask about
+    bounds_of = functools.cache(lambda: of_program(closed))
     producer: dict = {}
     for eqn in closed.jaxpr.eqns:
         producer.update((o, eqn) for o in eqn.outvars)
         # the cheap test first: in a program fed by arguments, most operands already are
         reads = [k for k, v in enumerate(eqn.invars) if isinstance(v, Var) and v in tainted]
         if reads and rule_for(eqn.primitive).selection is not None:
-            bounds = bounds or of_program(closed)
             reads = [k for k in reads
-                     if not selected_only_where_finite(eqn, k, producer.get, bounds)]
-        if reads:
-            tainted.update(o for o in eqn.outvars if is_float(o))
-        elif may_produce_nonfinite(eqn):
-            rule = rule_for(eqn.primitive)
-            if rule.decreasing:
-                bounds = bounds or of_program(closed)
-                if value_finite_above_bound(eqn, bounds):
-                    continue  # `sqrt` of a sum of squares
-            if rule.ranged_operand is not None:
-                bounds = bounds or of_program(closed)
-                if value_finite_over_range(eqn, bounds):
-                    continue  # `(1 - where(d < 1, d, 0)) ** 2.5` of a distance
+                     if not selected_only_where_finite(eqn, k, producer.get, bounds_of())]
+        if reads or may_produce_nonfinite(eqn) and not _proven_finite(eqn, bounds_of):
             tainted.update(o for o in eqn.outvars if is_float(o))
     return tainted
+
+
+def _proven_finite(eqn: JaxprEqn, bounds_of: Callable[[], Bounds]) -> bool:
+    """Whether a NaN-prone `eqn` is finite in every lane for finite operands, by a bound or a
+    range of what it reads: `sqrt` of a sum of squares, `(1 - where(d < 1, d, 0)) ** 2.5` of a
+    distance, `exp(-alpha * (r - sigma))` of a distance r >= 0."""
+    rule = rule_for(eqn.primitive)
+    checks = ((rule.decreasing, value_finite_above_bound),
+              (rule.ranged_operand is not None, value_finite_over_range),
+              (rule.range is not None, value_finite_in_range))
+    return any(applies and check(eqn, bounds_of()) for applies, check in checks)
 
 
 def outputs_nonfinite(closed: ClosedJaxpr, inputs: Sequence[bool]) -> list[bool]:

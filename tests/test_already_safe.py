@@ -66,6 +66,19 @@ def bounded_energy(r):
     return jnp.sum(safe_mask(d < 1.5, lambda d: (1 - d / 1.5) ** 2, d))
 
 
+def cosine_similarity(a, b):
+    """optax's `cosine_similarity` (epsilon 0): each norm's `sqrt` reads a sum of squares
+    clipped at 0 from below, a `max` the constant never wins alone."""
+    a_norm = jnp.sqrt(jnp.maximum(jnp.sum(a ** 2, axis=-1, keepdims=True), 0.0))
+    b_norm = jnp.sqrt(jnp.maximum(jnp.sum(b ** 2, axis=-1, keepdims=True), 0.0))
+    return jnp.sum((a / a_norm) * (b / b_norm))
+
+
+def clipped_below(x):
+    """`min(-x**2, 0.)`: the constant never wins alone either (the mirror of the `max`)."""
+    return jnp.sum(jnp.sqrt(-jnp.minimum(-jnp.sum(x ** 2, axis=-1), 0.0)))
+
+
 X = jnp.array([-1.0, 0.0, 0.3, 0.5, 2.0])
 M = jnp.array([True, False, True, False, True])
 R = jnp.array([[0.0, 0.0], [1.0, 0.0], [0.0, 1.2], [0.0, 1.2]])  # a coincident pair
@@ -80,6 +93,9 @@ UNCHANGED = [  # (name, f, args, finite_args, check the Hessian too)
     ("pair distances (finite positions)", lambda r: jnp.sum(pair_distances(r)), (R,), True,
      False),
     ("bounded cutoff energy", bounded_energy, (R,), True, True),
+    ("a sum of squares clipped at 0 (cosine similarity)", cosine_similarity,
+     (R + 0.5, R[::-1] + 0.25), False, True),
+    ("a sum of squares clipped at 0 by min", clipped_below, (R + 0.5,), False, True),
 ]
 
 
@@ -91,12 +107,13 @@ def test_hand_guarded_code_is_left_as_it_is(name, f, args, finite, hessian):
     assert str(jaxsafe.explain(f, finite_args=finite)(*args)) == \
         "nothing to guard: the program runs unchanged"
     safe = jaxsafe.nan_safe(f, finite_args=finite)
-    assert_close(jax.grad(safe)(*args), jax.grad(f)(*args))
+    # against JAX's jitted program: nan_safe runs one, whose rounding eager JAX's may not share
+    assert_close(jax.grad(safe)(*args), jax.jit(jax.grad(f))(*args))
     assert_finite(jax.grad(safe)(*args))
     x = args[0]
     tangent = jnp.ones_like(x)
     assert_close(jax.jvp(lambda x: safe(x, *args[1:]), (x,), (tangent,)),
-                 jax.jvp(lambda x: f(x, *args[1:]), (x,), (tangent,)))
+                 jax.jit(lambda x: jax.jvp(lambda x: f(x, *args[1:]), (x,), (tangent,)))(x))
     if hessian:  # compile-heavy: on the cases with a singular point or a chain
         assert_close(jax.hessian(safe)(*args), jax.jit(jax.hessian(f))(*args), atol=1e-6)
 
@@ -110,7 +127,40 @@ def test_optax_safe_norm_is_left_as_it_is():
     assert_close(jax.grad(jaxsafe.nan_safe(f))(x), jax.grad(f)(x))
 
 
+def test_a_clip_that_never_wins_keeps_the_real_singularity():
+    """At a zero vector the norm's `sqrt(0)` is the program's own singularity (the `max` ties,
+    and a tie shares the derivative): NaN in plain JAX, NaN under nan_safe, in both modes."""
+    a = jnp.array([[0.0, 0.0], [1.0, 2.0]])
+    b = jnp.array([[1.0, 1.0], [3.0, 1.0]])
+    safe = jaxsafe.nan_safe(cosine_similarity)
+    grad, ref = jax.grad(safe)(a, b), jax.grad(cosine_similarity)(a, b)
+    assert np.isnan(np.asarray(ref)[0]).all()
+    np.testing.assert_array_equal(np.asarray(grad), np.asarray(ref))
+    tangents = (jnp.ones_like(a), jnp.ones_like(b))
+    assert np.isnan(np.asarray(jax.jvp(safe, (a, b), tangents)[1]))
+
+
 # --------------------------------------------------------------------------- still guarded
+
+
+@pytest.mark.parametrize("f, hand", [
+    (lambda x: jnp.sum(jnp.sqrt(jnp.maximum(x ** 2 - 1.0, 0.0))),
+     lambda x: jnp.sum(jnp.where(x ** 2 > 1.0, jnp.sqrt(jnp.where(x ** 2 > 1.0, x ** 2 - 1.0,
+                                                                    1.0)), 0.0))),
+    (lambda x: jnp.sum(jnp.sqrt(-jnp.minimum(1.0 - x ** 2, 0.0))),
+     lambda x: jnp.sum(jnp.where(x ** 2 > 1.0, jnp.sqrt(jnp.where(x ** 2 > 1.0, x ** 2 - 1.0,
+                                                                    1.0)), 0.0))),
+], ids=["max", "min"])
+def test_a_clip_that_may_win_keeps_its_guard(f, hand):
+    """`max(x**2 - 1, 0.)`: the constant wins alone where |x| < 1, and there `sqrt(0)`'s
+    infinite derivative meets the zero tangent in forward mode (NaN in plain JAX)."""
+    x = jnp.array([-2.0, -0.5, 0.25, 1.5, 3.0])
+    assert np.isnan(np.asarray(jax.jacfwd(f)(x))).any()
+    got = jax.jacfwd(jaxsafe.nan_safe(f))(x)
+    assert_finite(got)
+    assert_close(got, jax.jacfwd(hand)(x))
+    assert_close(jax.hessian(jaxsafe.nan_safe(f))(x), jax.hessian(hand)(x), atol=1e-6)
+
 
 
 def test_a_masked_product_after_the_double_where_keeps_its_guard():
@@ -502,3 +552,95 @@ def test_a_mask_off_the_zero_diagonal_keeps_the_guard(terms, eye):
     assert "guarded sqrt" in str(jaxsafe.explain(energy, finite_args=True)(R))
     safe = jaxsafe.nan_safe(energy, finite_args=True)
     assert_close(jax.grad(safe)(R), jax.grad(jax.jit(energy))(R), atol=1e-6)
+
+
+# --------------------------------------------------------------------------- an exp bounded above
+
+PAIRS = (np.array([0, 0, 0, 1, 1, 2]), np.array([1, 2, 3, 2, 3, 3]))  # (2, 3) coincide in R
+
+
+def _morse_terms(r, alpha=-5.0, pairs=PAIRS):
+    """jax-md's Morse energy on pairs: `(1 - exp(alpha * (d - 1))) ** 2.` of a distance
+    d >= 0 under `safe_mask`, then `nan_to_num`. With alpha < 0 the `exp` is at most
+    `exp(-1.3 * alpha)`: the energy is finite in every lane, and `nan_to_num` drops nothing.
+    (No pair of `R` sits at the minimum, d = 1.3, where JAX's own third derivative of
+    `x ** 2.` at 0 is NaN.)"""
+    r2 = jnp.sum((r[pairs[0]] - r[pairs[1]]) ** 2, axis=-1)
+    d = safe_mask(r2 > 0, jnp.sqrt, r2)
+    u = 5.0 * (1.0 - jnp.exp(alpha * (d - 1.3))) ** jnp.float32(2.0) - 5.0
+    return jnp.nan_to_num(u)
+
+
+def test_an_exp_bounded_above_needs_no_guard():
+    """`exp(-5 * (d - 1.3))` for d >= 0 is at most e**6.5, with every derivative: the energy is
+    finite, so the NaN tests of `nan_to_num` drop no lane, and the power's base is never
+    dropped. The program runs unchanged; its derivatives to the third are JAX's on the pairs
+    that do not coincide (the coincident pair's energy is a constant: `safe_mask`)."""
+    energy = lambda r: jnp.sum(_morse_terms(r))
+    assert str(jaxsafe.explain(energy, finite_args=True)(R)) == \
+        "nothing to guard: the program runs unchanged"
+    apart = (PAIRS[0][:-1], PAIRS[1][:-1])
+    constant = float(_morse_terms(R)[-1])
+    kept = lambda r: jnp.sum(_morse_terms(r, pairs=apart)) + constant
+    assert_same_to_the_third_order(jaxsafe.nan_safe(energy, finite_args=True), kept, R)
+
+
+def test_a_cutoff_exp_bounded_above_needs_no_guard():
+    def f(r):
+        r2 = jnp.sum((r[:, None] - r[None]) ** 2, axis=-1)
+        d = safe_mask(r2 > 0, jnp.sqrt, r2)
+        return jnp.sum(jnp.where(d < 1.5, jnp.exp(-5.0 * (d - 1.0)), 0.0))
+
+    assert str(jaxsafe.explain(f, finite_args=True)(R)) == \
+        "nothing to guard: the program runs unchanged"
+
+
+def test_an_exp_unbounded_above_keeps_its_guard():
+    """`exp(5 * (d - 1.3))` overflows for a far pair: the energy is inf there, `nan_to_num` drops
+    it, and its zero cotangent meets the infinite derivative (NaN in plain JAX). nan_safe's
+    derivatives are those of the pairs that are not that far."""
+    energy = lambda r: jnp.sum(_morse_terms(r, alpha=5.0))
+    far = R.at[0].set(jnp.array([40.0, 0.0]))
+    assert np.isnan(np.asarray(jax.grad(energy)(far))).any()
+    assert "guarded exp" in str(jaxsafe.explain(energy, finite_args=True)(far))
+    near = (PAIRS[0][3:], PAIRS[1][3:])  # the pairs without particle 0
+    kept = lambda r: jnp.sum(_morse_terms(r, alpha=5.0, pairs=near))
+    got = jax.grad(jaxsafe.nan_safe(energy, finite_args=True))(far)
+    assert_finite(got)
+    assert_close(got, jax.grad(kept)(far))
+    assert_close(jax.hessian(jaxsafe.nan_safe(energy, finite_args=True))(far),
+                 jax.hessian(kept)(far), atol=1e-5)
+
+
+@pytest.mark.parametrize("top, proven", [(80.0, True), (88.8, False)])
+def test_an_exp_is_proven_only_below_its_overflow(top, proven):
+    """float32 `exp` overflows just above 88.72: a range that ends at 80 proves it, one that
+    ends at 88.8 does not, and there plain JAX's gradient of the dropped lane is NaN."""
+    def f(x):
+        t = top - x ** 2  # at most `top`
+        return jnp.sum(jnp.where(x < 1.0, jnp.exp(t), 0.0))
+
+    x = jnp.array([0.0, 0.5, 2.0])
+    explained = str(jaxsafe.explain(f, finite_args=True)(x))
+    assert ("guarded exp" not in explained) == proven
+    if not proven:
+        assert np.isnan(np.asarray(jax.grad(f)(x))).any()
+        hand = lambda x: jnp.sum(jnp.where(x < 1.0, jnp.exp(jnp.where(x < 1.0, top - x ** 2,
+                                                                       0.0)), 0.0))
+        assert_close(jax.grad(jaxsafe.nan_safe(f, finite_args=True))(x), jax.grad(hand)(x))
+
+
+def test_a_power_of_a_bounded_base_that_crosses_zero_is_finite():
+    """`(1 - e) ** 2.` with e in [0, e**5] crosses 0: its values are finite there (a whole
+    exponent), though its third derivative at 0 is not; the range says the first, the guard
+    table still decides the second."""
+    from jaxsafe._bounds import of_program
+    from jaxsafe._flatten import flatten, inline_scalar_constants
+    f = lambda x: (1.0 - jnp.exp(-5.0 * (x ** 2 - 1.0))) ** jnp.float32(2.0)
+    closed = inline_scalar_constants(flatten(jax.make_jaxpr(f)(X)))
+    lo, hi = of_program(closed).range_of(closed.jaxpr.outvars[0])
+    assert lo == 0.0 and np.isfinite(hi)
+    assert hi >= (np.exp(np.float32(5.0)) - 1) ** 2
+    g = lambda x: (1.0 - jnp.exp(-5.0 * (x ** 2 - 1.0))) ** jnp.float32(2.5)  # not whole
+    closed = inline_scalar_constants(flatten(jax.make_jaxpr(g)(X)))
+    assert of_program(closed).range_of(closed.jaxpr.outvars[0]) is None
