@@ -15,16 +15,16 @@ included: a product of two non-negative values has none (0 * inf is NaN).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Set
 from typing import Any
 
 import numpy as np
 
 from ._atoms import dtype_of
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
-from ._constants import fold
+from ._constants import domain_holds_above, domain_holds_below, domain_holds_between, fold
 from ._ranges import Range, Ranges
-from ._rules import BoundRule, rule_for
+from ._rules import BoundRule, PrimitiveRule, rule_for
 from ._walk import demand
 
 Bound = float | None  # every value is >= the bound; None: nothing known
@@ -315,3 +315,55 @@ def never_weighed_by_zero(eqn: JaxprEqn, carrying: list[bool], bounds: Bounds) -
     never multiplied by 0 there, and there is nothing to re-decide."""
     return any(carrying) and all(never_loses(eqn, k, bounds)
                                  for k, c in enumerate(carrying) if c)
+
+
+# -- operands proven inside a primitive's domain ------------------------------------------
+
+def operand_in_domain(eqn: JaxprEqn, k: int, bounds: Bounds, tainted: Set) -> bool:
+    """Whether operand k of a NaN-prone `eqn`, not in `tainted` (the values that may be NaN or
+    inf), is for every finite input where `eqn` is finite with its derivatives to the third
+    order: bounded from below into the domain of a primitive that gets safer above
+    (`decreasing`: `rsqrt(mean(d ** 2) + 1e-5)`), ranged inside (0, inf) for a power's base
+    (`ranged_operand`), or ranged below a point for one that gets safer below (`increasing`:
+    `exp(-alpha * r)` for r >= 0)."""
+    rule = rule_for(eqn.primitive)
+    return any(proof(eqn, k, rule, bounds, tainted)
+               for proof in (_bounded_into_domain, _ranged_into_domain, _ranged_below_domain))
+
+
+def _bounded_into_domain(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bounds,
+                         tainted: Set) -> bool:
+    """Whether operand k is, for every finite input, at or above a positive point where `eqn`
+    and its derivative are finite, for a primitive that only gets safer above it."""
+    v = eqn.invars[k]
+    if not rule.decreasing or k != 0 or not isinstance(v, Var) or v in tainted:
+        return False
+    lower = bounds.of(v)
+    if lower is None or lower <= 0:
+        return False
+    point = np.asarray(lower, dtype_of(v))
+    return bool(0 < float(point) <= lower) and domain_holds_above(eqn, point)
+
+
+def _ranged_below_domain(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bounds,
+                         tainted: Set) -> bool:
+    """Whether operand k ranges, for every finite input, at or below a point where `eqn` and
+    its derivatives are finite, for a primitive that only gets safer below it (`exp`)."""
+    v = eqn.invars[k]
+    if not rule.increasing or k != 0 or not isinstance(v, Var) or v in tainted:
+        return False
+    found = bounds.range_of(v)
+    return found is not None and domain_holds_below(eqn, np.asarray(found[1], dtype_of(v)))
+
+
+def _ranged_into_domain(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bounds,
+                        tainted: Set) -> bool:
+    """Whether operand k (a power's base) ranges, for every finite input, inside (0, inf) where
+    `eqn` is finite with its derivatives to the third order."""
+    found = ranged_operand(eqn, bounds)
+    if found is None or found[0] != k or found[1] is None or eqn.invars[k] in tainted:
+        return False
+    lo, hi = found[1]
+    values = found[2]
+    dtype = dtype_of(eqn.invars[k])
+    return domain_holds_between(eqn, k, np.asarray(lo, dtype), np.asarray(hi, dtype), values)

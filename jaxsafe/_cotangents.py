@@ -14,6 +14,9 @@ product or quotient with a value that may hold NaN or inf in some lane (`nonfini
 and everything the cotangent reaches from there, backwards. The outputs' own cotangents are
 finite at the top of a program (`jax.grad` seeds 1); a body's are what the program around it
 hands it (`body_cotangents`). Overflow of finite values is not counted, as in the taint pass.
+A NaN-prone primitive whose operands are finite and proven inside its domain
+(`_bounds.operand_in_domain`: `expm1(min(x, 0.))`, `exp(-r)` of a distance) has finite
+derivatives, and makes no such cotangent.
 """
 
 from __future__ import annotations
@@ -21,17 +24,19 @@ from __future__ import annotations
 from collections.abc import Sequence, Set
 
 from ._atoms import is_float
+from ._bounds import Bounds, operand_in_domain
 from ._compat import ClosedJaxpr, JaxprEqn, Var
 from ._liveness import Sweep
 from ._nested import sub_jaxprs
-from ._rules import Context, rule_for
+from ._rules import Context, guard_for, rule_for
 from ._taint import may_produce_nonfinite
 
 
 def nonfinite_cotangents(closed: ClosedJaxpr, sweep: Sweep, anywhere: Set,
-                         outputs: Sequence[bool]) -> set:
+                         outputs: Sequence[bool], bounds: Bounds | None = None) -> set:
     """The variables whose cotangent may hold inf or NaN in some lane. `anywhere`: the values
-    that may (`nonfinite_anywhere`); `outputs`: which outputs' cotangents may."""
+    that may (`nonfinite_anywhere`); `outputs`: which outputs' cotangents may; `bounds`: the
+    program's bounds and ranges, where known (`expm1(min(x, 0.))`: a finite derivative)."""
     jaxpr = closed.jaxpr
     bad: set = {v for v, b in zip(jaxpr.outvars, outputs, strict=True)
                 if b and isinstance(v, Var)}
@@ -42,15 +47,16 @@ def nonfinite_cotangents(closed: ClosedJaxpr, sweep: Sweep, anywhere: Set,
         flows = any(o in bad for o in eqn.outvars)
         for k, (v, d) in enumerate(zip(eqn.invars, sweep.diff[i], strict=True)):
             if d and isinstance(v, Var) and is_float(v) and v not in bad and (
-                    flows or _partial_may_be_nonfinite(eqn, k, anywhere)):
+                    flows or _partial_may_be_nonfinite(eqn, k, anywhere, bounds)):
                 bad.add(v)
     return bad
 
 
-def _partial_may_be_nonfinite(eqn: JaxprEqn, k: int, anywhere: Set) -> bool:
+def _partial_may_be_nonfinite(eqn: JaxprEqn, k: int, anywhere: Set,
+                              bounds: Bounds | None = None) -> bool:
     """Whether `eqn`'s derivative in operand k may be inf or NaN for a finite cotangent."""
     if may_produce_nonfinite(eqn):  # a NaN-prone or unknown primitive, a hazardous body
-        return True
+        return bounds is None or not _proven_in_domain(eqn, anywhere, bounds)
     rule = rule_for(eqn.primitive)
     if rule.has_body:
         return any(isinstance(v, Var) and v in anywhere for v in eqn.invars)
@@ -59,6 +65,18 @@ def _partial_may_be_nonfinite(eqn: JaxprEqn, k: int, anywhere: Set) -> bool:
     reads = range(len(eqn.invars)) if rule.derivative_reads is None else \
         rule.derivative_reads[k]
     return any(isinstance(eqn.invars[j], Var) and eqn.invars[j] in anywhere for j in reads)
+
+
+def _proven_in_domain(eqn: JaxprEqn, anywhere: Set, bounds: Bounds) -> bool:
+    """Whether a NaN-prone elementwise `eqn` reads only finite values, and each operand of its
+    guard table is proven inside its domain (`_bounds.operand_in_domain`): its derivatives
+    are finite in every lane."""
+    guard = guard_for(eqn)
+    if guard is None or not rule_for(eqn.primitive).elementwise or len(eqn.outvars) != 1 \
+            or any(isinstance(v, Var) and v in anywhere for v in eqn.invars):
+        return False
+    return all(operand_in_domain(eqn, j, bounds, anywhere)
+               for j in guard.safe if j < len(eqn.invars))
 
 
 def body_cotangents(eqn: JaxprEqn, bad: Set, anywhere: Set) -> dict[int, list[bool]]:

@@ -1,5 +1,5 @@
-"""The inlining pass: every `jit` and `closed_call` replaced by its body, and every scalar
-constant by a literal.
+"""The inlining pass: every `jit` and `closed_call` replaced by its body, every scalar constant by
+a literal, and every selection on a predicate computed from literals by the case it takes.
 
 A jit boundary changes no value, and `jnp.where` is itself a `jit`: the hazard and the drop
 usually sit on opposite sides of one, so liveness and guards must cross it. Which primitives are
@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ._atoms import SMALL_CONSTANT, dtype_of, literal_value, shape_of
 from ._compat import (
     ClosedJaxpr,
     DropVar,
@@ -25,6 +26,7 @@ from ._compat import (
     Var,
     is_user_filename,
 )
+from ._constants import fold
 from ._nested import call_jaxpr
 from ._rules import rule_for
 
@@ -132,3 +134,59 @@ def inline_scalar_constants(closed: ClosedJaxpr) -> ClosedJaxpr:
     new = Jaxpr([v for v, _ in kept], jaxpr.invars, outvars, eqns, jaxpr.effects,
                 jaxpr.debug_info)
     return ClosedJaxpr(new, [c for _, c in kept])
+
+
+def take_constant_selections(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """The same program with each `select_n` whose predicate it computes from literals alone,
+    one case in every lane, replaced by that case: `jnp.std`'s `where(n - ddof > 0, var, nan)`
+    with a static `ddof` takes `var`, and the untaken `nan` is no lane of anything (a select
+    of a constant predicate gives the taken case bit for bit). `closed` itself when there is
+    none."""
+    jaxpr = closed.jaxpr
+    known: dict = {}  # small values computed from literals alone
+    taken: dict = {}  # a selection's output -> the case it takes
+    # what an input or a constant reaches: an untaken case that does carries a derivative (a
+    # zero cotangent meets its partials: a dropped value the analysis must see), and stays
+    reached = set(jaxpr.invars) | set(jaxpr.constvars)
+    eqns = []
+    for eqn in jaxpr.eqns:
+        if taken:
+            eqn = eqn.replace(invars=[_sub_atom(taken, a) for a in eqn.invars])
+        rule = rule_for(eqn.primitive)
+        values = [np.asarray(literal_value(a)) if isinstance(a, Literal) else known.get(a)
+                  for a in eqn.invars]
+        if rule.selection is not None and rule.selection.by_predicate and values[0] is not None:
+            case = _constant_case(eqn, values[0], reached)
+            if case is not None:
+                taken[eqn.outvars[0]] = case
+                continue
+        if any(isinstance(a, Var) and a in reached for a in eqn.invars):
+            reached.update(eqn.outvars)
+        if (rule.foldable and not eqn.effects and len(eqn.outvars) == 1
+                and all(v is not None for v in values)
+                and int(np.prod(shape_of(eqn.outvars[0]))) <= SMALL_CONSTANT):
+            known[eqn.outvars[0]] = fold(eqn, values)[0]
+        eqns.append(eqn)
+    if not taken:
+        return closed
+    outvars = [_sub_atom(taken, a) for a in jaxpr.outvars]
+    return ClosedJaxpr(Jaxpr(jaxpr.constvars, jaxpr.invars, outvars, eqns, jaxpr.effects,
+                             jaxpr.debug_info), closed.consts)
+
+
+def _constant_case(eqn: JaxprEqn, which: np.ndarray, reached: set) -> Any:
+    """The case a `select_n` takes in every lane, when `which` (its predicate's value) is one
+    index throughout, that case is the output (same shape and dtype) and no other case is
+    `reached` from an input, else None."""
+    if which.size == 0 or not np.all(which == which.reshape(-1)[0]):
+        return None
+    k = int(which.reshape(-1)[0]) + 1
+    if not 1 <= k < len(eqn.invars) or any(
+            isinstance(a, Var) and a in reached
+            for j, a in enumerate(eqn.invars[1:], 1) if j != k):
+        return None
+    case, out = eqn.invars[k], eqn.outvars[0]
+    if not isinstance(case, Var) or shape_of(case) != shape_of(out) \
+            or dtype_of(case) != dtype_of(out) or isinstance(out, DropVar):
+        return None
+    return case

@@ -204,7 +204,8 @@ register_elementwise(prims.exp_p, guard=POLE_AT_ZERO, bound=bounds.non_negative,
                      range=ranges.exp_range)
 register_elementwise(prims.exp2_p, guard=POLE_AT_ZERO, bound=bounds.non_negative,
                      increasing=True, range=ranges.exp2_range)
-register_elementwise(prims.expm1_p, prims.sinh_p, prims.cosh_p, prims.tan_p, guard=POLE_AT_ZERO)
+register_elementwise(prims.expm1_p, guard=POLE_AT_ZERO, increasing=True, range=ranges.expm1_range)
+register_elementwise(prims.sinh_p, prims.cosh_p, prims.tan_p, guard=POLE_AT_ZERO)
 # special functions with poles at the non-positive integers
 register_elementwise(prims.lgamma_p, prims.digamma_p, guard=POLE_AT_ONE)
 register_elementwise(prims.polygamma_p, guard=Guard({1: 1.0}, finite_at_singularities=False),
@@ -270,10 +271,11 @@ register_selection(prims.select_n_p, masks=select_masks, static=select_syms,
 # bend the decision.
 register_selection(prims.max_p, masks=winner_masks, static=selected_syms, carries=WINNER,
                    selection=Selection(by_predicate=False, wins=max_wins, larger_wins=True),
-                   chooser=Chooser(by_wins), identity=-np.inf, bound=bounds.of_all(max))
+                   chooser=Chooser(by_wins), identity=-np.inf, bound=bounds.of_all(max),
+                   range=ranges.max_range)
 register_selection(prims.min_p, masks=winner_masks, static=selected_syms, carries=WINNER,
                    selection=Selection(by_predicate=False, wins=min_wins, larger_wins=False),
-                   chooser=Chooser(by_wins), identity=np.inf)
+                   chooser=Chooser(by_wins), identity=np.inf, range=ranges.min_range)
 register_selection(prims.clamp_p, masks=winner_masks, static=selected_syms, carries=WINNER,
                    selection=Selection(by_predicate=False, wins=clamp_wins),
                    chooser=Chooser(by_wins))

@@ -92,6 +92,22 @@ def difference_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
         return _outward(eqn, a[0] - b[1], a[1] - b[0])
 
 
+def _either(r: Range) -> tuple[float, float]:
+    return (-np.inf, np.inf) if r is None else r
+
+
+def max_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
+    """`max`: at least the larger lower end (an unknown operand ranges over every float)."""
+    (a0, a1), (b0, b1) = _either(ranges[0]), _either(ranges[1])
+    return _outward(eqn, max(a0, b0), max(a1, b1))
+
+
+def min_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
+    """`min`: at most the smaller upper end (`jnp.minimum(x, 0.)` is at most 0)."""
+    (a0, a1), (b0, b1) = _either(ranges[0]), _either(ranges[1])
+    return _outward(eqn, min(a0, b0), min(a1, b1))
+
+
 def product_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
     """Interval product; None where an infinite end meets a zero (0 * inf is NaN)."""
     a, b = ranges
@@ -144,18 +160,26 @@ rounded), past the outward rounding of the ends."""
 
 
 def _exponential(eqn: JaxprEqn, ranges: list, fn) -> Range:
-    """`fn` (exp, exp2) at the ends, widened by `EXP_SLACK`: (0, inf) for an unknown operand
-    (underflow gives 0, overflow inf)."""
+    """`fn` (exp, exp2, expm1: increasing) at the ends, widened by `EXP_SLACK`: (0, inf) for an
+    unknown operand (underflow gives 0, overflow inf)."""
     a = ranges[0]
     if a is None:
         return _outward(eqn, 0.0, np.inf)
     with np.errstate(over="ignore"):
         lo, hi = float(fn(a[0])), float(fn(a[1]))
-    return _outward(eqn, lo * (1 - EXP_SLACK), hi * (1 + EXP_SLACK), exact=False)
+    return _outward(eqn, lo - abs(lo) * EXP_SLACK, hi + abs(hi) * EXP_SLACK, exact=False)
 
 
 def exp_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
     return _exponential(eqn, ranges, np.exp)
+
+
+def expm1_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
+    """At least -1 (`expm1(-inf)`), otherwise as `exp`."""
+    found = _exponential(eqn, ranges, np.expm1)
+    if found is None:
+        return None
+    return max(found[0], -1.0) if ranges[0] is not None else -1.0, found[1]
 
 
 def exp2_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:

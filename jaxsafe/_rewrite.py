@@ -52,7 +52,7 @@ from ._cotangents import body_cotangents, needs_cotangents, nonfinite_cotangents
 from ._decisions import plan_decisions
 from ._emit import emit
 from ._explain import drops_from
-from ._flatten import flatten, inline_scalar_constants
+from ._flatten import flatten, inline_scalar_constants, take_constant_selections
 from ._liveness import Sweep, Sweeps
 from ._nested import any_equation, sub_jaxprs
 from ._plan import Plan
@@ -77,7 +77,7 @@ def rewrite_with_report(closed: ClosedJaxpr, finite_invars: Sequence[bool] | Non
 def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps, finite_invars: Sequence[bool] | None = None,
              bad_cotangents: Sequence[bool] | None = None) -> tuple[ClosedJaxpr, Report]:
     """A body's arguments come from the program around it: possibly non-finite."""
-    flat = dce(inline_scalar_constants(flatten(closed)))
+    flat = dce(take_constant_selections(inline_scalar_constants(flatten(closed))))
     plan = plan_program(flat, [Kind.LIVE] * len(flat.jaxpr.outvars), sweeps, finite_invars,
                         bad_cotangents)
     plan.report.original = flat
@@ -127,6 +127,7 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
     if finite_invars is None:
         finite_invars = [False] * len(closed.jaxpr.invars)
     seeds = nonfinite_seeds(closed, sweep, finite_invars)
+    bounds = of_program(closed, sweep.producer)
     # what bodies receive, and what products multiply cotangents by: only asked for where a
     # row can judge its bodies' inputs, or a cotangent can meet a selection by value
     cotangents = needs_cotangents(closed, sweep)
@@ -135,10 +136,9 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
     bad: set = set()
     if cotangents:
         outputs = bad_cotangents or [False] * len(closed.jaxpr.outvars)
-        bad = nonfinite_cotangents(closed, sweep, anywhere, outputs)
+        bad = nonfinite_cotangents(closed, sweep, anywhere, outputs, bounds)
     nested = rewrite_nested_bodies(closed, sweep, report, sweeps, anywhere, bad)
     nested.update(guard_backward_rules(closed, sweep, report, anywhere, nested))
-    bounds = of_program(closed, sweep.producer)
     sites = place_guards(closed, sweep, seeds, report, bounds)
     masked = plan_masked_bodies(closed, sweep, report, sweeps, anywhere, bad)
     decisions = plan_decisions(closed, sweep, sites, masked, report, bad, bounds)

@@ -41,11 +41,10 @@ from collections.abc import Callable, Set
 
 import numpy as np
 
-from ._atoms import dtype_of, is_float, shape_of
-from ._bounds import Bounds, ranged_operand, value_finite_above_bound
+from ._atoms import is_float, shape_of
+from ._bounds import Bounds, operand_in_domain, value_finite_above_bound
 from ._by_hand import HandGuards
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
-from ._constants import domain_holds_above, domain_holds_below, domain_holds_between
 from ._dropped import DroppedValues
 from ._free import FreeValues
 from ._liveness import Sweep, kind_of_sym
@@ -261,53 +260,12 @@ def _value_guards(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool], guarded:
             continue
         if dropped.guard_is_noop(eqn, k, guard.safe):
             continue  # e.g. div(_, exp(guarded x)): exp(0) = 1 there already
-        if _bounded_into_domain(eqn, k, rule, bounds, tainted):
-            continue  # e.g. rsqrt(mean(d ** 2) + 1e-5): in domain for any d
-        if _ranged_into_domain(eqn, k, bounds, tainted):
-            continue  # e.g. (1 - where(d < 1, d, 0)) ** 2.5 for d >= 0: base in [2**-24, 1]
-        if _ranged_below_domain(eqn, k, rule, bounds, tainted):
-            continue  # e.g. exp(-alpha * (r - sigma)) for r >= 0: at most exp(alpha * sigma)
+        if operand_in_domain(eqn, k, bounds, tainted):
+            continue  # rsqrt(mean(d ** 2) + 1e-5), (1 - where(d < 1, d, 0)) ** 2.5, exp(-r)
         if dropped.move_chain_guards(eqn, k, guard.safe):
             continue  # e.g. igamma(_, abs(guarded x) ** 1.5): the guard of x takes 1, not 0
         replace[k], reasons[k] = value, "table"
     return replace, reasons
-
-
-def _bounded_into_domain(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bounds,
-                         tainted: set) -> bool:
-    """Whether operand k is, for every finite input, at or above a positive point where `eqn`
-    and its derivative are finite, for a primitive that only gets safer above it."""
-    v = eqn.invars[k]
-    if not rule.decreasing or k != 0 or not isinstance(v, Var) or v in tainted:
-        return False
-    lower = bounds.of(v)
-    if lower is None or lower <= 0:
-        return False
-    point = np.asarray(lower, dtype_of(v))
-    return bool(0 < float(point) <= lower) and domain_holds_above(eqn, point)
-
-
-def _ranged_below_domain(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bounds,
-                         tainted: set) -> bool:
-    """Whether operand k ranges, for every finite input, at or below a point where `eqn` and
-    its derivatives are finite, for a primitive that only gets safer below it (`exp`)."""
-    v = eqn.invars[k]
-    if not rule.increasing or k != 0 or not isinstance(v, Var) or v in tainted:
-        return False
-    found = bounds.range_of(v)
-    return found is not None and domain_holds_below(eqn, np.asarray(found[1], dtype_of(v)))
-
-
-def _ranged_into_domain(eqn: JaxprEqn, k: int, bounds: Bounds, tainted: set) -> bool:
-    """Whether operand k (a power's base) ranges, for every finite input, inside (0, inf) where
-    `eqn` is finite with its derivatives to the third order."""
-    found = ranged_operand(eqn, bounds)
-    if found is None or found[0] != k or found[1] is None or eqn.invars[k] in tainted:
-        return False
-    lo, hi = found[1]
-    values = found[2]
-    dtype = dtype_of(eqn.invars[k])
-    return domain_holds_between(eqn, k, np.asarray(lo, dtype), np.asarray(hi, dtype), values)
 
 
 def _taints_outputs(eqn: JaxprEqn, rule: PrimitiveRule, tainted: set, site: Site | None,

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close, assert_finite, structure
+from jax import lax
 
 import jaxsafe
 
@@ -645,3 +646,68 @@ def test_a_power_of_a_bounded_base_that_crosses_zero_is_finite():
     g = lambda x: (1.0 - jnp.exp(-5.0 * (x ** 2 - 1.0))) ** jnp.float32(2.5)  # not whole
     closed = inline_scalar_constants(flatten(jax.make_jaxpr(g)(X)))
     assert of_program(closed).range_of(closed.jaxpr.outvars[0]) is None
+
+
+# --------------------------------------------------------------------------- constant predicates
+
+@pytest.mark.parametrize("f", [
+    lambda x: jnp.sum(jnp.std(x, axis=-1)),
+    lambda x: jnp.sum(jnp.std(x, axis=-1, ddof=1)),
+    lambda x: jnp.sum(jax.nn.standardize(x, axis=-1) ** 2 * jnp.std(x)),
+], ids=["std", "std ddof=1", "std beside standardize"])
+def test_a_selection_on_a_static_predicate_takes_its_case(f):
+    """`jnp.std` is `sqrt(where(n - ddof > 0, var, nan))` with `n - ddof > 0` computed from
+    literals: the `nan` is never taken, so the `sqrt` has no lane that carries no derivative
+    (no forward-mode guard of it), and the program runs unchanged where nothing else is
+    guarded. Derivatives in both modes are JAX's own."""
+    x = jnp.array([[1.0, 2.0, 4.0], [0.5, 0.5, 3.0]])
+    explained = jaxsafe.explain(f)(x)
+    assert not [g for g in explained.guards if g.primitive == "sqrt"], str(explained)
+    if not explained.guards:
+        assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    safe = jaxsafe.nan_safe(f)
+    # (rounding: standardize's own guards make another program, which XLA fuses its own way)
+    assert_close(jax.jit(jax.grad(safe))(x), jax.jit(jax.grad(f))(x), rtol=1e-5)
+    assert_close(jax.jit(jax.jacfwd(safe))(x), jax.jit(jax.jacfwd(f))(x), rtol=1e-5)
+
+
+@pytest.mark.parametrize("taken_first", [True, False])
+def test_a_static_predicate_s_untaken_case_that_carries_a_derivative_is_still_dropped(
+        taken_first):
+    """`where(True, x, sqrt(x))`: the untaken `sqrt` still meets a zero cotangent (NaN at 0 in
+    plain JAX); its lanes are dropped lanes, guarded: the derivative is the taken case's."""
+    if taken_first:
+        f = lambda x: jnp.sum(jnp.where(True, x, jnp.sqrt(x)))
+    else:
+        f = lambda x: jnp.sum(lax.select(jnp.zeros(2, bool), jnp.sqrt(x), x))
+    x = jnp.array([0.0, 4.0])
+    assert np.isnan(np.asarray(jax.grad(f)(x))).any()
+    np.testing.assert_array_equal(np.asarray(jax.grad(jaxsafe.nan_safe(f))(x)), [1.0, 1.0])
+    np.testing.assert_array_equal(np.asarray(jaxsafe.nan_safe(f)(x)), np.asarray(f(x)))
+
+
+# --------------------------------------------------------------------------- cotangents in domain
+
+def test_an_activation_whose_derivative_is_bounded_is_left_as_it_is():
+    """`jax.nn.celu` is `max(x, 0) + expm1(min(x, 0))`: the `min` drops `x` where 0 wins, and
+    JAX weighs that lane's cotangent by 0. With finite inputs the cotangent is finite there:
+    `expm1`'s derivative at `min(x, 0) <= 0` is at most 1 (`PrimitiveRule.increasing`, the
+    ranges of `min` and `expm1`): nothing to re-decide, the program runs unchanged."""
+    f = lambda x: jnp.sum(jax.nn.celu(x))
+    x = jnp.linspace(-3.0, 3.0, 7)
+    assert str(jaxsafe.explain(f, finite_args=True)(x)) == \
+        "nothing to guard: the program runs unchanged"
+    assert structure(jaxsafe.make_jaxpr(f, finite_args=True)(x)) == \
+        structure(jax.make_jaxpr(f)(x))
+
+
+def test_a_clip_under_an_exp_that_may_overflow_is_still_re_decided():
+    """`exp(10 * min(x, 100.))`: where 100 wins (x = 200), the `exp`'s derivative is inf and
+    JAX weighs it by 0 for `x`: NaN in plain JAX. The `min` is re-decided as a selection, and
+    `x`'s derivative there is the 0 that the drop promises."""
+    f = lambda x: jnp.sum(jnp.exp(10.0 * jnp.minimum(x, 100.0)))
+    x = jnp.array([-1.0, 0.5, 200.0])
+    assert np.isnan(np.asarray(jax.grad(f)(x))[2])
+    got = np.asarray(jax.grad(jaxsafe.nan_safe(f, finite_args=True))(x))
+    assert got[2] == 0.0
+    assert_close(got[:2], np.asarray(jax.grad(f)(x))[:2])
