@@ -11,6 +11,7 @@ as one, the rules read its value where they read a literal's (`r / sigma` with a
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from ._compat import (
 from ._constants import fold
 from ._nested import call_jaxpr
 from ._rules import rule_for
+from ._walk import demand
 
 
 def _has_inlinable(jaxpr: Jaxpr) -> bool:
@@ -143,7 +145,7 @@ def take_constant_selections(closed: ClosedJaxpr) -> ClosedJaxpr:
     of a constant predicate gives the taken case bit for bit). `closed` itself when there is
     none."""
     jaxpr = closed.jaxpr
-    known: dict = {}  # small values computed from literals alone
+    constants = _Constants()
     taken: dict = {}  # a selection's output -> the case it takes
     # what an input or a constant reaches: an untaken case that does carries a derivative (a
     # zero cotangent meets its partials: a dropped value the analysis must see), and stays
@@ -153,25 +155,56 @@ def take_constant_selections(closed: ClosedJaxpr) -> ClosedJaxpr:
         if taken:
             eqn = eqn.replace(invars=[_sub_atom(taken, a) for a in eqn.invars])
         rule = rule_for(eqn.primitive)
-        values = [np.asarray(literal_value(a)) if isinstance(a, Literal) else known.get(a)
-                  for a in eqn.invars]
-        if rule.selection is not None and rule.selection.by_predicate and values[0] is not None:
-            case = _constant_case(eqn, values[0], reached)
+        if rule.selection is not None and rule.selection.by_predicate \
+                and not (isinstance(eqn.invars[0], Var) and eqn.invars[0] in reached):
+            which = constants.value(eqn.invars[0])
+            case = None if which is None else _constant_case(eqn, which, reached)
             if case is not None:
                 taken[eqn.outvars[0]] = case
                 continue
         if any(isinstance(a, Var) and a in reached for a in eqn.invars):
             reached.update(eqn.outvars)
-        if (rule.foldable and not eqn.effects and len(eqn.outvars) == 1
-                and all(v is not None for v in values)
-                and int(np.prod(shape_of(eqn.outvars[0]))) <= SMALL_CONSTANT):
-            known[eqn.outvars[0]] = fold(eqn, values)[0]
+        constants.produced(eqn)
         eqns.append(eqn)
     if not taken:
         return closed
     outvars = [_sub_atom(taken, a) for a in jaxpr.outvars]
     return ClosedJaxpr(Jaxpr(jaxpr.constvars, jaxpr.invars, outvars, eqns, jaxpr.effects,
                              jaxpr.debug_info), closed.consts)
+
+
+class _Constants:
+    """Small values a program computes from literals alone, folded on demand (a selection's
+    predicate only: folding binds the primitive, which a sharded value may refuse)."""
+
+    def __init__(self):
+        self.producer: dict = {}
+        self.memo: dict = {}
+
+    def produced(self, eqn: JaxprEqn) -> None:
+        if len(eqn.outvars) == 1:
+            self.producer[eqn.outvars[0]] = eqn
+
+    def value(self, atom: Any) -> np.ndarray | None:
+        if isinstance(atom, Literal):
+            return np.asarray(literal_value(atom))
+        return demand(atom, self.memo, self._fold)
+
+    def _fold(self, v: Any) -> Generator[Any, Any, Any]:
+        eqn = self.producer.get(v)
+        if eqn is None or eqn.effects or not rule_for(eqn.primitive).foldable \
+                or int(np.prod(shape_of(v))) > SMALL_CONSTANT:
+            return None
+        args = []
+        for u in eqn.invars:
+            value = (yield u) if isinstance(u, Var) else np.asarray(literal_value(u))
+            if value is None:
+                return None
+            args.append(value)
+        try:
+            return fold(eqn, args)[0]
+        except Exception:  # noqa: BLE001 - not foldable here (a sharding): left as it is
+            return None
 
 
 def _constant_case(eqn: JaxprEqn, which: np.ndarray, reached: set) -> Any:
