@@ -298,7 +298,6 @@ def never_wins_alone(eqn: JaxprEqn, k: int, bounds: Bounds) -> bool:
     return False
 
 
-
 def never_loses(eqn: JaxprEqn, k: int, bounds: Bounds) -> bool:
     """Whether operand k of a `max` (`min`) wins or ties in every lane: no other operand ever
     wins alone against it, so its derivative never weighs the cotangent by 0 (a NaN lane is

@@ -133,7 +133,7 @@ class FreeValues:
                 helds.append((yield u))
         if self.bounds is not None and rule.selection is not None \
                 and rule.selection.larger_wins is not None:
-            helds = [() if h and never_wins_alone(eqn, k, self.bounds) else h
+            helds = [() if h != () and never_wins_alone(eqn, k, self.bounds) else h
                      for k, h in enumerate(helds)]
         return _combined(eqn, rule, classes, helds)
 
