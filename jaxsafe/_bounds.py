@@ -256,23 +256,6 @@ def ranged_operand(eqn: JaxprEqn, bounds: Bounds) -> tuple[int, Range, list] | N
     return k, bounds.range_of(eqn.invars[k]), values
 
 
-def value_finite_over_range(eqn: JaxprEqn, bounds: Bounds) -> bool:
-    """Whether `eqn` (see `ranged_operand`) has its ranged operand inside (0, inf), where its
-    value is finite at both ends: then in every lane, for finite inputs."""
-    found = ranged_operand(eqn, bounds)
-    if found is None or found[1] is None:
-        return False
-    k, (lo, hi), values = found[0], found[1], found[2]
-    dtype = dtype_of(eqn.invars[k])
-    if not (lo > 0 and np.isfinite(hi)):
-        return False
-    for end in (lo, hi):
-        point = [np.asarray(end, dtype) if j == k else c for j, c in enumerate(values)]
-        if not np.all(np.isfinite(fold(eqn, point)[0])):
-            return False
-    return True
-
-
 def never_wins_alone(eqn: JaxprEqn, k: int, bounds: Bounds) -> bool:
     """Whether operand k of a `max` (`min`) never wins alone: another operand is at least (at
     most) as large in every lane, for every finite input (`jnp.maximum(sum_of_squares, 0.)`).

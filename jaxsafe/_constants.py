@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Generator, Hashable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from ._atoms import literal_value
+from ._atoms import SMALL_CONSTANT, literal_value, shape_of
 from ._compat import JaxprEqn, Literal, Tracer, Var, bind_eqn
 from ._rules import rule_for
 
@@ -97,6 +97,28 @@ def _fold(eqn: JaxprEqn, values: Sequence[Any]) -> list[np.ndarray]:
     for out in outs:
         out.setflags(write=False)
     return outs
+
+
+def small_constant(eqn: JaxprEqn | None) -> Generator[Any, Any, Any]:
+    """The rule `demand` runs for a small value a program computes from literals alone (a
+    selection's predicate): yields each variable operand of `eqn`, its producer, and receives
+    its value; returns `eqn`'s folded output, or None where an operand is unknown or `eqn` does
+    not fold here (not `foldable`, an effect, too large, or a value bound to a sharding that
+    refuses to fold outside its mesh)."""
+    if (eqn is None or len(eqn.outvars) != 1 or eqn.effects
+            or not rule_for(eqn.primitive).foldable
+            or int(np.prod(shape_of(eqn.outvars[0]))) > SMALL_CONSTANT):
+        return None
+    args = []
+    for u in eqn.invars:
+        value = (yield u) if isinstance(u, Var) else np.asarray(literal_value(u))
+        if value is None:
+            return None
+        args.append(value)
+    try:
+        return fold(eqn, args)[0]
+    except Exception:  # noqa: BLE001 - not foldable here (a sharding): left as it is
+        return None
 
 
 MAX_CHAIN_STEPS = 8

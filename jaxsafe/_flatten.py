@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ._atoms import SMALL_CONSTANT, dtype_of, literal_value, shape_of
+from ._atoms import dtype_of, literal_value, shape_of
 from ._compat import (
     ClosedJaxpr,
     DropVar,
@@ -27,7 +27,7 @@ from ._compat import (
     Var,
     is_user_filename,
 )
-from ._constants import fold
+from ._constants import small_constant
 from ._nested import call_jaxpr
 from ._rules import rule_for
 from ._walk import demand
@@ -191,20 +191,7 @@ class _Constants:
         return demand(atom, self.memo, self._fold)
 
     def _fold(self, v: Any) -> Generator[Any, Any, Any]:
-        eqn = self.producer.get(v)
-        if eqn is None or eqn.effects or not rule_for(eqn.primitive).foldable \
-                or int(np.prod(shape_of(v))) > SMALL_CONSTANT:
-            return None
-        args = []
-        for u in eqn.invars:
-            value = (yield u) if isinstance(u, Var) else np.asarray(literal_value(u))
-            if value is None:
-                return None
-            args.append(value)
-        try:
-            return fold(eqn, args)[0]
-        except Exception:  # noqa: BLE001 - not foldable here (a sharding): left as it is
-            return None
+        return small_constant(self.producer.get(v))
 
 
 def _constant_case(eqn: JaxprEqn, which: np.ndarray, reached: set) -> Any:

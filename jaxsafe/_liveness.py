@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from ._atoms import SMALL_CONSTANT, is_float, literal_value, shape_of
+from ._atoms import is_float, literal_value, shape_of
 from ._bounds import Bounds, never_loses
 from ._carries import Carry, carry_classes, carrying_lanes
 from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, bind_eqn
-from ._constants import fold
+from ._constants import small_constant
 from ._free import FreeValues
 from ._masks import any_of, broadcast, reduce_any, register_broadcast, scoped_memo, zeros
 from ._report import note_failure
@@ -308,26 +308,9 @@ class Sweep:
 
     # -- constants --------------------------------------------------------------------------
 
-    def _foldable(self, v: Any) -> JaxprEqn | None:
-        eqn = self.producer_of(v)
-        if (eqn is None or len(eqn.outvars) != 1 or eqn.effects
-                or not rule_for(eqn.primitive).foldable
-                or int(np.prod(shape_of(v))) > SMALL_CONSTANT):
-            return None
-        return eqn
-
     def _fold(self, v: Any) -> Generator[Any, Any, Any]:
         """The rule `demand` runs: yields each operand whose value it needs."""
-        eqn = self._foldable(v)
-        if eqn is None:
-            return None
-        args = []
-        for u in eqn.invars:
-            value = (yield u) if isinstance(u, Var) else np.asarray(literal_value(u))
-            if value is None:
-                return None
-            args.append(value)
-        return fold(eqn, args)[0]
+        return small_constant(self.producer_of(v))
 
     # -- kinds and masks ----------------------------------------------------------------------
 

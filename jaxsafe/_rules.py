@@ -335,7 +335,7 @@ class PrimitiveRule:
     ranged_operand: int | None = None
     """The operand over whose range, inside (0, inf), the value and each derivative in it are
     monotone when the other operands are constant (`pow`'s base): finite at both ends of the
-    range is finite between (`_sites.py`, `_taint.py`)."""
+    range is finite between (`_bounds.operand_in_domain`)."""
     preimage: PreimageRule | None = None
     """Increasing in one operand, the others constant: a lower bound of the output bounds that
     operand from below (`sqrt`, `x / c` for c > 0): a predicate on the result bounds the

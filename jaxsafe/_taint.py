@@ -32,7 +32,6 @@ from ._bounds import (
     of_program,
     value_finite_above_bound,
     value_finite_in_range,
-    value_finite_over_range,
 )
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var, scan_counts
 from ._constants import finite_with_derivatives
@@ -227,10 +226,10 @@ def nonfinite_anywhere(closed: ClosedJaxpr, seeds: set) -> set:
 def _proven_finite(eqn: JaxprEqn, bounds_of: Callable[[], Bounds]) -> bool:
     """Whether a NaN-prone `eqn` is finite in every lane for finite operands, by a bound or a
     range of what it reads: `sqrt` of a sum of squares, `(1 - where(d < 1, d, 0)) ** 2.5` of a
-    distance, `exp(-alpha * (r - sigma))` of a distance r >= 0."""
+    distance and `exp(-alpha * (r - sigma))` of a distance r >= 0 (their ranges' ends are
+    finite)."""
     rule = rule_for(eqn.primitive)
     checks = ((rule.decreasing, value_finite_above_bound),
-              (rule.ranged_operand is not None, value_finite_over_range),
               (rule.range is not None, value_finite_in_range))
     return any(applies and check(eqn, bounds_of()) for applies, check in checks)
 
