@@ -12,7 +12,7 @@ help:
 	@echo "Targets:"
 	@echo "  make demo    build $(VENV) and run examples/quickstart.py"
 	@echo "  make test    build $(VENV), run the house checks (make lint) and the test suite (not slow)"
-	@echo "  make test-tables  the table sweeps in float16, bfloat16 and float64 (make test runs float32; CI runs both)"
+	@echo "  make test-tables  the table sweeps in float16, bfloat16 and float64, and the stats functions behind a where (make test runs the rest in float32; CI runs both)"
 	@echo "  make test-libs  install the heavy libraries (jax-md, Flax) and run their tests (CI runs it)"
 	@echo "  make test-jax-min  the core and composition tests on the lowest JAX supported, in its own venv (CI runs it)"
 	@echo "  make test-jax-newest  the same on the newest JAX checked (needs PYTHON312=python3.12; not in CI)"

@@ -62,10 +62,15 @@ _LONGEST_FIRST = (
 
 # The table sweeps run every case in float32 in `make test`. Their other dtypes (float16 and
 # bfloat16; float64 in the x64 session) are marked `tables`: `make test-tables` runs them, and
-# CI runs both (.ci/run): `make test` goes from 18-19 minutes to about 13 on 2 cores.
+# CI runs both (.ci/run): `make test` goes from 18-19 minutes to about 13 on 2 cores. The
+# `jax.scipy.stats` functions behind a `where` (104 of the transparency suite's where checks)
+# are `tables` in float32 too: compiling their gradients took 65 of make test's 1244
+# worker-seconds (truncnorm's cdf alone 7 s); make test keeps the 62 unary ops behind a `where`
+# and the stats functions behind a constant mask (test_nonfinite_data.py).
 _TABLE_MODULES = frozenset({"test_transparency.py", "test_x64_transparency.py",
                             "test_x64_where.py", "test_guard_table.py"})
 _FLOAT64_TABLES = frozenset({"test_x64.py"})  # the guard and drop tables' cases, in float64
+_STATS_PREFIX = "stats."  # the ids of transparency_cases.STATS
 
 
 def _dtype_name(value) -> str | None:
@@ -75,7 +80,7 @@ def _dtype_name(value) -> str | None:
         return None
 
 
-def _in_other_dtype(item) -> bool:
+def _in_tables(item) -> bool:
     callspec = getattr(item, "callspec", None)
     if callspec is None:
         return False
@@ -83,12 +88,14 @@ def _in_other_dtype(item) -> bool:
         return True
     if item.path.name not in _TABLE_MODULES or "dtype" not in callspec.params:
         return False
+    if str(callspec.params.get("wid", "")).startswith(_STATS_PREFIX):
+        return True
     return _dtype_name(callspec.params["dtype"]) != "float32"
 
 
 def pytest_collection_modifyitems(session, config, items):
     for item in items:
-        if _in_other_dtype(item):
+        if _in_tables(item):
             item.add_marker(pytest.mark.tables)
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
