@@ -160,7 +160,7 @@ def test_a_clip_that_may_win_keeps_its_guard(f, hand):
     got = jax.jacfwd(jaxsafe.nan_safe(f))(x)
     assert_finite(got)
     assert_close(got, jax.jacfwd(hand)(x))
-    assert_close(jax.hessian(jaxsafe.nan_safe(f))(x), jax.hessian(hand)(x), atol=1e-6)
+    assert_close(jax.hessian(jaxsafe.nan_safe(f))(x), jax.jit(jax.hessian(hand))(x), atol=1e-6)
 
 
 
@@ -523,12 +523,12 @@ def test_a_predicate_that_holds_on_the_diagonal_keeps_the_guard():
     NaN in plain JAX's gradient, which the guard removes (the pairs apart are unchanged)."""
     r = R[:3]  # no coincident pair: the reference is finite
     energy = _without_diagonal(_unmasked_root_terms)
-    assert not np.isfinite(np.asarray(jax.grad(energy)(r))).all()
+    assert not np.isfinite(np.asarray(jax.jit(jax.grad(energy))(r))).all()
     assert "guarded sqrt" in str(jaxsafe.explain(energy, finite_args=True)(r))
     kept = _off_diagonal_reference(_unmasked_root_terms, r)
     safe = jaxsafe.nan_safe(energy, finite_args=True)
-    assert_close(jax.grad(safe)(r), jax.grad(kept)(r), atol=1e-6)
-    assert_close(jax.hessian(safe)(r), jax.hessian(kept)(r), atol=1e-5)
+    assert_close(jax.grad(safe)(r), jax.jit(jax.grad(kept))(r), atol=1e-6)
+    assert_close(jax.hessian(safe)(r), jax.jit(jax.hessian(kept))(r), atol=1e-5)
 
 
 def _shifted_eye(n, dtype):
@@ -603,15 +603,15 @@ def test_an_exp_unbounded_above_keeps_its_guard():
     derivatives are those of the pairs that are not that far."""
     energy = lambda r: jnp.sum(_morse_terms(r, alpha=5.0))
     far = R.at[0].set(jnp.array([40.0, 0.0]))
-    assert np.isnan(np.asarray(jax.grad(energy)(far))).any()
+    assert np.isnan(np.asarray(jax.jit(jax.grad(energy))(far))).any()
     assert "guarded exp" in str(jaxsafe.explain(energy, finite_args=True)(far))
     near = (PAIRS[0][3:], PAIRS[1][3:])  # the pairs without particle 0
     kept = lambda r: jnp.sum(_morse_terms(r, alpha=5.0, pairs=near))
     got = jax.grad(jaxsafe.nan_safe(energy, finite_args=True))(far)
     assert_finite(got)
-    assert_close(got, jax.grad(kept)(far))
+    assert_close(got, jax.jit(jax.grad(kept))(far))
     assert_close(jax.hessian(jaxsafe.nan_safe(energy, finite_args=True))(far),
-                 jax.hessian(kept)(far), atol=1e-5)
+                 jax.jit(jax.hessian(kept))(far), atol=1e-5)
 
 
 @pytest.mark.parametrize("top, proven", [(80.0, True), (88.8, False)])
