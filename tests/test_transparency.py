@@ -39,8 +39,9 @@ marked `slow` (`make fuzz`). If a group fails as a whole (a jaxsafe bug in one o
 is split in halves until each failing case holds its own error, and the others still pass.
 
 dtypes: without x64 this file runs float16, bfloat16 and float32; with `JAX_ENABLE_X64=1` it runs
-float64 only (the others ran in the normal session). `make test` runs the float32 cases;
-conftest marks the others `tables`, for `make test-tables` (CI runs both).
+float64 only (the others ran in the normal session). `make test` runs the float32 cases
+but the stats functions' where checks; conftest marks the others `tables`, for `make
+test-tables` (CI runs both).
 `test_x64_transparency.py` (the table) and `test_x64_where.py` (the where-wrapped ops) import
 the tests, so that two workers share the float64 cases. The eager/vmap rotation runs through
 all four dtypes, so each function has those two checks in one session or the other (about a
