@@ -69,6 +69,12 @@ def elementwise_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     return [fit(outs[0], shape_of(v)) for v in eqn.invars]
 
 
+def paired_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                 ctx: Context) -> list[Mask]:
+    """Operand i is output i, placed or fenced (`device_put`, `optimization_barrier`)."""
+    return list(outs)
+
+
 def same_rank_alignment(eqn: JaxprEqn, k: int) -> list[int | None] | None:
     """An operand of the output's rank runs along the output's axes (size-1 axes broadcast)."""
     ins, outs = shape_of(eqn.invars[k]), shape_of(eqn.outvars[0])
@@ -578,6 +584,11 @@ def _aligned(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context,
 def aligned_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
     """The output's formula, moved along each operand's alignment."""
     return _aligned(eqn, out_syms, ctx, False)
+
+
+def paired_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
+    """Operand i has output i's formula (`paired_masks`)."""
+    return list(out_syms)
 
 
 def selected_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:

@@ -96,6 +96,8 @@ from ._liveness_rules import (
     opaque_call_kinds,
     opaque_call_masks,
     pad_drops,
+    paired_masks,
+    paired_syms,
     reduction_alignment,
     reduction_masks,
     reshape_alignment,
@@ -239,6 +241,15 @@ register_elementwise(prims.reduce_precision_p, linear=True,
                      bound=bounds.non_negative_if_bounded)
 register_elementwise(prims.copy_p, linear=True, bound=bounds.moved,
                      preimage=bounds.same_preimage, range=ranges.same_range)
+# `checkpoint_name`: the value itself, tagged for a remat policy (a drop after it reaches the
+# value before it: without this row, `where(m, checkpoint_name(log(x)), 0.)` went unguarded)
+register_elementwise(prims.name_p, linear=True, bound=bounds.moved,
+                     preimage=bounds.same_preimage, range=ranges.same_range)
+# `jax.device_put` and `lax.optimization_barrier` inside a traced function: each operand is
+# its output, placed or fenced (without these rows a drop after them did not reach the value
+# before them: `where(m, device_put(log(x)), 0.)` went unguarded)
+register(prims.device_put_p, lax.optimization_barrier_p, masks=paired_masks,
+         static=paired_syms, linear=True)
 # `with_sharding_constraint`: the value itself, placed; re-emitted with its sharding
 register_elementwise(prims.sharding_constraint_p, linear=True, bound=bounds.moved)
 # `reshard` (Explicit mesh axes): its operand and output are typed with different shardings, so a
@@ -403,8 +414,9 @@ if shard_map_p is not None:
 # (`_zero_lanes.py`); a product's zero factor and a quotient's zero numerator absorb.
 for _p in (prims.add_p, prims.sub_p, prims.add_jaxvals_p):
     update(_p, zeros=Zeros(zero_lanes.every_operand))
-for _p in (prims.neg_p, prims.convert_element_type_p, prims.copy_p, prims.reduce_precision_p,
-           prims.real_p, prims.imag_p, prims.conj_p, prims.square_p, prims.sharding_constraint_p):
+for _p in (prims.neg_p, prims.convert_element_type_p, prims.copy_p, prims.name_p,
+           prims.reduce_precision_p, prims.real_p, prims.imag_p, prims.conj_p, prims.square_p,
+           prims.sharding_constraint_p):
     update(_p, zeros=Zeros(zero_lanes.like_operand(0)))
 update(prims.mul_p, zeros=Zeros(zero_lanes.any_operand, absorbs=frozenset({0, 1})))
 update(prims.div_p, zeros=Zeros(zero_lanes.like_operand(0), absorbs=frozenset({0})))

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from helpers import assert_bitwise, assert_close, assert_finite, structure
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 import jaxsafe
 from jaxsafe import nan_safe
@@ -226,6 +227,52 @@ def test_logsumexp_isfinite_test_does_not_taint_the_program():
     _, report = jaxsafe.nan_safe(f, finite_args=True).trace(1., jnp.ones(3))
     assert [site.eqn.primitive for site in report.sites] == [P.exp_p]
     assert all(reason == "table" for site in report.sites for reason in site.reasons.values())
+
+
+@pytest.mark.parametrize("policy", [None, "save_only_these_names"])
+def test_a_drop_reaches_through_checkpoint_name(policy):
+    """`checkpoint_name` tags a value for a remat policy: the value itself. A `where` after it
+    drops the lanes of the `log` before it (plain JAX: NaN at x = 0, 0 * inf)."""
+    def make(clean):
+        def f(x):
+            y = checkpoint_name(jnp.log(clean(x)), "lg")
+            return jnp.where(x > 0, y, 0.)
+        if policy is not None:
+            f = jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names("lg"))
+        return lambda x: jnp.sum(f(x) ** 2)
+    f, hand = make(lambda x: x), make(lambda x: jnp.where(x > 0, x, 1.))
+    x = jnp.array([-1., 0., 0.5, 2.])
+    assert np.isnan(np.asarray(jax.jit(jax.grad(f))(x))).any()
+    assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+    for order in (jax.grad, jax.hessian, lambda g: jax.jacfwd(jax.hessian(g))):
+        got = jax.jit(order(nan_safe(f)))(x)
+        assert_finite(got)
+        assert_close(got, jax.jit(order(hand))(x), atol=1e-6)
+
+
+PLACED = {"device_put": jax.device_put,
+          "optimization_barrier": lambda t: lax.optimization_barrier(t)}
+
+
+@pytest.mark.parametrize("place", list(PLACED))
+def test_a_drop_reaches_through_a_placement_or_a_fence(place):
+    """`jax.device_put` and `lax.optimization_barrier` inside a traced function: each operand
+    is its output (a pair of them here). A `where` after them drops the lanes of the `log` and
+    `sqrt` before them (plain JAX: NaN where x <= 0)."""
+    def make(clean):
+        def f(x):
+            a, b = PLACED[place]((jnp.log(clean(x)), jnp.sqrt(clean(x))))
+            return jnp.sum(jnp.where(x > 0, a * b, 0.))
+        return f
+    f, hand = make(lambda x: x), make(lambda x: jnp.where(x > 0, x, 1.))
+    x = jnp.array([-1., 0., 0.5, 2.])
+    assert np.isnan(np.asarray(jax.jit(jax.grad(f))(x))).any()
+    assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+    for order in (jax.grad, jax.hessian, lambda g: jax.jacfwd(jax.hessian(g))):
+        got = jax.jit(order(nan_safe(f)))(x)
+        assert_finite(got)
+        assert_close(got, jax.jit(order(hand))(x), atol=1e-6)
+    assert "unknown" not in str(jaxsafe.explain(f)(x))
 
 
 def test_split_is_data_movement_not_an_unknown_primitive():

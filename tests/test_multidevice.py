@@ -180,6 +180,29 @@ def test_sharding_constraints_are_kept_and_liveness_passes_through_them():
     assert old and [e.params for e in new] == [e.params for e in old]
 
 
+def test_a_sharded_device_put_inside_the_function_passes_liveness_through():
+    """`jax.device_put(v, sharding)` inside the traced function: the value itself, placed. The
+    drop after it reaches the `sqrt` before it, and the placement is kept."""
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharded = NamedSharding(mesh, P("d"))
+    xs = jnp.linspace(-1., 1., 16)
+
+    def make(clean):
+        def f(x):
+            y = jax.device_put(jnp.sqrt(clean(x)), sharded)
+            return jnp.sum(jnp.where(x > 0, y, 0.))
+        return f
+    f, hand = make(lambda x: x), make(lambda x: jnp.where(x > 0, x, 1.))
+    assert np.isnan(jax.jit(jax.grad(f))(xs)).any()
+    assert_close(jax.jit(jax.grad(nan_safe(f)))(xs), jax.jit(jax.grad(hand))(xs))
+    assert_close(jax.jit(jax.hessian(nan_safe(f)))(xs), jax.jit(jax.hessian(hand))(xs))
+    assert_bitwise(nan_safe(f)(xs), jax.jit(f)(xs))
+    report = nan_safe(f).trace(xs)[1]
+    assert report.changed and not report.unknown
+    new = [e for e in jaxsafe.make_jaxpr(f)(xs).jaxpr.eqns if e.primitive.name == "device_put"]
+    assert new and all(e.params["devices"] == (sharded,) for e in new)
+
+
 def _transformer_loss(guard):
     """One masked-attention block with an RMS norm on padded token rows (zero embeddings: the
     norm's 0/0 is dropped by the where, the classic leak), and attention masked to valid keys:
