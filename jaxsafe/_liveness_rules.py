@@ -48,6 +48,7 @@ from ._nested import call_jaxpr
 from ._rules import AlignRule, Context, Kind, Mask, MaskRule, StaticRule, rule_for
 from ._symbolic import (
     FALSE,
+    TRUE,
     Sym,
     Unknown,
     backward_mapping,
@@ -69,10 +70,21 @@ def elementwise_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     return [fit(outs[0], shape_of(v)) for v in eqn.invars]
 
 
+def _retyped(eqn: JaxprEqn, i: int) -> bool:
+    """Whether output i is operand i under another type: a `device_put` to another sharding of
+    `Explicit` mesh axes, or to another memory space (a mask of the output's type cannot select
+    the operand's lanes). Under `Auto` axes the types carry no partition (`P(None)` both)."""
+    a, b = eqn.invars[i].aval, eqn.outvars[i].aval
+    spec = lambda aval: getattr(getattr(aval, "sharding", None), "spec", None)  # noqa: E731
+    space = lambda aval: getattr(aval, "memory_space", None)  # noqa: E731
+    return spec(a) != spec(b) or space(a) != space(b)
+
+
 def paired_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
                  ctx: Context) -> list[Mask]:
-    """Operand i is output i, placed or fenced (`device_put`, `optimization_barrier`)."""
-    return list(outs)
+    """Operand i is output i, placed or fenced (`device_put`, `optimization_barrier`); one
+    placed under another type is live in every lane (as `reshard`'s)."""
+    return [None if _retyped(eqn, i) else m for i, m in enumerate(outs)]
 
 
 def same_rank_alignment(eqn: JaxprEqn, k: int) -> list[int | None] | None:
@@ -587,8 +599,10 @@ def aligned_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[S
 
 
 def paired_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
-    """Operand i has output i's formula (`paired_masks`)."""
-    return list(out_syms)
+    """Operand i has output i's formula; one placed under another type is live in every lane
+    wherever its output has a live lane (`paired_masks`)."""
+    return [(TRUE if s != FALSE else FALSE) if _retyped(eqn, i) else s
+            for i, s in enumerate(out_syms)]
 
 
 def selected_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:

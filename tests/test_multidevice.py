@@ -203,6 +203,29 @@ def test_a_sharded_device_put_inside_the_function_passes_liveness_through():
     assert new and all(e.params["devices"] == (sharded,) for e in new)
 
 
+def test_a_device_put_under_explicit_axes_passes_liveness_only_where_the_type_is_kept():
+    """Under `Explicit` mesh axes a `device_put` to another sharding changes the value's type:
+    a mask of the output's sharding cannot select the operand's lanes, so the operand is live
+    in every lane there (as `reshard`'s); to the same sharding, the drop reaches through."""
+    mesh = jax.make_mesh((8,), ("d",))  # Explicit axes
+    sharded = NamedSharding(mesh, P("d"))
+
+    def make(clean):
+        def f(x):
+            y = jax.device_put(jnp.sqrt(clean(x)), sharded)
+            return jnp.sum(jnp.where(x > 0, y, 0.))
+        return f
+    f, hand = make(lambda x: x), make(lambda x: jnp.where(x > 0, x, 1.))
+    with jax.set_mesh(mesh):
+        kept = jax.device_put(jnp.linspace(-1., 1., 16), sharded)
+        assert np.isnan(jax.jit(jax.grad(f))(kept)).any()
+        assert_close(jax.jit(jax.grad(nan_safe(f)))(kept), jax.jit(jax.grad(hand))(kept))
+        retyped = jnp.linspace(-1., 1., 16)  # not sharded: device_put changes its type
+        assert not nan_safe(f).trace(retyped)[1].changed
+        jaxsafe.make_jaxpr(f)(retyped)  # emitted without a select across shardings
+        assert_bitwise(nan_safe(f)(retyped), jax.jit(f)(retyped))
+
+
 def _transformer_loss(guard):
     """One masked-attention block with an RMS norm on padded token rows (zero embeddings: the
     norm's 0/0 is dropped by the where, the classic leak), and attention masked to valid keys:
