@@ -180,6 +180,16 @@ def test_sharding_constraints_are_kept_and_liveness_passes_through_them():
     assert old and [e.params for e in new] == [e.params for e in old]
 
 
+def _placed_roots(sharding):
+    """`sum(where(x > 0, device_put(sqrt(x), sharding), 0.))`, and its hand fix."""
+    def make(clean):
+        def f(x):
+            y = jax.device_put(jnp.sqrt(clean(x)), sharding)
+            return jnp.sum(jnp.where(x > 0, y, 0.))
+        return f
+    return make(lambda x: x), make(lambda x: jnp.where(x > 0, x, 1.))
+
+
 def test_a_sharded_device_put_inside_the_function_passes_liveness_through():
     """`jax.device_put(v, sharding)` inside the traced function: the value itself, placed. The
     drop after it reaches the `sqrt` before it, and the placement is kept."""
@@ -187,12 +197,7 @@ def test_a_sharded_device_put_inside_the_function_passes_liveness_through():
     sharded = NamedSharding(mesh, P("d"))
     xs = jnp.linspace(-1., 1., 16)
 
-    def make(clean):
-        def f(x):
-            y = jax.device_put(jnp.sqrt(clean(x)), sharded)
-            return jnp.sum(jnp.where(x > 0, y, 0.))
-        return f
-    f, hand = make(lambda x: x), make(lambda x: jnp.where(x > 0, x, 1.))
+    f, hand = _placed_roots(sharded)
     assert np.isnan(jax.jit(jax.grad(f))(xs)).any()
     assert_close(jax.jit(jax.grad(nan_safe(f)))(xs), jax.jit(jax.grad(hand))(xs))
     assert_close(jax.jit(jax.hessian(nan_safe(f)))(xs), jax.jit(jax.hessian(hand))(xs))
@@ -210,12 +215,7 @@ def test_a_device_put_under_explicit_axes_passes_liveness_only_where_the_type_is
     mesh = jax.make_mesh((8,), ("d",))  # Explicit axes
     sharded = NamedSharding(mesh, P("d"))
 
-    def make(clean):
-        def f(x):
-            y = jax.device_put(jnp.sqrt(clean(x)), sharded)
-            return jnp.sum(jnp.where(x > 0, y, 0.))
-        return f
-    f, hand = make(lambda x: x), make(lambda x: jnp.where(x > 0, x, 1.))
+    f, hand = _placed_roots(sharded)
     with jax.set_mesh(mesh):
         kept = jax.device_put(jnp.linspace(-1., 1., 16), sharded)
         assert np.isnan(jax.jit(jax.grad(f))(kept)).any()
