@@ -310,6 +310,10 @@ def _notes(report: Report) -> list[str]:
             lines += _note(eqn, f"unknown primitive {eqn.primitive.name}: passed through "
                                 f"unguarded (treated as live, outputs treated as possibly "
                                 f"non-finite)", indent)
+        for eqn in current.conservative:
+            lines += _note(eqn, f"liveness not followed through {eqn.primitive.name} (no rule): "
+                                f"its operand lanes are taken as live where any output lane "
+                                f"is, so a drop after it does not reach before it", indent)
         for eqn in current.backward_rules:
             lines += _note(eqn, f"guarded the backward rule of {eqn.primitive.name}: a "
                                 f"cotangent lane that a drop made zero stays zero through its "

@@ -197,6 +197,162 @@ def by_transpose_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     return [None if c is None else lax.gt(c, np.float32(0)) for c in pulled]
 
 
+# --------------------------------------------------------------------------- windows
+
+WindowAxis = tuple[int, int, int, int, int, int, int, int]
+"""One windowed axis: the operand's axis, its size, the window's size, the stride, padding low
+and high, the operand's dilation (a convolution's `lhs_dilation`, a window sum's
+`base_dilation`), the window's."""
+
+
+def window_sum_axes(eqn: JaxprEqn) -> list[WindowAxis]:
+    """`reduce_window_sum`: every axis is windowed."""
+    p = eqn.params
+    return [(a, n, k, s, lo, hi, b, d) for a, (n, k, s, (lo, hi), b, d) in enumerate(zip(
+        shape_of(eqn.invars[0]), p["window_dimensions"], p["window_strides"], p["padding"],
+        p["base_dilation"], p["window_dilation"], strict=True))]
+
+
+def convolution_axes(eqn: JaxprEqn) -> list[WindowAxis]:
+    """`conv_general_dilated`: the spatial axes (every feature and batch lane is read, in groups
+    or not)."""
+    p = eqn.params
+    dims = p["dimension_numbers"]
+    lhs, rhs = shape_of(eqn.invars[0]), shape_of(eqn.invars[1])
+    return [(a, lhs[a], rhs[b], s, lo, hi, bd, wd) for a, b, s, (lo, hi), bd, wd in zip(
+        dims.lhs_spec[2:], dims.rhs_spec[2:], p["window_strides"], p["padding"],
+        p["lhs_dilation"], p["rhs_dilation"], strict=True)]
+
+
+WindowAxes = Callable[[JaxprEqn], list[WindowAxis]]
+
+
+def _untouched(axis: WindowAxis) -> bool:
+    """A windowed axis whose output lane i is operand lane i (a window of 1, no stride, padding
+    or dilation: a pooling's batch and channels, a 1x1 convolution's spatial axes)."""
+    return tuple(axis[2:]) == (1, 1, 0, 0, 1, 1)
+
+
+WindowReads = Callable[[JaxprEqn, list[Mask], Sequence[Any]], Mask]
+WindowPairs = Callable[[JaxprEqn], tuple[dict[int, int], frozenset[int]]]
+
+
+def window_sum_pairs(eqn: JaxprEqn) -> tuple[dict[int, int], frozenset[int]]:
+    """The output axes that are operand axes (output axis: operand axis), and the output axes
+    along which every lane reads the same operand lanes (none for a window sum)."""
+    return {axis[0]: axis[0] for axis in window_sum_axes(eqn) if _untouched(axis)}, frozenset()
+
+
+def convolution_pairs(eqn: JaxprEqn) -> tuple[dict[int, int], frozenset[int]]:
+    """A convolution's batch (without batch groups) and untouched spatial axes run along its
+    operand's; each output feature reads every operand feature (of its group)."""
+    dims = eqn.params["dimension_numbers"]
+    pairs = {dims.out_spec[2 + j]: axis[0] for j, axis in enumerate(convolution_axes(eqn))
+             if _untouched(axis)}
+    if eqn.params["batch_group_count"] == 1:
+        pairs[dims.out_spec[0]] = dims.lhs_spec[0]
+    return pairs, frozenset({dims.out_spec[1]})
+
+
+_WINDOW_TAPS_CHECKED = 1 << 20
+"""Windows times taps of one axis beyond which the lanes read are not listed (a moment of NumPy
+per equation below it); the masks are then the derivative's, at run time."""
+
+
+def _read_lanes(axis: WindowAxis) -> np.ndarray | None:
+    """Which of an axis's operand lanes some window reads (a stride longer than the window,
+    negative padding and dilated windows skip some); None: too many windows to list."""
+    _, n, k, stride, lo, hi, base, dil = axis
+    extent = lo + (n - 1) * base + 1 + hi
+    span = (k - 1) * dil + 1
+    windows = (extent - span) // stride + 1 if n > 0 and k > 0 and extent >= span else 0
+    if windows * k > _WINDOW_TAPS_CHECKED:
+        return None
+    at = np.arange(windows)[:, None] * stride + np.arange(k)[None, :] * dil - lo
+    read = np.zeros(n, bool)
+    read[at[(at >= 0) & (at % base == 0) & (at <= (n - 1) * base)] // base] = True
+    return read
+
+
+def window_drops(axes: WindowAxes) -> Callable[[JaxprEqn], bool]:
+    """A windowed primitive drops the operand lanes that no window reads."""
+    def drops(eqn: JaxprEqn) -> bool:
+        for axis in axes(eqn):
+            read = _read_lanes(axis)
+            if read is None or not read.all():
+                return True
+        return False
+    return drops
+
+
+def windowed_masks(axes: WindowAxes, pairs: WindowPairs, reads: WindowReads) -> MaskRule:
+    """A window sum or a convolution: an operand lane is live where a live output's window reads
+    it. Every output live: the lanes some window reads along each axis (constants); a mask that
+    varies only along axes that run along the operand's (a batch, a 1x1 convolution's) or that
+    read the same lanes (a convolution's features): those lanes, where the mask holds along the
+    paired axes. Otherwise `reads` (the derivative's, or a thinner one's: a kernel's zero or
+    negative weights cancel nothing). A kernel is live where any output is: a weight that
+    meets only padding still multiplies it (a NaN weight makes a NaN output)."""
+    def masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+              ctx: Context) -> list[Mask]:
+        shape = shape_of(eqn.invars[0])
+        out = outs[0]
+        kernels: list[Mask] = [None] * (len(eqn.invars) - 1)
+        if out is not None:
+            live = reduce_any(out, range(out.ndim))
+            kernels = [broadcast(live, shape_of(v)) for v in eqn.invars[1:]]
+        per_axis = [(axis[0], _read_lanes(axis)) for axis in axes(eqn)]
+        if all(read is not None for _, read in per_axis):
+            read_any = all_of([place(read, (a,), shape) for a, read in per_axis
+                               if read is not None and not read.all()])
+            if out is None:
+                return [read_any] + kernels
+            paired, summed = pairs(eqn)
+            varying = factor(out)[1]
+            if all(d in paired or d in summed for d in varying):
+                # live along the axes that run along the operand's, whatever the window
+                kept = sorted(paired)
+                along = reduce_any(out, [d for d in range(out.ndim) if d not in paired])
+                return [all_of([place(along, [paired[d] for d in kept], shape),
+                                read_any])] + kernels
+        return [reads(eqn, outs, invals)] + kernels
+    return masks
+
+
+def read_by_derivative(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any]) -> Mask:
+    """The operand lanes a window op's live outputs read: the vector-Jacobian product of the
+    mask at operands of ones (a lane's cotangent counts the live outputs that read it)."""
+    ones = lambda x, v: lax.full(shape_of(v), 1, dtype_of(v))  # noqa: E731
+    read = pulled_back(eqn, outs, invals, ones)[0]
+    return None if read is None else lax.ne(read, lax.full_like(read, 0))
+
+
+def convolution_reads(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any]) -> Mask:
+    """A convolution's live outputs read, in each feature of the operand, the pixels of their
+    windows: the mask, reduced over the output features, pulled back through a convolution of
+    one feature by a kernel of ones (a few adds per pixel, where the operation's own derivative
+    would cost a convolution's over every feature; exact without feature groups, a superset
+    with them). With batch groups: the derivative."""
+    p = eqn.params
+    dims = p["dimension_numbers"]
+    if p["batch_group_count"] != 1:
+        return read_by_derivative(eqn, outs, invals)
+    lhs = list(shape_of(eqn.invars[0]))
+    lhs[dims.lhs_spec[1]] = 1
+    rhs = list(shape_of(eqn.invars[1]))
+    rhs[dims.rhs_spec[0]] = rhs[dims.rhs_spec[1]] = 1
+    kernel = lax.full(tuple(rhs), 1., jnp.float32)
+
+    def one_feature(x: jax.Array) -> jax.Array:
+        return lax.conv_general_dilated(x, kernel, p["window_strides"], p["padding"],
+                                        p["lhs_dilation"], p["rhs_dilation"], dims)
+    per_pixel = reduce_any(materialize(outs[0], shape_of(eqn.outvars[0])), [dims.out_spec[1]],
+                           keepdims=True)
+    _, pull = jax.vjp(one_feature, lax.full(tuple(lhs), 0., jnp.float32))
+    read = pull(lax.convert_element_type(per_pixel, jnp.float32))[0]
+    return broadcast(lax.gt(read, lax.full_like(read, 0)), shape_of(eqn.invars[0]))
+
+
 def slice_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
                 ctx: Context) -> list[Mask]:
     """The lanes a static slice reads: its mask padded with False (the transpose of slice)."""
@@ -444,13 +600,20 @@ def dot_general_alignment(eqn: JaxprEqn, k: int) -> list[int | None]:
 # --------------------------------------------------------------------------- batched linear algebra
 
 
-def batch_rank(eqn: JaxprEqn, core: int | None) -> int:
+Core = int | None | Callable[[JaxprEqn], int]
+"""A batched primitive's trailing axes that make one element: a count, None (the value is one
+whole), or read off the equation (an FFT's `fft_lengths`)."""
+
+
+def batch_rank(eqn: JaxprEqn, core: Core) -> int:
     """The leading axes along which a linear-algebra primitive works matrix by matrix: those
     of its first output before its `core` trailing axes (None: none, the value is one whole)."""
+    if callable(core):
+        core = core(eqn)
     return 0 if core is None else len(shape_of(eqn.outvars[0])) - core
 
 
-def batched_masks(core: int | None) -> MaskRule:
+def batched_masks(core: Core) -> MaskRule:
     """Each matrix of a batch is computed on its own: its operand lanes are live where any lane
     of that batch element is, in any float output (`core`: the first output's matrix axes)."""
     def masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
@@ -471,7 +634,7 @@ def batched_masks(core: int | None) -> MaskRule:
     return masks
 
 
-def batched_syms(core: int | None) -> StaticRule:
+def batched_syms(core: Core) -> StaticRule:
     """Static liveness of a batch element: the OR of its lanes in the float outputs. A literal
     that runs along the batch axes only carries over (a `where` on a per-matrix predicate); one
     that runs along the matrix axes only is taken as live somewhere in each matrix (the lower
@@ -504,7 +667,7 @@ def batched_syms(core: int | None) -> StaticRule:
     return static
 
 
-def batched_alignment(core: int) -> AlignRule:
+def batched_alignment(core: Core) -> AlignRule:
     """A one-output primitive's batch axes run along its output's; its matrix axes along none."""
     def align(eqn: JaxprEqn, k: int) -> list[int | None]:
         nb = batch_rank(eqn, core)

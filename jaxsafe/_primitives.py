@@ -85,6 +85,9 @@ from ._liveness_rules import (
     concatenate_masks,
     cond_kinds,
     cond_masks,
+    convolution_axes,
+    convolution_pairs,
+    convolution_reads,
     cumulative_masks,
     dot_general_alignment,
     dot_general_masks,
@@ -98,6 +101,7 @@ from ._liveness_rules import (
     pad_drops,
     paired_masks,
     paired_syms,
+    read_by_derivative,
     reduction_alignment,
     reduction_masks,
     reshape_alignment,
@@ -111,6 +115,10 @@ from ._liveness_rules import (
     squeeze_masks,
     transpose_alignment,
     transpose_masks,
+    window_drops,
+    window_sum_axes,
+    window_sum_pairs,
+    windowed_masks,
     winner_masks,
 )
 from ._rules import Carries, Chooser, Guard, Selection, Zeros, register, update
@@ -126,6 +134,10 @@ from ._taint import (
 
 def _always(eqn: JaxprEqn) -> bool:
     return True
+
+
+def _fft_core(eqn: JaxprEqn) -> int:
+    return len(eqn.params["fft_lengths"])
 
 
 def register_elementwise(*primitives: Primitive, **facts: Any) -> None:
@@ -355,6 +367,16 @@ register(prims.cumprod_p, prims.cumlogsumexp_p,
          masks=cumulative_masks, foldable=True)
 register(prims.dot_general_p, masks=dot_general_masks, align=dot_general_alignment,
          static=aligned_syms, foldable=True, derivative_reads=BILINEAR)
+# windows: a window sum (average pooling) and a convolution read their live windows' lanes
+register(prims.reduce_window_sum_p,
+         masks=windowed_masks(window_sum_axes, window_sum_pairs, read_by_derivative),
+         drops=window_drops(window_sum_axes), linear=True, foldable=True)
+register(prims.conv_general_dilated_p,
+         masks=windowed_masks(convolution_axes, convolution_pairs, convolution_reads),
+         drops=window_drops(convolution_axes), foldable=True, derivative_reads=BILINEAR)
+# an FFT transforms its trailing `fft_lengths` axes as one; the leading axes are a batch
+register(prims.fft_p, masks=batched_masks(_fft_core), static=batched_syms(_fft_core),
+         align=batched_alignment(_fft_core), linear=True, foldable=True)
 
 # --------------------------------------------------------------------------- linear algebra
 # Matrix by matrix along the leading axes: a batch element is live where any lane of it is

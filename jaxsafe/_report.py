@@ -40,6 +40,8 @@ class Report:
     - `selections`: `max`/`min`/`clamp` equations re-decided on original values (the decision
       pass);
     - `unknown`: equations of primitives jaxsafe knows nothing about (the guard pass);
+    - `conservative`: equations of JAX's primitives without a liveness rule whose outputs a
+      drop reaches: their operands were taken as live (the guard pass);
     - `nested`: the reports of rewritten bodies, with their equations (the nested-body pass and
       the masked-body pass);
     - `skipped`: equations (or operands) left unguarded although they could use a guard, with
@@ -58,6 +60,7 @@ class Report:
     sites: list[Site] = dataclasses.field(default_factory=list)
     selections: list[JaxprEqn] = dataclasses.field(default_factory=list)
     unknown: list[JaxprEqn] = dataclasses.field(default_factory=list)
+    conservative: list[JaxprEqn] = dataclasses.field(default_factory=list)
     nested: list[tuple[JaxprEqn, Report]] = dataclasses.field(default_factory=list)
     skipped: list[tuple[JaxprEqn, str]] = dataclasses.field(default_factory=list)
     backward_rules: list[JaxprEqn] = dataclasses.field(default_factory=list)

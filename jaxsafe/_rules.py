@@ -400,7 +400,7 @@ class PrimitiveRule:
 RULES: dict[Primitive, PrimitiveRule] = {}
 
 CONSERVATIVE = PrimitiveRule()
-"""The default for JAX's own primitives without a row (`sort`, `conv_general_dilated`, ...)."""
+"""The default for JAX's own primitives without a row (the generic `reduce_window`, ...)."""
 
 UNKNOWN = PrimitiveRule(known=False)
 """The default for any other primitive."""

@@ -72,6 +72,8 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report,
             rule = rule_for(eqn.primitive)
             if not rule.known:
                 report.unknown.append(eqn)
+            elif _liveness_stops(i, eqn, rule, sweep):
+                report.conservative.append(eqn)
             site = _site(i, eqn, rule, sweep, tainted, dropped, bounds, report, free, fixed)
             if site is not None and (site.replace or site.cut) and by_hand.covers(i, eqn):
                 # already guarded by hand (`_by_hand.py`): its dropped lanes stay as they are,
@@ -89,6 +91,14 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report,
         note_failure(e, jaxpr.eqns[i], "guard")
         raise
     return sites
+
+
+def _liveness_stops(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep) -> bool:
+    """A drop reaches outputs of a primitive without a liveness rule (JAX's generic
+    `reduce_window`, `scatter_add`): its differentiable operands were taken as live where any
+    output lane is, and the user is told (the lanes before it keep plain JAX's gradient)."""
+    return (rule.masks is None and rule.kinds is None and any(sweep.diff[i])
+            and any(sweep.kind(o) == Kind.MAYBE for o in eqn.outvars))
 
 
 def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set,

@@ -221,7 +221,7 @@ def test_a_primitive_without_a_row_takes_the_explicit_default():
     assert _rules.rule_for(foreign) is _rules.UNKNOWN
     assert not _rules.UNKNOWN.known and _rules.UNKNOWN.masks is None
     # JAX's own: known, no facts
-    assert _rules.rule_for(P.conv_general_dilated_p) is _rules.CONSERVATIVE
+    assert _rules.rule_for(P.reduce_window_p) is _rules.CONSERVATIVE
     assert _rules.CONSERVATIVE.known and _rules.CONSERVATIVE.guard is None
 
 

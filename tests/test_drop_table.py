@@ -64,6 +64,9 @@ def _idx(x):
     return jnp.arange(x.shape[-1])
 
 
+_KERNEL = jnp.array([[[1., -2.]]])  # a negative weight: no lane is read by cancellation
+
+
 ROWS: list[Drop] = [
     Drop("select_n", P.select_n_p, lambda x, h: jnp.where(x > 0, h(x), 0.).sum(),
          lambda x: x > 0, everywhere=False),
@@ -111,6 +114,15 @@ ROWS: list[Drop] = [
     Drop("reduce_window_min", P.reduce_window_min_p,
          lambda x, h: lax.reduce_window(-h(x), jnp.inf, lax.min, (2,), (2,), "VALID").sum(),
          lambda x: (_idx(x) == 0) | (_idx(x) == 3)),
+    # windows that skip lanes: a stride longer than the window, padding in front
+    Drop("reduce_window_sum", P.reduce_window_sum_p,
+         lambda x, h: (lax.reduce_window(h(x), 0., lax.add, (2,), (3,), [(1, 0)])
+                       * jnp.array([1., 2.], x.dtype)).sum(),
+         lambda x: _idx(x) != 1),
+    Drop("conv_general_dilated", P.conv_general_dilated_p,
+         lambda x, h: lax.conv_general_dilated(h(x)[None, None], _KERNEL.astype(x.dtype),
+                                               (3,), [(1, 0)])[0, 0].sum(),
+         lambda x: _idx(x) != 1),
     # permutations
     Drop("sort", P.sort_p, lambda x, h: (jnp.sort(h(x))[2:] * jnp.array([1., 2.], x.dtype)).sum(),
          lambda x: _idx(x) >= 2),
