@@ -359,9 +359,13 @@ def by_wins(eqn: JaxprEqn, guarded: list, originals: Sequence[Any], operand_mask
 
 def by_fill(eqn: JaxprEqn, guarded: list, originals: Sequence[Any], operand_masks: OperandMasks,
             out_masks: OperandMasks) -> list:
-    """`reduce_max`, `cummax`, pooling: the operand's dropped lanes take the identity (-inf for
-    a max), so a guarded value is never chosen. A reduction fills live rows only: a dropped row
-    keeps its guarded values (`_dropped.py` may know what it holds)."""
+    """`reduce_max`, `cummax`, pooling: the operand's dropped lanes take their original values,
+    cut from differentiation, so a guarded value is never chosen and every result is the
+    original's: a live one picks the lane it picked (a dropped lane never wins a live window,
+    and a tie goes to the same lane, on the same values), and a result that only dropped lanes
+    make holds the original value, not the identity (-inf read by a product's derivative, as
+    `h @ w` reads `h` for `w`'s, made `0 * inf`). A reduction fills live rows only: a dropped
+    row keeps its guarded values (`_dropped.py` may know what it holds)."""
     live = operand_masks()[0]
     x = guarded[0]
     if live is None:
@@ -371,9 +375,8 @@ def by_fill(eqn: JaxprEqn, guarded: list, originals: Sequence[Any], operand_mask
     if "axes" in eqn.params and row is not None:
         kept = tuple(d for d in range(x.ndim) if d not in eqn.params["axes"])
         fill = all_of([fill, broadcast_mask(row, x.shape, kept)])
-    identity = np.array(rule_for(eqn.primitive).identity, x.dtype)
-    return bind_eqn(eqn, [lax.select_n(materialize(fill, x.shape), x,
-                                       lax.full_like(x, identity))])
+    held = lax.stop_gradient(originals[0])
+    return bind_eqn(eqn, [lax.select_n(materialize(fill, x.shape), x, held)])
 
 
 def by_permutation(eqn: JaxprEqn, guarded: list, originals: Sequence[Any],

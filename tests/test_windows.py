@@ -235,3 +235,53 @@ def test_a_drop_that_stops_at_a_primitive_without_a_rule_is_reported():
     assert "liveness not followed through reduce_window (no rule)" in str(report)
     _, report = nan_safe(make(False)).trace(x)
     assert report.conservative == [] and "nothing to guard" in str(report)
+
+
+def _max_pool(h):
+    return lax.reduce_window(h, -jnp.inf, lax.max, (1, 2), (1, 2), "VALID")
+
+
+def test_a_pooled_window_that_only_dropped_lanes_make_holds_its_value_for_a_product():
+    """A max pooling re-decided on the original values, whose first row of windows is dropped
+    by a `where` after a matmul: the weight's gradient reads the pooled values (`h.T @ ct`),
+    where plain JAX's is finite. The pooling's dropped lanes used to take -inf, so a window of
+    dropped lanes gave -inf, and `0 * -inf` made the weight's gradient NaN."""
+    def make(clean):
+        def f(w, x, m):
+            h = _max_pool(jnp.sqrt(clean(jnp.maximum(x, 0.))))
+            return jnp.sum(jnp.where(m, h @ w, 0.))
+        return f
+    x = jnp.array([[0., 0., 0., 0.], [1., 2., 3., 4.]])
+    w = jnp.ones((2, 3))
+    m = jnp.array([[False, False, False], [True, False, True]])
+    f = make(lambda v: v)
+    hand = make(lambda v: jnp.where(m[:, :1], v, 1.))
+    plain = jax.jit(jax.grad(f))(w, x, m)
+    assert_finite(plain)
+    assert_close(jax.jit(jax.grad(nan_safe(f)))(w, x, m), plain)
+    got = jax.jit(jax.grad(nan_safe(f), argnums=1))(w, x, m)
+    assert_finite(got)
+    assert_close(got, jax.jit(jax.grad(hand, argnums=1))(w, x, m))
+    assert_bitwise(nan_safe(f)(w, x, m), jax.jit(f)(w, x, m))
+
+
+def test_two_layers_where_the_second_convolution_drops_every_pixel():
+    """sqrt(max(conv, 0)) and a max pooling, twice; the second layer's clamp drops every
+    pixel, so the first pooling's windows are all dropped. Plain JAX: NaN for both kernels (the
+    first layer's clamp ties at 0 on zero input, sqrt meets 0); nan_safe: both exactly 0."""
+    def conv(x, w):
+        return lax.conv_general_dilated(x, w, (1,), "VALID",
+                                        dimension_numbers=("NWC", "WIO", "NWC"))
+
+    def pool(h):
+        return lax.reduce_window(h, -jnp.inf, lax.max, (1, 2, 1), (1, 2, 1), "VALID")
+
+    def f(w1, w2, x):
+        h = pool(jnp.sqrt(jnp.maximum(conv(x, w1), 0.)))
+        return jnp.sum(pool(jnp.sqrt(jnp.maximum(conv(h, w2), 0.))))
+    x = jnp.array([0., 0., 0., 0., 1., 2., 3., 4., 5., 6.]).reshape(1, 10, 1)
+    w1, w2 = jnp.ones((2, 1, 1)), -jnp.ones((2, 1, 1))
+    assert all(np.isnan(np.asarray(g)).all() for g in jax.grad(f, argnums=(0, 1))(w1, w2, x))
+    for g in jax.jit(jax.grad(nan_safe(f), argnums=(0, 1)))(w1, w2, x):
+        np.testing.assert_array_equal(np.asarray(g), 0.)
+    assert_bitwise(nan_safe(f)(w1, w2, x), jax.jit(f)(w1, w2, x))
