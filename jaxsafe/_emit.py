@@ -148,15 +148,26 @@ class _Emitter:
             self._guard(i, site, invals)
             free = self._guard_free(site, invals)
         outs = self._bind(i, invals)
+        if site is not None:
+            outs = self._cut_outputs(site, outs, free)
+        self._record(i, outs, shared and site is None)
+
+    def _cut_outputs(self, site: Site, outs: list, free: Any) -> list:
+        """The site's output lanes that pass no derivative: those that carry none (`free`),
+        and its dropped lanes where it says so (`Site.cut_output`)."""
         if free is not None:
-            assert site is not None
             if site.free_cut:  # every operand's such lanes come from a selection
                 original = outs[0]
             else:
-                original = bind_eqn(site.eqn, [orig[v] for v in site.eqn.invars])[0]
+                original = bind_eqn(site.eqn, [self.orig[v] for v in site.eqn.invars])[0]
             outs = [lax.select_n(selecting(free, np.shape(outs[0])), outs[0],
                                  lax.stop_gradient(original))]
-        self._record(i, outs, shared and site is None)
+        if site.cut_output:
+            live = self.mask_of(site.eqn.outvars[0])
+            if live is not None:
+                outs = [lax.select_n(selecting(live, np.shape(outs[0])),
+                                     lax.stop_gradient(outs[0]), outs[0])]
+        return outs
 
     def _guard(self, i: int, site: Site, invals: list) -> None:
         """Replace the site's operands by their safe value (or cut them) in dropped lanes."""

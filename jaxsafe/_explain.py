@@ -177,6 +177,9 @@ def _operands(site: Site) -> tuple[GuardedOperand, ...]:
            for k, v in sorted(site.replace.items())]
     ops += [GuardedOperand(k, "stop-gradient", None, site.reasons.get(k, ""))
             for k in sorted(site.cut)]
+    if site.cut_output:
+        ops.append(GuardedOperand(None, "stop-gradient", None,
+                                  "a dropped pooled result would pick them"))
     if site.free_cut:
         ops.append(GuardedOperand(None, "forward-mode stop-gradient", None,
                                   "no derivative where it carries none"))

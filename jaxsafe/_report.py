@@ -26,6 +26,9 @@ class Site:
     free: dict[int, float] = dataclasses.field(default_factory=dict)
     free_cut: bool = False
     """The lanes that carry no derivative are cut at the output instead (`_free.py`)."""
+    cut_output: bool = False
+    """Its output's dropped lanes are cut too (a cut before a pooling some of whose results are
+    dropped: forward mode's `0 * inf` tangent in a dropped lane would reach them)."""
 
 
 @dataclasses.dataclass(eq=False)

@@ -19,10 +19,13 @@ An equation is guarded when its output has dropped lanes (static liveness says M
   from differentiation (`select_n(live, stop_gradient(x), x)`), since no safe value is known for
   the user's rule.
 
-A NaN-prone equation that only a pooling reads, whose pooled lanes are all live, cuts its
-dropped lanes instead of replacing them (`select_n(live, stop_gradient(x), x)`): the pooling's
-derivative picks lanes and never weighs them, so the `0 * inf` a cut leaves in a dropped lane
-is never picked, and every value stays the original (the pooling runs once).
+A NaN-prone equation that only a pooling reads cuts its dropped lanes instead of replacing
+them (`select_n(live, stop_gradient(x), x)`): the pooling's derivative picks lanes and never
+weighs them, so the `0 * inf` a cut leaves in a dropped lane is never picked by a live result,
+and every value stays the original (the pooling runs once). Where some pooled results are
+dropped (a convolution after the pooling that reads only some of them), the equation's output
+is cut in its dropped lanes too: a dropped window may pick that lane, and forward mode would
+pass its `0 * inf` tangent on.
 
 Independently of dropped lanes, a NaN-prone equation whose output has lanes that carry no
 derivative (`sqrt(jnp.where(x > 0, x, 0.))`) has its derivative cut there (`Site.free`,
@@ -119,7 +122,7 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
     # lane gives its operand no dropped lane, though its output has some
     guarded = [kind_of_sym(m) != Kind.LIVE for m in sweep.operand_syms[i]]
     replace, reasons = _value_guards(eqn, rule, diff, guarded, tainted, dropped, bounds)
-    cut = _cut_before_a_picker(eqn, rule, sweep, dropped, replace, reasons)
+    cut, cut_output = _cut_before_a_picker(eqn, rule, sweep, dropped, replace, reasons)
     guard = guard_for(eqn)
     # a body rewritten with its output masks guards its own reads of non-finite inputs
     body_guards_itself = rule.masked_body is not None and any(
@@ -145,40 +148,44 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
                 reasons[k] = why
     if not replace and not cut and not free:
         return None
-    return Site(eqn, replace, reasons, frozenset(cut), free, free_cut)
+    return Site(eqn, replace, reasons, frozenset(cut), free, free_cut, cut_output)
 
 
 def _cut_before_a_picker(eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep,
                          dropped: DroppedValues, replace: dict[int, float],
-                         reasons: dict[int, str]) -> set[int]:
+                         reasons: dict[int, str]) -> tuple[set[int], bool]:
     """The table's value guards turned into cuts (moved out of `replace`), for an equation that
-    only a picker reads (`_read_only_by_a_picker`)."""
-    if not replace or not _read_only_by_a_picker(eqn, rule, sweep, dropped):
-        return set()
+    only a picker reads (`_picker_reading`); and whether its output's dropped lanes are
+    cut too: where some of the picker's results are dropped, a dropped window may pick the
+    `0 * inf` tangent the cut leaves in a dropped lane (forward mode) and pass it on."""
+    reader = _picker_reading(eqn, rule, sweep, dropped) if replace else None
+    if reader is None:
+        return set(), False
     cut = {k for k in replace if reasons[k] == "table"}
     for k in cut:
         del replace[k]
         reasons[k] = "only a pooling reads it: cut"
-    return cut
+    return cut, not all(sweep.kind(o) == Kind.LIVE for o in reader.outvars)
 
 
-def _read_only_by_a_picker(eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep,
-                           dropped: DroppedValues) -> bool:
-    """Whether `eqn` (lane to lane) is read by one equation only, whose derivative picks lanes
-    (`Chooser.picks`: max pooling) and whose outputs are all live: then a tangent that a cut
-    leaves in a dropped lane (`0 * inf`) is never picked, and the zero cotangent the picker
-    writes there meets the cut's `select_n`, at every order. A cut keeps every value, so the
-    pooling runs once, on the original values, instead of again on guarded ones."""
+def _picker_reading(eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep,
+                    dropped: DroppedValues) -> JaxprEqn | None:
+    """The equation that alone reads `eqn` (lane to lane), if its derivative picks lanes
+    (`Chooser.picks`: max pooling): then a tangent that a cut leaves in a dropped lane
+    (`0 * inf`) is never picked by a live result, and the zero cotangent the picker writes
+    there meets the cut's `select_n`, at every order. A cut keeps every value, so the pooling
+    runs once, on the original values, instead of again on guarded ones."""
     if not rule.elementwise or len(eqn.outvars) != 1:
-        return False
+        return None
     out = eqn.outvars[0]
     readers = sweep.consumers.get(out, [])
     if dropped.reads.get(out, 0) != 1 or len(readers) != 1:
-        return False
+        return None
     reader = sweep.jaxpr.eqns[readers[0][0]]
     chooser = rule_for(reader.primitive).chooser
-    return (chooser is not None and chooser.picks and not sweep.structural
-            and all(sweep.kind(o) == Kind.LIVE for o in reader.outvars))
+    if chooser is None or not chooser.picks or sweep.structural:
+        return None
+    return reader
 
 
 def _without_tangent(closed: ClosedJaxpr) -> set:
