@@ -251,6 +251,8 @@ def convolution_pairs(eqn: JaxprEqn) -> tuple[dict[int, int], frozenset[int]]:
              if _untouched(axis)}
     if eqn.params["batch_group_count"] == 1:
         pairs[dims.out_spec[0]] = dims.lhs_spec[0]
+    if eqn.params["feature_group_count"] != 1:
+        return pairs, frozenset()  # a group's features read their group's only: `reads`
     return pairs, frozenset({dims.out_spec[1]})
 
 
@@ -329,28 +331,37 @@ def read_by_derivative(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any]) -
 
 def convolution_reads(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any]) -> Mask:
     """A convolution's live outputs read, in each feature of the operand, the pixels of their
-    windows: the mask, reduced over the output features, pulled back through a convolution of
-    one feature by a kernel of ones (a few adds per pixel, where the operation's own derivative
-    would cost a convolution's over every feature; exact without feature groups, a superset
-    with them). With batch groups: the derivative."""
+    windows: the mask, reduced over the output features of each feature group, pulled back
+    through a convolution of one feature per group by a kernel of ones (a few adds per pixel,
+    where the operation's own derivative would cost a convolution's over every feature), and
+    repeated over each group's operand features. With batch groups: the derivative."""
     p = eqn.params
     dims = p["dimension_numbers"]
     if p["batch_group_count"] != 1:
         return read_by_derivative(eqn, outs, invals)
-    lhs = list(shape_of(eqn.invars[0]))
-    lhs[dims.lhs_spec[1]] = 1
+    groups = p["feature_group_count"]
+    out_shape, shape = shape_of(eqn.outvars[0]), shape_of(eqn.invars[0])
+    o_axis, c_axis = dims.out_spec[1], dims.lhs_spec[1]
+    out = materialize(outs[0], out_shape)
+    split = (*out_shape[:o_axis], groups, out_shape[o_axis] // groups, *out_shape[o_axis + 1:])
+    per_group = reduce_any(lax.reshape(out, split), [o_axis + 1])  # groups at o_axis
+    lhs = list(shape)
+    lhs[c_axis] = groups
     rhs = list(shape_of(eqn.invars[1]))
-    rhs[dims.rhs_spec[0]] = rhs[dims.rhs_spec[1]] = 1
+    rhs[dims.rhs_spec[0]], rhs[dims.rhs_spec[1]] = groups, 1
     kernel = lax.full(tuple(rhs), 1., jnp.float32)
 
     def one_feature(x: jax.Array) -> jax.Array:
         return lax.conv_general_dilated(x, kernel, p["window_strides"], p["padding"],
-                                        p["lhs_dilation"], p["rhs_dilation"], dims)
-    per_pixel = reduce_any(materialize(outs[0], shape_of(eqn.outvars[0])), [dims.out_spec[1]],
-                           keepdims=True)
+                                        p["lhs_dilation"], p["rhs_dilation"], dims,
+                                        feature_group_count=groups)
     _, pull = jax.vjp(one_feature, lax.full(tuple(lhs), 0., jnp.float32))
-    read = pull(lax.convert_element_type(per_pixel, jnp.float32))[0]
-    return broadcast(lax.gt(read, lax.full_like(read, 0)), shape_of(eqn.invars[0]))
+    read = pull(lax.convert_element_type(per_group, jnp.float32))[0]
+    read = lax.gt(read, lax.full_like(read, 0))
+    # each group's reads, for each of its operand features
+    wide = (*shape[:c_axis], groups, shape[c_axis] // groups, *shape[c_axis + 1:])
+    kept = tuple(d for d in range(len(wide)) if d != c_axis + 1)
+    return lax.reshape(lax.broadcast_in_dim(read, wide, kept), tuple(shape))
 
 
 def slice_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],

@@ -297,3 +297,30 @@ def test_two_layers_where_the_second_convolution_drops_every_pixel():
         got = jax.jit(order(nan_safe(f), argnums=(0, 1)))(w1, w2, x)
         for g in jax.tree.leaves(got):
             np.testing.assert_array_equal(np.asarray(g), 0.)
+
+
+@pytest.mark.parametrize("case", ["depthwise-channel", "grouped-pixel"])
+def test_a_grouped_convolution_keeps_only_the_groups_it_reads(case):
+    """Feature groups: an output feature reads its group's operand features only. A depthwise
+    convolution under a per-channel `where`, and two groups of two features under a mask of one
+    output feature at one pixel: the other group's features (and the pixels no live window
+    reads) are dead."""
+    n, width = 4, 6
+    x = 1. + jnp.arange(n * width, dtype=jnp.float32).reshape(1, n, width) / 7.
+    if case == "depthwise-channel":
+        groups, out_mask = n, jnp.array([True, False, True, False])[None, :, None]
+        live = jnp.broadcast_to(out_mask, x.shape)
+    else:
+        groups = 2
+        out_mask = jnp.zeros((1, n, width - 2), bool).at[0, 1, 0].set(True)
+        live = jnp.zeros(x.shape, bool).at[0, :2, :3].set(True)  # group 0, window of pixel 0
+    x = jnp.where(live, x, 0.)
+    k = jnp.linspace(-1., 1., n * (n // groups) * 3).reshape(n, n // groups, 3)
+
+    def make(clean):
+        def f(x):
+            y = lax.conv_general_dilated(jnp.sqrt(clean(x)), k, (1,), "VALID",
+                                         feature_group_count=groups)
+            return jnp.sum(jnp.where(out_mask, y, 0.) ** 2)
+        return f
+    _check(make(lambda v: v), make(lambda v: jnp.where(live, v, 1.)), x)
