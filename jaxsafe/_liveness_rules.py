@@ -15,6 +15,7 @@ pass (`_liveness.py`) provides.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -192,9 +193,17 @@ def by_transpose_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     The transpose of gather is scatter-add, of dynamic_slice is dynamic_update_slice, ...: JAX
     already knows where every operand lane goes (in float32 at zero: the op is linear).
     """
-    pulled = pulled_back(eqn, outs, invals,
-                         lambda x, v: lax.full(shape_of(v), 0., jnp.float32))
-    return [None if c is None else lax.gt(c, np.float32(0)) for c in pulled]
+    return pulled_back_nonzero(eqn, outs, invals,
+                               lambda x, v: lax.full(shape_of(v), 0., jnp.float32))
+
+
+def pulled_back_nonzero(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                        primal: Callable[[Any, Any], Any]) -> list[Mask]:
+    """Per operand, the lanes whose `pulled_back` cotangent is nonzero (None for the others):
+    with a mask of ones and zeros as the cotangent and operands that weigh by non-negative
+    values, the lanes some live output reads."""
+    return [None if c is None else lax.ne(c, lax.full_like(c, 0))
+            for c in pulled_back(eqn, outs, invals, primal)]
 
 
 # --------------------------------------------------------------------------- windows
@@ -233,8 +242,6 @@ def _untouched(axis: WindowAxis) -> bool:
     return tuple(axis[2:]) == (1, 1, 0, 0, 1, 1)
 
 
-WindowReads = Callable[[JaxprEqn, list[Mask], Sequence[Any]], Mask]
-WindowPairs = Callable[[JaxprEqn], tuple[dict[int, int], frozenset[int]]]
 
 
 def window_sum_pairs(eqn: JaxprEqn) -> tuple[dict[int, int], frozenset[int]]:
@@ -276,10 +283,23 @@ def _read_lanes(axis: WindowAxis) -> np.ndarray | None:
     return read
 
 
-def window_drops(axes: WindowAxes) -> Callable[[JaxprEqn], bool]:
+@dataclasses.dataclass(frozen=True)
+class Windows:
+    """How a windowed primitive reads its first operand (a window sum, a convolution)."""
+
+    axes: WindowAxes
+    """Its windowed axes."""
+    pairs: Callable[[JaxprEqn], tuple[dict[int, int], frozenset[int]]]
+    """The output axes that are operand axes (output axis: operand axis), and the output axes
+    along which every lane reads the same operand lanes."""
+    reads: Callable[[JaxprEqn, list[Mask], Sequence[Any]], Mask]
+    """The operand lanes live outputs read, at run time, for any mask."""
+
+
+def window_drops(windows: Windows) -> Callable[[JaxprEqn], bool]:
     """A windowed primitive drops the operand lanes that no window reads."""
     def drops(eqn: JaxprEqn) -> bool:
-        for axis in axes(eqn):
+        for axis in windows.axes(eqn):
             read = _read_lanes(axis)
             if read is None or not read.all():
                 return True
@@ -287,12 +307,12 @@ def window_drops(axes: WindowAxes) -> Callable[[JaxprEqn], bool]:
     return drops
 
 
-def windowed_masks(axes: WindowAxes, pairs: WindowPairs, reads: WindowReads) -> MaskRule:
+def windowed_masks(windows: Windows) -> MaskRule:
     """A window sum or a convolution: an operand lane is live where a live output's window reads
     it. Every output live: the lanes some window reads along each axis (constants); a mask that
     varies only along axes that run along the operand's (a batch, a 1x1 convolution's) or that
     read the same lanes (a convolution's features): those lanes, where the mask holds along the
-    paired axes. Otherwise `reads` (the derivative's, or a thinner one's: a kernel's zero or
+    paired axes. Otherwise `windows.reads` (the derivative's, or a thinner one's: a kernel's zero or
     negative weights cancel nothing). A kernel is live where any output is: a weight that
     meets only padding still multiplies it (a NaN weight makes a NaN output)."""
     def masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
@@ -303,13 +323,13 @@ def windowed_masks(axes: WindowAxes, pairs: WindowPairs, reads: WindowReads) -> 
         if out is not None:
             live = reduce_any(out, range(out.ndim))
             kernels = [broadcast(live, shape_of(v)) for v in eqn.invars[1:]]
-        per_axis = [(axis[0], _read_lanes(axis)) for axis in axes(eqn)]
+        per_axis = [(axis[0], _read_lanes(axis)) for axis in windows.axes(eqn)]
         if all(read is not None for _, read in per_axis):
             read_any = all_of([place(read, (a,), shape) for a, read in per_axis
                                if read is not None and not read.all()])
             if out is None:
                 return [read_any] + kernels
-            paired, summed = pairs(eqn)
+            paired, summed = windows.pairs(eqn)
             varying = factor(out)[1]
             if all(d in paired or d in summed for d in varying):
                 # live along the axes that run along the operand's, whatever the window
@@ -317,7 +337,7 @@ def windowed_masks(axes: WindowAxes, pairs: WindowPairs, reads: WindowReads) -> 
                 along = reduce_any(out, [d for d in range(out.ndim) if d not in paired])
                 return [all_of([place(along, [paired[d] for d in kept], shape),
                                 read_any])] + kernels
-        return [reads(eqn, outs, invals)] + kernels
+        return [windows.reads(eqn, outs, invals)] + kernels
     return masks
 
 
@@ -325,8 +345,7 @@ def read_by_derivative(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any]) -
     """The operand lanes a window op's live outputs read: the vector-Jacobian product of the
     mask at operands of ones (a lane's cotangent counts the live outputs that read it)."""
     ones = lambda x, v: lax.full(shape_of(v), 1, dtype_of(v))  # noqa: E731
-    read = pulled_back(eqn, outs, invals, ones)[0]
-    return None if read is None else lax.ne(read, lax.full_like(read, 0))
+    return pulled_back_nonzero(eqn, outs, invals, ones)[0]
 
 
 def convolution_reads(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any]) -> Mask:
@@ -362,6 +381,10 @@ def convolution_reads(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any]) ->
     wide = (*shape[:c_axis], groups, shape[c_axis] // groups, *shape[c_axis + 1:])
     kept = tuple(d for d in range(len(wide)) if d != c_axis + 1)
     return lax.reshape(lax.broadcast_in_dim(read, wide, kept), tuple(shape))
+
+
+WINDOW_SUM = Windows(window_sum_axes, window_sum_pairs, read_by_derivative)
+CONVOLUTION = Windows(convolution_axes, convolution_pairs, convolution_reads)
 
 
 def slice_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],

@@ -72,6 +72,8 @@ from ._dropped import chosen_scalar, reshaped_scalar, same_scalar, summed_scalar
 from ._free import moved_held, product_held, winner_held
 from ._lanewise import scan_kinds, scan_masks
 from ._liveness_rules import (
+    CONVOLUTION,
+    WINDOW_SUM,
     aligned_syms,
     batched_alignment,
     batched_masks,
@@ -85,9 +87,6 @@ from ._liveness_rules import (
     concatenate_masks,
     cond_kinds,
     cond_masks,
-    convolution_axes,
-    convolution_pairs,
-    convolution_reads,
     cumulative_masks,
     dot_general_alignment,
     dot_general_masks,
@@ -101,7 +100,6 @@ from ._liveness_rules import (
     pad_drops,
     paired_masks,
     paired_syms,
-    read_by_derivative,
     reduction_alignment,
     reduction_masks,
     reshape_alignment,
@@ -116,8 +114,6 @@ from ._liveness_rules import (
     transpose_alignment,
     transpose_masks,
     window_drops,
-    window_sum_axes,
-    window_sum_pairs,
     windowed_masks,
     winner_masks,
 )
@@ -368,12 +364,10 @@ register(prims.cumprod_p, prims.cumlogsumexp_p,
 register(prims.dot_general_p, masks=dot_general_masks, align=dot_general_alignment,
          static=aligned_syms, foldable=True, derivative_reads=BILINEAR)
 # windows: a window sum (average pooling) and a convolution read their live windows' lanes
-register(prims.reduce_window_sum_p,
-         masks=windowed_masks(window_sum_axes, window_sum_pairs, read_by_derivative),
-         drops=window_drops(window_sum_axes), linear=True, foldable=True)
-register(prims.conv_general_dilated_p,
-         masks=windowed_masks(convolution_axes, convolution_pairs, convolution_reads),
-         drops=window_drops(convolution_axes), foldable=True, derivative_reads=BILINEAR)
+register(prims.reduce_window_sum_p, masks=windowed_masks(WINDOW_SUM),
+         drops=window_drops(WINDOW_SUM), linear=True, foldable=True)
+register(prims.conv_general_dilated_p, masks=windowed_masks(CONVOLUTION),
+         drops=window_drops(CONVOLUTION), foldable=True, derivative_reads=BILINEAR)
 # an FFT transforms its trailing `fft_lengths` axes as one; the leading axes are a batch (no
 # static rule: a mask the static pass cannot name is decided at run time, not taken as live as
 # linear algebra's `batched_syms` takes it)
