@@ -16,8 +16,10 @@ made again on the original values, never on guarded ones, and a dropped lane get
 of exactly zero by a `select_n`, not by a zero weight that an infinite cotangent turns into NaN:
 
 - `by_wins` (`max`, `min`, `clamp`): each operand where it wins alone, the operation on ties;
-- `by_fill` (`reduce_max`, `cummax`, pooling): dropped lanes of live outputs take the identity
-  (-inf for a max), so they lose to every chosen lane and are never chosen;
+- `by_fill` (`reduce_max`, `cummax`, pooling): dropped lanes take their original values, cut
+  from differentiation, so the choice is the original's; a result that only dropped lanes make
+  holds the original value too (NaN or inf included: what reads it there is guarded if its
+  derivative weighs it, `Chooser.guarded_results`);
 - `by_permutation` (`sort`, `top_k`): the original permutation, gathered from guarded operands;
 - `by_original` (`m * v`): where a factor drops an operand lane of a live output, the original
   product with its derivative cut (the forward value, NaN and the sign of zero included).

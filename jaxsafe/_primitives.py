@@ -337,6 +337,7 @@ register(prims.iota_p, iota_axis=lambda eqn: eqn.params["dimension"])
 # --------------------------------------------------------------------------- choosers
 # Only the lanes their derivative chooses on the original values are live (`_choosers.py`).
 FILL = Chooser(by_fill, keeps_dropped_values=False)
+RUNNING_FILL = Chooser(by_fill, keeps_dropped_values=False, guarded_results=False)
 for prim, identity in ((prims.reduce_max_p, -np.inf), (prims.reduce_min_p, np.inf)):
     register_reduction(prim, masks=comparison_masks(row_reads), static=selected_syms,
                        drops=_always, chooser=FILL, identity=identity,
@@ -344,14 +345,15 @@ for prim, identity in ((prims.reduce_max_p, -np.inf), (prims.reduce_min_p, np.in
 # a running maximum only grows: its choice is two cumulative ops, not a scan tree's derivative
 register(prims.cummax_p, masks=comparison_masks(reads_as(prims.cumsum_p),
                                                 running_choice(lax.cummin, np.inf)),
-         drops=_always, chooser=FILL, identity=-np.inf, foldable=True)
+         drops=_always, chooser=RUNNING_FILL, identity=-np.inf, foldable=True)
 register(prims.cummin_p, masks=comparison_masks(reads_as(prims.cumsum_p),
                                                 running_choice(lax.cummax, -np.inf)),
-         drops=_always, chooser=FILL, identity=np.inf, foldable=True)
+         drops=_always, chooser=RUNNING_FILL, identity=np.inf, foldable=True)
 for prim, identity in ((prims.reduce_window_max_p, -np.inf), (prims.reduce_window_min_p, np.inf)):
     register(prim, masks=comparison_masks(window_reads(prims.reduce_window_sum_p),
                                           window_choice), drops=_always,
-             chooser=Chooser(by_fill, keeps_dropped_values=False, picks=True),
+             chooser=Chooser(by_fill, keeps_dropped_values=False, picks=True,
+                                     guarded_results=False),
              identity=identity, foldable=True)
 register(prims.sort_p, masks=sort_masks, drops=_always, chooser=Chooser(by_permutation),
          linear=True, foldable=True)

@@ -250,8 +250,14 @@ class Chooser:
     """Whether this equation chooses at all (a product only with a factor that may mask)."""
     keeps_dropped_values: bool = True
     """Emitted on the original operands, every output lane holds the original value. False for
-    a fill (`by_fill`): a dropped output lane may then hold the identity, so what reads it is
-    emitted again, and a chooser there is re-decided."""
+    a fill (`by_fill`): a dropped output row of a reduction holds the maximum of its guarded
+    values, so what reads it is emitted again, and a chooser there is re-decided."""
+    guarded_results: bool = True
+    """Whether a result that only dropped lanes make is computed from the guarded operand, so
+    that a guard of the operand makes it finite. False for `cummax` and pooling, whose dropped
+    operand lanes hold their original values (a live window may read them): a result of dropped
+    lanes alone is the original's, NaN or inf included, and what reads it there is guarded if
+    its derivative would weigh it (`h @ w` for `w`'s)."""
     picks: bool = False
     """Its derivative picks one operand lane per output lane (pooling's select-and-gather), never
     weighs lanes: whatever tangent a dropped lane holds never reaches an output, and its zero

@@ -13,8 +13,11 @@ An equation is guarded when its output has dropped lanes (static liveness says M
   `a * b`): that operand takes the table's safe value, else 0. Only where the guard needs no
   run-time reduction the program does not compute: every operand lane feeds output lanes that
   are dropped together, or the liveness is the same along the axes it would reduce (a padded
-  row, a masked key's column). Otherwise (a weight that only a ReLU drops, row by row) it is
-  left, and reported;
+  row, a masked key's column), or the liveness the guard reads is computed anyway, for a guard
+  placed before it (`_PaidMasks`: a NaN-prone value cut before a pooling whose results a
+  convolution reads), or computed from constants alone (a `where` on a constant array, which
+  XLA folds): the guard then costs one `select_n`. Otherwise (a weight that only a ReLU
+  drops, row by row) it is left, and reported;
 - or it calls a custom derivative rule whose body is NaN-prone: its dropped input lanes are cut
   from differentiation (`select_n(live, stop_gradient(x), x)`), since no safe value is known for
   the user's rule.
@@ -69,6 +72,7 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report,
     by_hand = HandGuards(closed, sweep, free, seeds)
     covered: set[int] = set()
     fixed = _without_tangent(closed)
+    paid = _PaidMasks(sweep, fixed)
     i = 0
     try:
         for i, eqn in enumerate(jaxpr.eqns):
@@ -77,7 +81,8 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report,
                 report.unknown.append(eqn)
             elif _liveness_stops(i, eqn, rule, sweep):
                 report.conservative.append(eqn)
-            site = _site(i, eqn, rule, sweep, tainted, dropped, bounds, report, free, fixed)
+            site = _site(i, eqn, rule, sweep, tainted, dropped, bounds, report, free, fixed,
+                         paid)
             if site is not None and (site.replace or site.cut) and by_hand.covers(i, eqn):
                 # already guarded by hand (`_by_hand.py`): its dropped lanes stay as they are,
                 # and may hold NaN or inf for what reads them
@@ -87,6 +92,8 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report,
             if site is not None:
                 sites[i] = site
                 report.sites.append(site)
+                if site.replace or site.cut or site.cut_output:
+                    paid.demand(eqn.outvars)
             if (i in covered and not value_finite_above_bound(eqn, bounds)) or \
                     _taints_outputs(eqn, rule, tainted, site, bounds, sweep.producer_of):
                 tainted.update(o for o in eqn.outvars if is_float(o))
@@ -104,9 +111,41 @@ def _liveness_stops(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep) ->
             and any(sweep.kind(o) == Kind.MAYBE for o in eqn.outvars))
 
 
+class _PaidMasks:
+    """The operand masks a guard reads at no run-time cost beyond its `select_n`: those the
+    sites placed so far compute anyway (a site reads its output's mask, `RuntimeMasks`, which
+    is built from the masks of every MAYBE value after it that it reaches, and from the masks
+    their readers give each of their operands), and those computed from constants alone (a
+    `where` on a constant array: XLA folds them). The guard pass walks forward, so when it
+    meets an equation, every site that can demand its operands' masks is already placed."""
+
+    def __init__(self, sweep: Sweep, fixed: Set):
+        self.sweep, self.fixed = sweep, fixed
+        self.demanded: set = set()
+
+    def demand(self, outvars: list) -> None:
+        sweep, stack = self.sweep, list(outvars)
+        while stack:
+            u = stack.pop()
+            if isinstance(u, Literal) or u in self.demanded or sweep.kind(u) != Kind.MAYBE:
+                continue
+            self.demanded.add(u)
+            for i, _ in sweep.consumers.get(u, ()):
+                stack.extend(sweep.jaxpr.eqns[i].outvars)
+
+    def paid(self, eqn: JaxprEqn, k: int) -> bool:
+        """Whether the mask equation `eqn` gives its operand k costs nothing more."""
+        v = eqn.invars[k]
+        if isinstance(v, Literal) or len(eqn.outvars) != 1:
+            return False
+        return v in self.demanded or all(
+            isinstance(key, Var) and key in self.fixed
+            for term in self.sweep.sym(eqn.outvars[0]) for key, _, _ in term)
+
+
 def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set,
           dropped: DroppedValues, bounds: Bounds, report: Report,
-          free_values: FreeValues, fixed: Set) -> Site | None:
+          free_values: FreeValues, fixed: Set, paid: _PaidMasks) -> Site | None:
     if eqn.effects:
         return None
     out_kinds = [sweep.kind(o) for o in eqn.outvars]
@@ -129,7 +168,7 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
         k == Kind.MAYBE and is_float(o) for k, o in zip(out_kinds, eqn.outvars, strict=True))
     # a cut (below) stops every derivative in dropped lanes: no value guard needed beside it
     nonfinite = [] if body_guards_itself or rule.cut_when_dropped else _nonfinite_operands(
-        eqn, rule, tangents, guarded, tainted, sweep, report, dropped)
+        eqn, rule, tangents, guarded, tainted, sweep, report, dropped, paid)
     for k in nonfinite:
         if k not in replace and k not in cut:
             safe = guard.safe.get(k, 0.0) if guard is not None else 0.0
@@ -203,12 +242,15 @@ def _without_tangent(closed: ClosedJaxpr) -> set:
 
 def _nonfinite_operands(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool],
                         guarded: list[bool], tainted: set, sweep: Sweep,
-                        report: Report, dropped: DroppedValues) -> list[int]:
+                        report: Report, dropped: DroppedValues,
+                        paid: _PaidMasks) -> list[int]:
     """Operands that may be non-finite in dropped lanes where the derivative of an operand that
     carries a tangent (`diff`) reads them (a zero cotangent times NaN), and that a guard can
     reach cheaply."""
     if rule.linear or rule.zero_derivative or rule.custom_rule:  # a custom rule: cut instead
         return []
+    if rule.chooser is not None and rule.chooser.picks:
+        return []  # its derivative picks a lane, never weighs one: no `0 * inf` to meet
     found = []
     for k, v in enumerate(eqn.invars):
         if not guarded[k] or not _may_be_nonfinite(eqn, v, tainted):
@@ -221,7 +263,7 @@ def _nonfinite_operands(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool],
             continue
         if isinstance(v, Literal) and not (rule.elementwise and len(eqn.outvars) == 1):
             continue
-        if not _guard_needs_no_reduction(eqn, k, sweep):
+        if not _guard_needs_no_reduction(eqn, k, sweep) and not paid.paid(eqn, k):
             report.skipped.append((eqn, f"operand {k} unguarded: it may be non-finite, but a "
                                         f"guard would need a run-time reduction of the liveness"))
             continue
@@ -289,6 +331,8 @@ def _taints_outputs(eqn: JaxprEqn, rule: PrimitiveRule, tainted: set, site: Site
                     bounds: Bounds, producer_of: Callable[[Var], JaxprEqn | None]) -> bool:
     """Whether `eqn`'s outputs may be non-finite where no guard put it, after its guards."""
     replaced = site.replace if site is not None else {}
+    if rule.chooser is not None and not rule.chooser.guarded_results:
+        replaced = {}  # emitted again, its dropped results are the original's (`by_fill`)
     if any(isinstance(v, Var) and v in tainted and k not in replaced
            and not selected_only_where_finite(eqn, k, producer_of, bounds)
            for k, v in enumerate(eqn.invars)):

@@ -200,3 +200,26 @@ def test_a_pooling_whose_windows_are_dropped_in_part_cuts_the_output_too():
         got = jax.jit(order(loss_s))(X_LIVE)
         assert_finite(got)
         assert_close(got, jax.jit(order(loss_h))(X_LIVE))
+
+
+def test_a_running_maximum_of_dropped_rows_keeps_their_infinities_for_a_product():
+    """`cummax` is emitted again on the original values, and its dropped lanes hold them: a
+    row of -inf (an argument) that a `where` drops is still -inf after it, so the matmul that
+    reads it takes 0 there, as the hand fix's `where` does (`w`'s gradient reads `c`: plain
+    JAX's is `0 * -inf`). A guard of `cummax`'s operand does not make its output finite."""
+    keep = jnp.array([False, True, True])[:, None]
+
+    def make(clean):
+        def f(x, w):
+            return jnp.sum(jnp.where(keep, clean(lax.cummax(x, axis=1)) @ w, 0.) ** 2)
+        return f
+    f, hand = make(lambda c: c), make(lambda c: jnp.where(keep, c, 0.))
+    x = jnp.array([[-jnp.inf, -jnp.inf], [1., 2.], [3., -1.]])
+    w = jnp.array([[1., 0.5], [-0.5, 1.]])
+    assert np.isnan(np.asarray(jax.grad(f, 1)(x, w))).all()
+    assert_bitwise(nan_safe(f)(x, w), jax.jit(f)(x, w))
+    for order in (jax.grad, jax.hessian):
+        for argnums in (0, 1):
+            got = jax.jit(order(nan_safe(f), argnums))(x, w)
+            assert_finite(got)
+            assert_close(got, jax.jit(order(hand, argnums))(x, w))

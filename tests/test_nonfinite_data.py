@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_bitwise, assert_close, structure
+from helpers import assert_bitwise, assert_close, assert_finite, structure
 from jax import lax
 
 import jaxsafe
@@ -512,3 +512,22 @@ def test_a_value_taken_only_below_a_finite_bound_is_finite_where_taken():
     assert np.isnan(np.asarray(jax.grad(g, 1)(x, w))).any()
     assert "guarded mul" in str(jaxsafe.explain(g, finite_args=1)(x, w))
     assert_close(jax.grad(jaxsafe.nan_safe(g, finite_args=1), 1)(x, w), expected)
+
+
+def test_a_constant_mask_gives_a_guard_whatever_its_shape():
+    """A mask that is a constant array (not a broadcast row: XLA sees a 2-D constant) drops the
+    NaN rows of `x @ w`: the liveness of `x` is an OR over the mask's rows, computed from
+    constants alone, which XLA folds, so the guard costs one `select_n`, as the hand fix's."""
+    keep = jnp.asarray(np.array([[True, True], [False, False], [True, True]]))
+    x = jnp.array([[1., 2., 0.5], [nan, inf, 1.], [0.25, -1., 2.]])
+    w = jnp.array([[1., 0.5], [-0.5, 1.], [2., 0.]])
+
+    def make(clean):
+        return lambda x, w: jnp.sum(jnp.where(keep, clean(x) @ w, 0.) ** 2)
+    f, hand = make(lambda v: v), make(lambda v: jnp.where(keep[:, :1], v, 0.))
+    assert np.isnan(np.asarray(jax.grad(f, 1)(x, w))).any()
+    assert "unguarded" not in str(jaxsafe.explain(f)(x, w))
+    for order in (jax.grad, jax.hessian):
+        got = jax.jit(order(jaxsafe.nan_safe(f), 1))(x, w)
+        assert_finite(got)
+        assert_close(got, jax.jit(order(hand, 1))(x, w))

@@ -273,6 +273,36 @@ def test_a_pooled_window_that_only_dropped_lanes_make_holds_its_value_for_a_prod
     assert_bitwise(nan_safe(f)(w, x, m), jax.jit(f)(w, x, m))
 
 
+def test_a_pooled_nan_that_a_convolution_reads_only_in_dropped_pixels():
+    """`conv(max_pool(sqrt(x)), k)` under a pixel mask: a window of negative pixels that no
+    live output reads pools to NaN, and the kernel's gradient reads the pooled map
+    (`0 * NaN`). The pooling holds its original values there (it is re-decided on them), so
+    the convolution's operand takes 0 in its dropped lanes, with the mask the `sqrt`'s cut
+    computes anyway; the kernel's gradient and Hessian are the hand fix's."""
+    def pool(v):
+        return lax.reduce_window(v, -jnp.inf, lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID")
+
+    out_live = jnp.array([[True, False], [False, False]])
+    live = np.zeros((1, 1, 8, 8), bool)
+    live[..., :6, :6] = True  # the pixels the live output's 3x3 window of pooled pixels reads
+
+    def make(clean):
+        def f(k, x):
+            y = lax.conv_general_dilated(pool(jnp.sqrt(clean(x))), k, (1, 1), "VALID")
+            return jnp.sum(jnp.where(out_live, y, 0.) ** 2)
+        return f
+    x = (jnp.arange(1., 65.) / 8.).reshape(1, 1, 8, 8).at[..., 6:, 6:].set(-1.)
+    k = jnp.linspace(-1., 1., 9).reshape(1, 1, 3, 3)
+    f, hand = make(lambda v: v), make(lambda v: jnp.where(live, v, 1.))
+    assert np.isnan(np.asarray(jax.grad(f)(k, x))).any()
+    assert_bitwise(nan_safe(f)(k, x), jax.jit(f)(k, x))
+    for order in (jax.grad, jax.hessian):
+        for argnums in (0, 1):
+            got = jax.jit(order(nan_safe(f), argnums=argnums))(k, x)
+            assert_finite(got)
+            assert_close(got, jax.jit(order(hand, argnums=argnums))(k, x), rtol=1e-5, atol=1e-6)
+
+
 def test_two_layers_where_the_second_convolution_drops_every_pixel():
     """sqrt(max(conv, 0)) and a max pooling, twice; the second layer's clamp drops every
     pixel, so the first pooling's windows are all dropped. Plain JAX: NaN for both kernels (the
