@@ -171,6 +171,13 @@ class Bounds:
             self._ranges = Ranges(self.eqns, self.producer, self.constants)
         return self._ranges.of(atom)
 
+    def range_given(self, atom, known: dict) -> Range:
+        """The range of `atom` where each value of `known` lies in its range
+        (`Ranges.given`)."""
+        self.range_of(atom)  # made on first use
+        assert self._ranges is not None
+        return self._ranges.given(atom, known)
+
     def _constant(self, atom):
         if isinstance(atom, Literal):
             return np.asarray(atom.val)

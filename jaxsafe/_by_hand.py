@@ -35,7 +35,7 @@ import numpy as np
 
 from ._atoms import dtype_of, is_float, literal_value, shape_of
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
-from ._constants import domain_holds_above, fold
+from ._constants import PROOF_ORDER, domain_holds_above, finite_with_derivatives, fold
 from ._diagonal import DiagonalValues
 from ._free import FreeValues
 from ._liveness import Sweep
@@ -88,7 +88,15 @@ class HandGuards:
             dead = frozenset(term for term in dead if not self._impossible(term))
         if dead is None or dead == FALSE:
             return dead == FALSE
-        return self._operands_free(i, eqn, dead) and self._tangent_dropped(i, out, dead)
+        if not self._operands_free(i, eqn, dead):
+            return False
+        # forward mode: a lane where the equation is finite with its derivatives makes no NaN
+        differentiated = [k for k, (v, d) in enumerate(zip(eqn.invars, self.sweep.diff[i],
+                                                           strict=True))
+                          if d and isinstance(v, Var) and is_float(v)]
+        singular = frozenset(term for term in dead
+                             if not self._safe_on_diagonal(eqn, differentiated, term))
+        return singular == FALSE or self._tangent_dropped(i, out, singular)
 
     def _operands_free(self, i: int, eqn: JaxprEqn, dead: Sym) -> bool:
         """Reverse mode: each differentiated operand carries no derivative in the dead lanes,
@@ -116,14 +124,39 @@ class HandGuards:
         predicate of each term bounds it from below into the domain of a primitive that only
         gets safer above (`PrimitiveRule.decreasing`: `sqrt`, `log`); a term no lane can
         satisfy (a NaN test of a value that is finite) needs none."""
-        if k != 0 or len(eqn.invars) != 1 or not rule_for(eqn.primitive).decreasing:
-            return False
+        bounded = k == 0 and len(eqn.invars) == 1 and rule_for(eqn.primitive).decreasing
         for term in lanes:
-            taken = self._decided(eqn.invars[0], term)
-            if not self._impossible(term) and \
-                    not any(self._bounds(eqn, lit, taken) for lit in term):
+            if self._impossible(term) or self._safe_on_diagonal(eqn, [k], term):
+                continue
+            taken = self._decided(eqn.invars[0], term) if bounded else {}
+            if not bounded or not any(self._bounds(eqn, lit, taken) for lit in term):
                 return False
         return True
+
+    def _safe_on_diagonal(self, eqn: JaxprEqn, operands: list[int], term: frozenset) -> bool:
+        """Whether `term` holds on a diagonal only (the lanes `1 - eye(n)` drops), where every
+        operand of `eqn` holds a known scalar at which it is finite with its derivatives in
+        each of `operands` to `PROOF_ORDER` (jax-md's Morse, `(1 - exp(-alpha * (d -
+        sigma))) ** 2.` at a particle's distance 0 to itself)."""
+        shape = shape_of(eqn.outvars[0])
+        for key, positive, embed in term:
+            diagonal = self.diagonals.of_predicate(key, embed) if positive else None
+            if diagonal is None:
+                continue
+            point = []
+            for u in eqn.invars:
+                if isinstance(u, Literal):
+                    value = np.asarray(literal_value(u))
+                else:
+                    value = self.diagonals.holds(u, diagonal) if shape_of(u) == shape else None
+                if value is None or value.ndim != 0:
+                    break
+                point.append(value)
+            else:
+                if all(finite_with_derivatives(eqn, point, PROOF_ORDER, wrt=k)
+                       for k in operands):
+                    return True
+        return False
 
     def _decided(self, operand: Any, term: frozenset) -> dict:
         """The predicates `term` decides lane by lane for `operand` (same shape, same axes),
@@ -318,6 +351,9 @@ class _DiagonalContext:
 
     def same_as(self, v: Var) -> Var:
         return self.hand.sweep.same_as(v)
+
+    def constant(self, v: Any) -> Any:
+        return self.hand.sweep.constant(v)
 
     def producer_of(self, v: Any) -> JaxprEqn | None:
         return self.hand.sweep.producer_of(v)

@@ -42,6 +42,10 @@ class DiagonalContext(Protocol):
     def same_as(self, v: Var) -> Var:
         ...
 
+    def constant(self, v: Any) -> Any:
+        """The value of `v` where the program computes it from literals alone, else None."""
+        ...
+
     def producer_of(self, v: Any) -> JaxprEqn | None:
         ...
 
@@ -68,6 +72,10 @@ class DiagonalValues:
         eqn = self.ctx.producer_of(v)
         if eqn is None or len(eqn.outvars) != 1 or eqn.effects or not _valid(v, diagonal):
             return None
+        value = self.ctx.constant(v)
+        if value is not None:  # a constant of one value (`safe_mask`'s placeholder, broadcast)
+            flat = np.ravel(value)
+            return flat[0].reshape(()) if flat.size and bool(np.all(flat == flat[0])) else None
         rule = rule_for(eqn.primitive).diagonal
         if rule is None:
             return None
@@ -140,7 +148,8 @@ def _index_values(atom: Any, ctx: DiagonalContext) -> tuple[int, np.ndarray] | N
 def elementwise_diagonal(eqn: JaxprEqn, diagonal: Diagonal,
                          ctx: DiagonalContext) -> Generator[Any, Scalar, Scalar]:
     """Lane to lane: the operation on the operands' scalars there. An operand of rank 0 is its
-    own scalar; one that is constant along an axis of the diagonal (size 1) is not asked."""
+    own scalar, when it is a literal or computed from literals; one that is constant along an
+    axis of the diagonal (size 1) is not asked."""
     out_shape = shape_of(eqn.outvars[0])
     values = []
     for u in eqn.invars:
@@ -150,8 +159,10 @@ def elementwise_diagonal(eqn: JaxprEqn, diagonal: Diagonal,
                 return None
         elif shape_of(u) == out_shape:
             value = yield (u, diagonal)
-        else:
-            return None
+        else:  # a scalar the program computes from literals (`-alpha`)
+            value = ctx.constant(u)
+            if value is None or np.ndim(value) != 0:
+                return None
         if value is None:
             return None
         values.append(value)
@@ -167,6 +178,26 @@ def difference_diagonal(eqn: JaxprEqn, diagonal: Diagonal,
             and ctx.finite(views[0][0]) and _mirrored(views[0][1], views[1][1], diagonal):
         return np.zeros((), dtype_of(eqn.outvars[0]))
     return (yield from elementwise_diagonal(eqn, diagonal, ctx))
+
+
+def selected_diagonal(eqn: JaxprEqn, diagonal: Diagonal,
+                      ctx: DiagonalContext) -> Generator[Any, Scalar, Scalar]:
+    """`select_n`: the case its predicate's scalar there takes (`safe_mask`'s placeholder where
+    `r2 > 0` fails on the diagonal)."""
+    out_shape = shape_of(eqn.outvars[0])
+    predicate = eqn.invars[0]
+    if isinstance(predicate, Literal) or shape_of(predicate) != out_shape:
+        return None
+    which = yield (predicate, diagonal)
+    if which is None or np.size(which) != 1:
+        return None
+    case = eqn.invars[1 + int(np.asarray(which).reshape(()))]
+    if isinstance(case, Literal):
+        value = np.asarray(literal_value(case))
+        return value if value.ndim == 0 else None
+    if shape_of(case) != out_shape:
+        return None
+    return (yield (case, diagonal))
 
 
 def broadcast_diagonal(eqn: JaxprEqn, diagonal: Diagonal,

@@ -67,6 +67,7 @@ from ._diagonal import (
     difference_diagonal,
     elementwise_diagonal,
     reduced_diagonal,
+    selected_diagonal,
 )
 from ._dropped import chosen_scalar, reshaped_scalar, same_scalar, summed_scalar
 from ._free import moved_held, product_held, winner_held
@@ -204,7 +205,7 @@ register_elementwise(prims.integer_pow_p,
                      guard=Guard({0: 1.0}, _negative_exponent, finite_at_singularities=False),
                      bound=bounds.even_power, range=ranges.even_power_range)
 register_elementwise(prims.abs_p, guard=Guard({0: 1.0}, _complex_operand),
-                     bound=bounds.non_negative)
+                     bound=bounds.non_negative, range=ranges.absolute_range)
 register_elementwise(prims.acos_p, prims.asin_p, guard=ZERO)
 register_elementwise(prims.atanh_p, prims.erf_inv_p, guard=POLE_AT_ZERO)
 register_elementwise(prims.acosh_p, guard=Guard({0: 2.0}))
@@ -284,7 +285,7 @@ register_elementwise(prims.and_p, prims.or_p, prims.not_p, prims.xor_p)
 # --------------------------------------------------------------------------- selections
 register_selection(prims.select_n_p, masks=select_masks, static=select_syms,
                    selection=Selection(by_predicate=True),
-                   bound=bounds.of_cases)
+                   bound=bounds.of_cases, diagonal=selected_diagonal)
 # max, min, clamp are not linear, but their derivative only selects (weights 0, 1/2, 1 from
 # comparisons): a NaN operand never meets a cotangent in a product, and a guard there would
 # bend the decision.

@@ -24,6 +24,7 @@ import numpy as np
 
 from ._atoms import dtype_of, is_float, shape_of
 from ._compat import JaxprEqn, Literal, Var
+from ._constants import fold
 from ._rules import rule_for
 from ._walk import demand
 
@@ -76,6 +77,17 @@ def negated_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
     return None if ranges[0] is None else (-ranges[0][1], -ranges[0][0])
 
 
+def absolute_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
+    """`abs` of a real value: at least 0 (every finite input: an unknown operand included)."""
+    if not np.issubdtype(dtype_of(eqn.invars[0]), np.floating):
+        return None  # `abs` of a complex value: not a range of reals
+    a = ranges[0]
+    if a is None:
+        return 0.0, np.inf
+    ends = (abs(a[0]), abs(a[1]))
+    return (0.0 if a[0] <= 0 <= a[1] else min(ends)), max(ends)
+
+
 def sum_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
     a, b = ranges
     if a is None or b is None:
@@ -120,14 +132,16 @@ def product_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
 
 
 def quotient_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
-    """Division by a constant that is finite and not 0."""
-    a, c = ranges[0], consts[1]
-    if a is None or c is None or np.size(c) != 1:
+    """Division by a divisor whose range is finite and excludes 0 (a constant, or a scalar the
+    program computes from constants: `(r_c - r_o) ** 3`)."""
+    a, d = ranges
+    if a is None or d is None or not (np.isfinite(d[0]) and np.isfinite(d[1])) or \
+            d[0] <= 0 <= d[1]:
         return None
-    c = float(np.asarray(c).reshape(()))
-    if c == 0 or not np.isfinite(c):
+    with np.errstate(invalid="ignore"):
+        ends = [x / y for x in a for y in d]
+    if any(np.isnan(e) for e in ends):
         return None
-    ends = (a[0] / c, a[1] / c)
     return _outward(eqn, min(ends), max(ends), exact=False)
 
 
@@ -140,11 +154,18 @@ def root_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
 
 def even_power_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
     """`integer_pow` with a positive even exponent: at least 0, at most the larger end's power
-    (every finite input: unknown operands included)."""
+    (every finite input: unknown operands included); a positive odd one is increasing: the
+    ends' powers (`(6.25 - 4.) ** 3`)."""
     y = eqn.params["y"]
-    if y <= 0 or y % 2:
+    if y <= 0:
         return None
     a = ranges[0]
+    if y % 2:
+        if a is None:
+            return None
+        with np.errstate(over="ignore"):
+            return _outward(eqn, float(np.float64(a[0]) ** y), float(np.float64(a[1]) ** y),
+                            exact=False)
     if a is None:
         return 0.0, np.inf
     with np.errstate(over="ignore"):
@@ -235,12 +256,28 @@ def compared(compare: JaxprEqn, holds: bool) -> tuple[int, bool] | None:
     return (greater, strict) if holds else (1 - greater, not strict)
 
 
-class Ranges:
-    """The ranges of the values of one jaxpr, computed on demand and memoized."""
+MAX_GIVEN_STEPS = 256
+"""Values a range under a predicate (`Ranges.given`) derives again, at most; past that the
+range is unknown."""
 
-    def __init__(self, eqns, producer: dict, constants: dict):
+
+class Ranges:
+    """The ranges of the values of one jaxpr, computed on demand and memoized.
+
+    `given`: values whose ranges are known to be narrower than their own, each with that range
+    (a `where`'s case under the comparison that takes it: `Ranges.given`). Such a view derives
+    at most `MAX_GIVEN_STEPS` values, and does not narrow by a comparison again (one level: the
+    cost stays linear in the selections)."""
+
+    def __init__(self, eqns, producer: dict, constants: dict, given: dict | None = None):
         self.eqns, self.producer, self.constants = eqns, producer, constants
-        self.memo: dict = {}
+        self.memo: dict = dict(given or {})
+        self.steps_left = None if given is None else MAX_GIVEN_STEPS
+
+    def given(self, atom, known: dict) -> Range:
+        """The range of `atom` where each value of `known` lies in its range there
+        (`jnp.where(d < 2.5, (6.25 - d ** 2) ** 2, 0.)`: the case is finite for d below 2.5)."""
+        return Ranges(self.eqns, self.producer, self.constants, known).of(atom)
 
     def constant_of(self, atom):
         if isinstance(atom, Literal):
@@ -258,6 +295,10 @@ class Ranges:
         i = self.producer.get(v)
         if i is None or len(self.eqns[i].outvars) != 1 or not is_float(v):
             return None
+        if self.steps_left is not None:
+            if self.steps_left <= 0:
+                return None
+            self.steps_left -= 1
         eqn = self.eqns[i]
         rule = rule_for(eqn.primitive)
         if rule.selection is not None and rule.selection.by_predicate:
@@ -277,17 +318,62 @@ class Ranges:
         pred, cases = eqn.invars[0], eqn.invars[1:]
         at = self.producer.get(pred) if isinstance(pred, Var) else None
         compare = None if at is None else self.eqns[at]
+        always = None if compare is None else (yield from self._decided(compare))
         hull: list[float] = []
         for holds, case in zip((False, True), cases, strict=True):
+            if always is not None and always != holds:
+                continue  # never taken
             c = self.constant_of(case)
             r = constant_range(c) if c is not None else (yield case)
-            if r is None:
-                return None
             if compare is not None and isinstance(case, Var) and \
                     shape_of(case) == shape_of(eqn.outvars[0]):
-                r = self._narrowed(compare, holds, case, r)
+                if r is not None:
+                    r = self._narrowed(compare, holds, case, r)
+                if (r is None or not np.all(np.isfinite(r))) and self.steps_left is None \
+                        and case not in compare.invars:
+                    r = (yield from self._under(compare, holds, case)) or r
+            if r is None:
+                return None
             hull = [min(hull[0], r[0]), max(hull[1], r[1])] if hull else list(r)
         return hull[0], hull[1]
+
+    def _decided(self, compare: JaxprEqn) -> Generator[Any, Range, bool | None]:
+        """A test for NaN or inf (`nan_to_num`'s `x != x`, `x == inf`) of values whose ranges
+        are finite: its answer in every lane (that of any finite value), else None."""
+        test = rule_for(compare.primitive).tests_nonfinite
+        tested = test(compare) if test is not None else []
+        if not tested or len(compare.outvars) != 1 or any(
+                isinstance(v, Var) and v not in tested for v in compare.invars):
+            return None
+        for v in tested:
+            r = yield v
+            if r is None or not (np.isfinite(r[0]) and np.isfinite(r[1])):
+                return None
+        values = [np.zeros((), dtype_of(v)) if isinstance(v, Var) else np.asarray(v.val)
+                  for v in compare.invars]
+        return bool(np.all(fold(compare, values)[0]))
+
+    def _under(self, compare: JaxprEqn, holds: bool, case: Any) -> Generator[Any, Range, Range]:
+        """The range of `case` where `compare` holds (or fails), derived again with the value
+        it compares with a finite constant narrowed (`d` below 2.5 in `(6.25 - d ** 2) ** 2`).
+        Where it holds the value is not NaN (NaN fails every comparison); where it fails, only a
+        value with a range is known not to be NaN."""
+        for d, other in (compare.invars, compare.invars[::-1]):
+            c = self.constant_of(other)
+            if isinstance(d, Var) and self.constant_of(d) is None and c is not None and \
+                    np.size(c) == 1 and bool(np.isfinite(c)) and is_float(d):
+                break
+        else:
+            return None
+        known = yield d
+        if known is None:
+            if not holds:
+                return None
+            known = (-np.inf, np.inf)
+        narrowed = self._narrowed(compare, holds, d, known)
+        if narrowed == known:
+            return None
+        return self.given(case, {d: narrowed})
 
     def _narrowed(self, compare: JaxprEqn, holds: bool, case: Any, r: tuple) -> tuple:
         """`r`, the range of `case`, where `compare` holds (or fails) and compares `case` with

@@ -334,7 +334,7 @@ def _taints_outputs(eqn: JaxprEqn, rule: PrimitiveRule, tainted: set, site: Site
     if rule.chooser is not None and not rule.chooser.guarded_results:
         replaced = {}  # emitted again, its dropped results are the original's (`by_fill`)
     if any(isinstance(v, Var) and v in tainted and k not in replaced
-           and not selected_only_where_finite(eqn, k, producer_of, bounds)
+           and not selected_only_where_finite(eqn, k, producer_of, bounds, tainted)
            for k, v in enumerate(eqn.invars)):
         return True
     if not rule.known or rule.makes_nonfinite or any(

@@ -21,7 +21,7 @@ carries the taint forward, since a guard cleans it).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from typing import Any
 
 import numpy as np
@@ -176,12 +176,18 @@ def may_produce_nonfinite(eqn: JaxprEqn) -> bool:
         contains_hazard(s) for s in sub_jaxprs(eqn)))
 
 
+MAX_CASE_VALUES = 256
+"""Values of a selected case `selected_only_where_finite` follows back, at most."""
+
+
 def selected_only_where_finite(eqn: JaxprEqn, k: int, producer_of: Callable[[Var], Any],
-                               bounds: Bounds) -> bool:
+                               bounds: Bounds, tainted: Set = frozenset()) -> bool:
     """Whether operand k of a `select_n` is taken only in lanes where it is finite: the
-    predicate compares it with a finite constant from above (`jnp.where(t < 1., t, 0.)`: NaN
-    and +inf fail `t < 1.`) and it is bounded from below (a bound holds of every value but NaN,
-    whatever the operands held: -inf is below it)."""
+    predicate compares a value with a finite constant from above (`jnp.where(t < 1., t, 0.)`:
+    NaN and +inf fail `t < 1.`), the value is bounded from below (a bound holds of every value
+    but NaN, whatever the operands held: -inf is below it), and the case is that value, or a
+    function of it whose range is finite there and whose other inputs may be non-finite in no
+    lane (`tainted`: jax-md's cutoff, `jnp.where(d < 2.5, (6.25 - d ** 2) ** 2, 0.)`)."""
     rule = rule_for(eqn.primitive)
     if rule.selection is None or not rule.selection.by_predicate or len(eqn.invars) != 3 \
             or k != 2 or not isinstance(eqn.invars[0], Var):
@@ -196,11 +202,37 @@ def selected_only_where_finite(eqn: JaxprEqn, k: int, producer_of: Callable[[Var
     # the side bounded from below where the comparison holds is the constant's: the other
     # operand is bounded from above by it
     value, bound = compare.invars[1 - below[1]], compare.invars[below[1]]
-    if value is not case or shape_of(value) != shape_of(eqn.outvars[0]):
+    if shape_of(case) != shape_of(eqn.outvars[0]) or not isinstance(value, Var):
         return False
     limit = bounds.constant_of(bound)
-    return (limit is not None and np.size(limit) == 1 and bool(np.all(np.isfinite(limit)))
-            and bounds.of(case) is not None)
+    if limit is None or np.size(limit) != 1 or not bool(np.all(np.isfinite(limit))):
+        return False
+    lower = bounds.of(value)
+    if lower is None:
+        return False
+    if value is case:
+        return True
+    if not _nonfinite_only_through(case, value, tainted, producer_of):
+        return False
+    found = bounds.range_given(case, {value: (lower, float(np.asarray(limit).reshape(())))})
+    return found is not None and bool(np.all(np.isfinite(found)))
+
+
+def _nonfinite_only_through(case: Any, value: Var, tainted: Set,
+                            producer_of: Callable[[Var], Any]) -> bool:
+    """Whether every input of `case` that may be non-finite is `value`: followed back through
+    the values that may be, up to `value` (a value that may not is finite in every lane)."""
+    stack, seen = [case], set()
+    while stack:
+        u = stack.pop()
+        if u is value or not isinstance(u, Var) or u in seen or u not in tainted:
+            continue
+        seen.add(u)
+        producer = producer_of(u)
+        if producer is None or len(seen) > MAX_CASE_VALUES:
+            return False
+        stack.extend(producer.invars)
+    return True
 
 
 def nonfinite_anywhere(closed: ClosedJaxpr, seeds: set) -> set:
@@ -217,7 +249,7 @@ def nonfinite_anywhere(closed: ClosedJaxpr, seeds: set) -> set:
         reads = [k for k, v in enumerate(eqn.invars) if isinstance(v, Var) and v in tainted]
         if reads and rule_for(eqn.primitive).selection is not None:
             reads = [k for k in reads
-                     if not selected_only_where_finite(eqn, k, producer.get, bounds_of())]
+                     if not selected_only_where_finite(eqn, k, producer.get, bounds_of(), tainted)]
         if reads or may_produce_nonfinite(eqn) and not _proven_finite(eqn, bounds_of):
             tainted.update(o for o in eqn.outvars if is_float(o))
     return tainted

@@ -648,6 +648,130 @@ def test_a_power_of_a_bounded_base_that_crosses_zero_is_finite():
     assert of_program(closed).range_of(closed.jaxpr.outvars[0]) is None
 
 
+def _morse_on_all_pairs(r, pairs=None, sigma=1.3):
+    """`_morse_terms` on every ordered pair (the diagonal included, as `smap` computes it)."""
+    i, j = (slice(None), None), (None, slice(None))
+    if pairs is not None:
+        i, j = pairs
+    r2 = jnp.sum((r[i] - r[j]) ** 2, axis=-1)
+    d = safe_mask(r2 > 0, jnp.sqrt, r2)
+    return jnp.nan_to_num(5.0 * (1.0 - jnp.exp(-5.0 * (d - sigma))) ** jnp.float32(2.0) - 5.0)
+
+
+def test_a_power_in_its_domain_on_the_dropped_diagonal_needs_no_guard():
+    """On the diagonal `1 - eye` drops, `safe_mask` puts 0 under the distance, so the power's
+    base is `1 - exp(5 * 1.3)`, a constant away from 0 where `x ** 2.` is finite with its
+    derivatives (`_by_hand._safe_on_diagonal`, the base's value there read through `exp`, a
+    product with a computed scalar and `select_n`): nothing to guard, and every derivative to
+    the third is JAX's on the off-diagonal pairs."""
+    energy = _without_diagonal(_morse_on_all_pairs)
+    assert str(jaxsafe.explain(energy, finite_args=True)(R)) == \
+        "nothing to guard: the program runs unchanged"
+    kept = _off_diagonal_reference(_morse_on_all_pairs, R)
+    assert_same_to_the_third_order(jaxsafe.nan_safe(energy, finite_args=True), kept, R)
+
+
+def test_a_power_at_its_singularity_on_the_dropped_diagonal_keeps_its_guard():
+    """With sigma = 0 the base on the diagonal is `1 - exp(0) = 0`, where the third derivative
+    of `x ** 2.` is NaN: the guard stays, the live pairs' derivatives are unchanged."""
+    terms = lambda r, pairs=None: _morse_on_all_pairs(r, pairs, sigma=0.0)
+    energy, r = _without_diagonal(terms), R[:3]  # no coincident pair: the reference is finite
+    assert "guarded pow" in str(jaxsafe.explain(energy, finite_args=True)(r))
+    kept = _off_diagonal_reference(terms, r)
+    assert_same_to_the_third_order(jaxsafe.nan_safe(energy, finite_args=True), kept, r)
+
+
+def _smooth_cutoff(d):
+    """jax-md's `multiplicative_isotropic_cutoff` factor, onset 2, cutoff 2.5 (its squares
+    `jnp` scalars, so the program computes `(r_c - r_o) ** 3`)."""
+    r_c, r_o = jnp.float32(6.25), jnp.float32(4.0)
+    rr = d ** jnp.float32(2.0)
+    inner = jnp.where(d < 2.5, (r_c - rr) ** 2 * (r_c + 2.0 * rr - 3.0 * r_o) / (r_c - r_o) ** 3,
+                      0.0)
+    return jnp.where(d < 2.0, 1.0, inner)
+
+
+def _cut_off_morse(r, pairs=None):
+    i, j = (slice(None), None), (None, slice(None))
+    if pairs is not None:
+        i, j = pairs
+    r2 = jnp.sum((r[i] - r[j]) ** 2, axis=-1)
+    d = safe_mask(r2 > 0, jnp.sqrt, r2)
+    u = jnp.nan_to_num(5.0 * (1.0 - jnp.exp(-5.0 * (d - 1.3))) ** jnp.float32(2.0) - 5.0)
+    return jnp.nan_to_num(_smooth_cutoff(d) * u)
+
+
+def test_a_cutoff_factor_is_finite_under_the_comparisons_that_take_it():
+    """`(6.25 - d ** 2) ** 2 * ...` overflows for a huge `d`, but `where(d < 2.5, ...)` takes it
+    only below 2.5 (`d >= 0`): derived again there (`Ranges.given`) its range is finite, so the
+    cutoff factor is finite, the product with the Morse energy is finite, and the `nan_to_num`
+    after it drops nothing: the product needs no guard (jax-md's `cutoff_fn`)."""
+    energy = _without_diagonal(_cut_off_morse)
+    explained = str(jaxsafe.explain(energy, finite_args=True)(R))
+    assert "guarded mul" not in explained and "guarded sqrt" in explained
+    from jaxsafe._bounds import of_program
+    from jaxsafe._flatten import flatten, inline_scalar_constants
+    closed = inline_scalar_constants(flatten(jax.make_jaxpr(
+        lambda x: _smooth_cutoff(jnp.abs(x)))(X)))
+    lo, hi = of_program(closed).range_of(closed.jaxpr.outvars[0])
+    assert np.isfinite(lo) and np.isfinite(hi) and lo <= 0.0 and hi >= 1.0
+    far = R.at[0].set(jnp.array([3.0, 0.0]))  # past the cutoff from particle 1
+    for r in (R, far):
+        assert_same_to_the_third_order(jaxsafe.nan_safe(energy, finite_args=True),
+                                       _off_diagonal_reference(_cut_off_morse, r), r)
+
+
+def test_the_cases_nan_to_num_never_takes_leave_the_range():
+    """`nan_to_num` of a value whose range is finite takes none of its replacements (NaN, +inf
+    and -inf fail its tests): the range is the value's, not one out to the largest float."""
+    from jaxsafe._bounds import of_program
+    from jaxsafe._flatten import flatten, inline_scalar_constants
+    closed = inline_scalar_constants(flatten(jax.make_jaxpr(
+        lambda x: jnp.nan_to_num(jnp.exp(-jnp.abs(x))))(X)))
+    lo, hi = of_program(closed).range_of(closed.jaxpr.outvars[0])
+    assert lo >= 0.0 and hi <= 1.0 + 1e-4
+    closed = inline_scalar_constants(flatten(jax.make_jaxpr(
+        lambda x: jnp.nan_to_num(jnp.exp(x)))(X)))  # may overflow: the largest float is taken
+    assert of_program(closed).range_of(closed.jaxpr.outvars[0])[1] > 1e38
+
+
+def test_a_cutoff_factor_of_a_far_pair_keeps_its_guard():
+    """Why the cutoff's `d ** 2.` keeps a guard with finite positions: 3e19 apart, `r2`
+    overflows to inf, and its derivative there is infinite where the `where` drops the pair
+    (plain JAX's gradient is NaN everywhere). nan_safe's is the system's without the pair."""
+    energy = _without_diagonal(_cut_off_morse)
+    r = jnp.array([[0.0, 0.0], [1.3, 0.0], [3e19, 0.0]])
+    assert np.isnan(np.asarray(jax.grad(energy)(r))).all()
+    kept = _off_diagonal_reference(_cut_off_morse, r, np.array([[True, True, False],
+                                                                [True, True, False],
+                                                                [False, False, True]]))
+    got = jax.grad(jaxsafe.nan_safe(energy, finite_args=True))(r)
+    assert_finite(got)
+    assert_close(got, jax.jit(jax.grad(kept))(r), atol=1e-5)
+
+
+@pytest.mark.parametrize("case, finite", [
+    (lambda d, w: (6.25 - d ** 2) ** 2, True),
+    (lambda d, w: (6.25 - d ** 2) * w, False),  # another input that may be NaN
+    (lambda d, w: (6.25 - d ** 2) * jnp.clip(w, -1.0, 1.0), False),  # ranged, may be NaN
+    (lambda d, w: 1.0 / (d - 1.0), False),  # a pole below the limit
+    (lambda d, w: (6.25 - d ** 2) ** -1.5, False),  # below 2.5, 6.25 - d ** 2 reaches 0
+], ids=["finite", "another input", "a clipped input", "a pole", "a negative power"])
+def test_a_case_is_finite_under_its_comparison_only_when_its_range_says_so(case, finite):
+    """The taint pass (`selected_only_where_finite`): `where(d < 2.5, g(d, w), 0.)` with
+    `d = |x|` (NaN and inf fail the comparison) is finite when `g`'s range for d in [0, 2.5]
+    is, and `d` is the only input of `g` that may be non-finite."""
+    from jaxsafe._flatten import flatten, inline_scalar_constants
+    from jaxsafe._taint import nonfinite_anywhere
+
+    def f(x, w):
+        d = jnp.abs(x)
+        return jnp.where(d < 2.5, case(d, w), 0.0)
+    closed = inline_scalar_constants(flatten(jax.make_jaxpr(f)(X, X)))
+    tainted = nonfinite_anywhere(closed, set(closed.jaxpr.invars))
+    assert (closed.jaxpr.outvars[0] not in tainted) == finite
+
+
 # --------------------------------------------------------------------------- constant predicates
 
 @pytest.mark.parametrize("f", [

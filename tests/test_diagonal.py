@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxsafe._compat import Literal, bind_eqn
 from jaxsafe._diagonal import DiagonalValues
+from jaxsafe._flatten import flatten
 
 X = jnp.array([[0.0, 1.0, 2.0], [3.0, -1.0, 0.5], [2.0, 2.0, 7.0]])
 
@@ -20,7 +22,7 @@ class _Program:
     """A traced function, answering what `_diagonal.py` asks of the program around it."""
 
     def __init__(self, f, *args, finite=True):
-        self.closed = jax.make_jaxpr(f)(*args)
+        self.closed = flatten(jax.make_jaxpr(f)(*args))  # `jnp.where` is a jit call
         self.producer = {o: e for e in self.closed.jaxpr.eqns for o in e.outvars}
         self._finite = finite
         self.values = DiagonalValues(self)
@@ -33,6 +35,18 @@ class _Program:
 
     def producer_of(self, v):
         return self.producer.get(v)
+
+    def constant(self, v):
+        """Computed from literals alone: evaluated, equation by equation (small programs)."""
+        if isinstance(v, Literal):
+            return np.asarray(v.val)
+        eqn = self.producer.get(v)
+        if eqn is None:
+            return None
+        operands = [self.constant(u) for u in eqn.invars]
+        if any(o is None for o in operands):
+            return None
+        return np.asarray(bind_eqn(eqn, operands)[0])
 
     @property
     def out(self):
@@ -70,6 +84,23 @@ def test_the_squared_distances_of_finite_points_are_known_on_the_diagonal(f):
     got = program.values.holds(program.out, (0, 1))
     assert got is not None and got.item() == _on_diagonal(f, X)
     assert got.item() == (0.0 if f is squared_distances else False)
+
+
+def morse_base(x):
+    """jax-md's Morse base on `safe_mask`'s distance: `1 - exp(-5 * (d - 1))`, with `-5` a
+    scalar the program computes and `d` the placeholder 0 where `r2 > 0` fails."""
+    r2 = squared_distances(x)
+    d = jnp.where(r2 > 0, jnp.sqrt(jnp.where(r2 > 0, r2, 0.0)), 0)
+    return 1.0 - jnp.exp(-jnp.float32(5.0) * (d - 1.0))
+
+
+def test_a_selection_and_a_computed_scalar_carry_the_diagonal():
+    """`select_n` takes the case its predicate's value there names; a scalar computed from
+    literals is its own value."""
+    program = _Program(morse_base, X)
+    got = program.values.holds(program.out, (0, 1))
+    assert got is not None and np.isclose(got.item(), _on_diagonal(morse_base, X))
+    assert np.isclose(got.item(), 1.0 - np.exp(5.0))
 
 
 @pytest.mark.parametrize("f", [not_mirrored, two_arrays], ids=["not mirrored", "two arrays"])

@@ -75,6 +75,27 @@ def test_jax_md_lennard_jones_at_a_tiny_separation_is_fixed_not_left_alone():
     assert_close(jax.grad(safe)(r), jax.grad(without_the_pair)(r), rtol=1e-5, atol=1e-6)
 
 
+@JAX_MD_WARNINGS
+def test_jax_md_morse_with_a_far_particle_is_fixed_not_left_alone():
+    """Morse's guards are not redundant either: with finite positions 3e19 apart, `r2`
+    overflows to inf, the cutoff's `r ** 2.` has an infinite derivative there, and the zero
+    cotangent of the pair its `where` drops makes every force NaN in plain JAX. nan_safe's are
+    those of the system without the far particle's pairs (docs/how-it-works.md)."""
+    jax_md = _jax_md()
+    displacement, _ = jax_md.space.free()
+    energy = jax_md.energy.morse_pair(displacement)
+    r = jnp.array([[0.0, 0.0], [1.3, 0.0], [3e19, 0.0], [0.2, 2.1]])
+    assert np.isnan(np.asarray(jax.grad(energy)(r))).all()
+
+    def without_the_far_particle(r):
+        return energy(r[jnp.array([0, 1, 3])])
+
+    safe = jaxsafe.nan_safe(energy, finite_args=True)
+    np.testing.assert_array_equal(safe(r), jax.jit(energy)(r))
+    assert_close(jax.grad(safe)(r), jax.grad(without_the_far_particle)(r), rtol=1e-5,
+                 atol=1e-5)
+
+
 def test_flax_nnx_example_value_and_grad_and_a_jitted_train_step():
     import importlib.util
     import pathlib
