@@ -358,6 +358,8 @@ class Ranges:
         it compares with a finite constant narrowed (`d` below 2.5 in `(6.25 - d ** 2) ** 2`).
         Where it holds the value is not NaN (NaN fails every comparison); where it fails, only a
         value with a range is known not to be NaN."""
+        if len(compare.invars) != 2:
+            return None
         for d, other in (compare.invars, compare.invars[::-1]):
             c = self.constant_of(other)
             if isinstance(d, Var) and self.constant_of(d) is None and c is not None and \

@@ -772,6 +772,27 @@ def test_a_case_is_finite_under_its_comparison_only_when_its_range_says_so(case,
     assert (closed.jaxpr.outvars[0] not in tainted) == finite
 
 
+def test_a_selection_on_a_mask_that_is_no_comparison_has_no_range_under_it():
+    """`jnp.where(valid[None, :], scores, -1e9)`: the predicate is a broadcast of an argument,
+    not a comparison with a constant, so nothing narrows the case (found by the sharded
+    attention block: the range pass asked it for two operands). An RMS norm's 0/0 in a padded
+    row, dropped: nan_safe's gradient is the hand fix's."""
+    def make(hand):
+        def loss(x, valid):
+            ms = jnp.mean(x * x, axis=-1, keepdims=True)
+            if hand:
+                ms = jnp.where(valid[:, None], ms, 1.0)
+            h = jnp.where(valid[:, None], x / jnp.sqrt(ms), 0.0)
+            s = jnp.where(valid[None, :], h @ h.T, -1e9)
+            return jnp.sum(jnp.where(valid[:, None], jax.nn.softmax(s, axis=-1), 0.0) ** 2)
+        return loss
+    x = (jnp.arange(12.0).reshape(3, 4) / 10).at[1].set(0.0)
+    valid = jnp.array([True, False, True])
+    assert np.isnan(np.asarray(jax.grad(make(False))(x, valid))).any()
+    assert_close(jax.grad(jaxsafe.nan_safe(make(False)))(x, valid),
+                 jax.grad(make(True))(x, valid))
+
+
 # --------------------------------------------------------------------------- constant predicates
 
 @pytest.mark.parametrize("f", [
