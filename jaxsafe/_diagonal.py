@@ -72,10 +72,6 @@ class DiagonalValues:
         eqn = self.ctx.producer_of(v)
         if eqn is None or len(eqn.outvars) != 1 or eqn.effects or not _valid(v, diagonal):
             return None
-        value = self.ctx.constant(v)
-        if value is not None:  # a constant of one value (`safe_mask`'s placeholder, broadcast)
-            flat = np.ravel(value)
-            return flat[0].reshape(()) if flat.size and bool(np.all(flat == flat[0])) else None
         rule = rule_for(eqn.primitive).diagonal
         if rule is None:
             return None
@@ -202,15 +198,31 @@ def selected_diagonal(eqn: JaxprEqn, diagonal: Diagonal,
 
 def broadcast_diagonal(eqn: JaxprEqn, diagonal: Diagonal,
                        ctx: DiagonalContext) -> Generator[Any, Scalar, Scalar]:
-    """`broadcast_in_dim`: the operand's diagonal where both axes come from it; a literal
-    scalar everywhere."""
-    u = eqn.invars[0]
-    if isinstance(u, Literal):
-        return np.asarray(literal_value(u)).reshape(())
+    """`broadcast_in_dim`: the operand's diagonal where both axes come from it; a scalar
+    everywhere (`safe_mask`'s placeholder: a literal, or one computed from literals and
+    broadcast in steps)."""
     dims = list(eqn.params["broadcast_dimensions"])
-    if diagonal[0] not in dims or diagonal[1] not in dims:
-        return None
-    return (yield (u, (dims.index(diagonal[0]), dims.index(diagonal[1]))))
+    if diagonal[0] in dims and diagonal[1] in dims:
+        return (yield (eqn.invars[0], (dims.index(diagonal[0]), dims.index(diagonal[1]))))
+    return _scalar_everywhere(eqn.invars[0], ctx)
+
+
+def _scalar_everywhere(atom: Any, ctx: DiagonalContext) -> Scalar:
+    """The one value `atom` holds in every lane: a scalar (a literal, or computed from literals)
+    broadcast, in any number of steps; else None. Only the scalar is evaluated, never the
+    broadcast array."""
+    for _ in range(64):
+        if isinstance(atom, Literal):
+            value = np.asarray(literal_value(atom))
+            return value.reshape(()) if value.size == 1 else None
+        if not shape_of(atom):
+            value = ctx.constant(atom)
+            return None if value is None else np.asarray(value).reshape(())
+        eqn = ctx.producer_of(atom)
+        if eqn is None or not rule_for(eqn.primitive).broadcast or len(eqn.invars) != 1:
+            return None
+        atom = eqn.invars[0]
+    return None
 
 
 def reduced_diagonal(eqn: JaxprEqn, diagonal: Diagonal,
