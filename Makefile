@@ -142,7 +142,10 @@ lint: $(STAMP)
 	$(VENV)/bin/pyright --pythonpath $(PY)
 
 fuzz: $(STAMP)
-	$(PY) -m pytest -m slow
+	$(PY) -m pytest -m slow --ignore=tests/test_x64.py \
+		--ignore=tests/test_x64_transparency.py --ignore=tests/test_x64_where.py
+	JAX_ENABLE_X64=1 $(PY) -m pytest -m slow \
+		tests/test_x64.py tests/test_x64_transparency.py tests/test_x64_where.py
 
 BENCH_STAMP = $(VENV)/.installed-bench
 
