@@ -165,18 +165,21 @@ class Bounds:
         self.memo: dict = {}
         self._ranges: Ranges | None = None
 
-    def range_of(self, atom) -> Range:
-        """The range of `atom` (`_ranges.py`), for every finite input."""
+    @property
+    def ranges(self) -> Ranges:
+        """The ranges of the same values (`_ranges.py`), made on first use."""
         if self._ranges is None:
             self._ranges = Ranges(self.eqns, self.producer, self.constants)
-        return self._ranges.of(atom)
+        return self._ranges
+
+    def range_of(self, atom) -> Range:
+        """The range of `atom` (`_ranges.py`), for every finite input."""
+        return self.ranges.of(atom)
 
     def range_given(self, atom, known: dict) -> Range:
         """The range of `atom` where each value of `known` lies in its range
         (`Ranges.given`)."""
-        self.range_of(atom)  # made on first use
-        assert self._ranges is not None
-        return self._ranges.given(atom, known)
+        return self.ranges.given(atom, known)
 
     def _constant(self, atom):
         if isinstance(atom, Literal):
