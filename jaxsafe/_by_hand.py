@@ -139,10 +139,7 @@ class HandGuards:
         each of `operands` to `PROOF_ORDER` (jax-md's Morse, `(1 - exp(-alpha * (d -
         sigma))) ** 2.` at a particle's distance 0 to itself)."""
         shape = shape_of(eqn.outvars[0])
-        for key, positive, embed in term:
-            diagonal = self.diagonals.of_predicate(key, embed) if positive else None
-            if diagonal is None:
-                continue
+        for _, diagonal in self._diagonals_of(term):
             point = []
             for u in eqn.invars:
                 if isinstance(u, Literal):
@@ -172,14 +169,21 @@ class HandGuards:
         is known to fail (`_fails_on_diagonal`)."""
         return self._never_holds(term) or self._fails_on_diagonal(term)
 
+    def _diagonals_of(self, term: frozenset) -> list[tuple[Any, tuple[int, int]]]:
+        """The literals of `term` that hold exactly on a diagonal (`eq(i, j)` of an `eye`),
+        each with that diagonal, in the frame of the value the term is about."""
+        found = []
+        for key, positive, embed in term:
+            diagonal = self.diagonals.of_predicate(key, embed) if positive else None
+            if diagonal is not None:
+                found.append((key, diagonal))
+        return found
+
     def _fails_on_diagonal(self, term: frozenset) -> bool:
         """`term` holds `eq(i, j)` (the lanes `1 - eye(n)` drops) and a predicate whose value on
         that diagonal is the opposite (`r2 > 0`, with `r2` a sum of `(x_j - x_i) ** 2`)."""
         diagonals = self.diagonals
-        for key, positive, embed in term:
-            diagonal = diagonals.of_predicate(key, embed) if positive else None
-            if diagonal is None:
-                continue
+        for key, diagonal in self._diagonals_of(term):
             for other, holds, other_embed in term:
                 axes = diagonals.in_frame(diagonal, other_embed)
                 if other is key or not isinstance(other, Var) or axes is None:

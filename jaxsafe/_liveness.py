@@ -25,7 +25,7 @@ primal provably never reads are dropped.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Container, Generator, Sequence
 from typing import Any
 
 import numpy as np
@@ -244,6 +244,21 @@ class Sweep:
             return None
         return eqn
 
+    def maybe_after(self, starts: Sequence[Any], known: Container) -> list:
+        """The MAYBE values reached forward from `starts` through their readers' outputs, up to
+        values that are LIVE or DEAD or in `known` (what a run-time mask of `starts` is built
+        from: `RuntimeMasks`, and the guard pass's `_PaidMasks`)."""
+        region, seen, stack = [], set(), list(starts)
+        while stack:
+            u = stack.pop()
+            if isinstance(u, Literal) or u in seen or u in known or self.kind(u) != Kind.MAYBE:
+                continue
+            seen.add(u)
+            region.append(u)
+            for i, _ in self.consumers.get(u, ()):
+                stack.extend(self.jaxpr.eqns[i].outvars)
+        return region
+
     def constant(self, atom: Any) -> Any:
         """The value of a small atom that the program computes from literals alone, else None
         (asked for select predicates only, so programs without such pay nothing)."""
@@ -396,15 +411,7 @@ class RuntimeMasks:
     def _region(self, v: Any) -> list:
         """The MAYBE values `v`'s mask depends on and that have none yet, consumers first."""
         sweep = self.sweep
-        region, seen, stack = [], set(), [v]
-        while stack:
-            u = stack.pop()
-            if u in seen or u in self.memo or sweep.kind(u) != Kind.MAYBE:
-                continue
-            seen.add(u)
-            region.append(u)
-            for i, _ in sweep.consumers.get(u, ()):
-                stack.extend(o for o in sweep.jaxpr.eqns[i].outvars if not isinstance(o, Literal))
+        region = sweep.maybe_after([v], self.memo)
         region.sort(key=lambda u: sweep.producer.get(u, -1), reverse=True)
         return region
 

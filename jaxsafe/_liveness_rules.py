@@ -242,8 +242,6 @@ def _untouched(axis: WindowAxis) -> bool:
     return tuple(axis[2:]) == (1, 1, 0, 0, 1, 1)
 
 
-
-
 def window_sum_pairs(eqn: JaxprEqn) -> tuple[dict[int, int], frozenset[int]]:
     """The output axes that are operand axes (output axis: operand axis), and the output axes
     along which every lane reads the same operand lanes (none for a window sum)."""

@@ -124,14 +124,8 @@ class _PaidMasks:
         self.demanded: set = set()
 
     def demand(self, outvars: list) -> None:
-        sweep, stack = self.sweep, list(outvars)
-        while stack:
-            u = stack.pop()
-            if isinstance(u, Literal) or u in self.demanded or sweep.kind(u) != Kind.MAYBE:
-                continue
-            self.demanded.add(u)
-            for i, _ in sweep.consumers.get(u, ()):
-                stack.extend(sweep.jaxpr.eqns[i].outvars)
+        """A site placed on these outputs reads their masks."""
+        self.demanded.update(self.sweep.maybe_after(outvars, self.demanded))
 
     def paid(self, eqn: JaxprEqn, k: int) -> bool:
         """Whether the mask equation `eqn` gives its operand k costs nothing more."""
