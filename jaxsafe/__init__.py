@@ -16,11 +16,13 @@ from ._explain import Location as Location
 from ._explain import explain as explain
 from ._guards import register_guard as register_guard
 from ._libraries import register_rule as register_rule
+from ._report import AnalysisFailedWarning as AnalysisFailedWarning
 from ._report import Report as Report
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AnalysisFailedWarning",
     "DEFAULT_CACHE_SIZE",
     "DataDependentShapeError",
     "Diagnosis",

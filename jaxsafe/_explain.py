@@ -281,6 +281,9 @@ def _note(eqn: JaxprEqn, text: str, indent: str) -> list[str]:
 def format_report(report: Report) -> str:
     """`str(report)`: one block per guard, then what was re-decided, left unguarded, or could
     not be seen through, then the equation counts."""
+    if report.failure is not None:
+        return ("the analysis failed (a bug in jaxsafe; please report it): the original "
+                "program runs unchanged, its dropped lanes unguarded\n" + report.failure)
     guards = report.guards
     lines: list[str] = []
     by_body: dict[tuple[str, ...], list[Guard]] = {}

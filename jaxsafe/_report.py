@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,9 @@ class Report:
     original: ClosedJaxpr | None = None
     rewritten: ClosedJaxpr | None = None
     """The programs before and after (the top-level report only)."""
+    failure: str | None = None
+    """Why the analysis failed, when it did: the original program then runs unchanged
+    (`AnalysisFailedWarning`)."""
 
     @property
     def guards(self) -> tuple[Guard, ...]:
@@ -111,6 +115,33 @@ class Report:
         """Whether the rewritten program differs from the original."""
         return bool(self.sites or self.selections or self.backward_rules
                     or any(r.changed for _, r in self.nested))
+
+
+class AnalysisFailedWarning(RuntimeWarning):
+    """jaxsafe's analysis raised on a program (a bug in jaxsafe): the original program runs
+    unchanged, so its values and derivatives are JAX's and its dropped lanes are not guarded.
+    The message carries the error, the pass and the equation it was raised at; please report
+    it. Set `JAXSAFE_STRICT=1` to raise the error instead (jaxsafe's own tests do).
+
+    Example:
+
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", jaxsafe.AnalysisFailedWarning)
+            jax.grad(jaxsafe.nan_safe(f))(x)   # a failed analysis is now an error
+    """
+
+
+def strict() -> bool:
+    """Whether an analysis failure raises (`JAXSAFE_STRICT=1`, as jaxsafe's own tests run)
+    instead of running the original program with an `AnalysisFailedWarning`."""
+    return os.environ.get("JAXSAFE_STRICT", "") not in ("", "0")
+
+
+def failure_text(error: BaseException) -> str:
+    """The error with the notes the passes added (the pass, the equation, the source line)."""
+    notes = [n for n in getattr(error, "__notes__", []) if isinstance(n, str)]
+    return "\n".join([f"{type(error).__name__}: {error}", *notes])
 
 
 def note_failure(error: BaseException, eqn: JaxprEqn, pass_name: str) -> None:

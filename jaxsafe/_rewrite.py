@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Sequence, Set
 from functools import partial
 
@@ -56,7 +57,7 @@ from ._flatten import flatten, inline_scalar_constants, take_constant_selections
 from ._liveness import Sweep, Sweeps
 from ._nested import any_equation, sub_jaxprs
 from ._plan import Plan
-from ._report import Report, note_failure
+from ._report import AnalysisFailedWarning, Report, failure_text, note_failure, strict
 from ._rules import Kind, rule_for
 from ._sites import place_guards
 from ._taint import contains_hazard, nonfinite_anywhere, nonfinite_seeds
@@ -65,10 +66,20 @@ from ._taint import contains_hazard, nonfinite_anywhere, nonfinite_seeds
 def rewrite_with_report(closed: ClosedJaxpr, finite_invars: Sequence[bool] | None = None
                         ) -> tuple[ClosedJaxpr, Report]:
     """Rewrite `closed`; returns it unchanged (the same object) when nothing needs a guard.
-    `finite_invars`: the arguments the caller promises are finite (default: none)."""
+    `finite_invars`: the arguments the caller promises are finite (default: none).
+
+    A failure inside the analysis is a bug in jaxsafe. Unless `JAXSAFE_STRICT=1`, it does not
+    stop the user's program: the original program runs (contract 5: what the analysis cannot
+    see through is left as it is, never guessed), with an `AnalysisFailedWarning` that carries
+    the error and the equation it was raised at."""
     assert finite_invars is None or len(finite_invars) == len(closed.jaxpr.invars)
     with fewer_collections():
-        new, report = _rewrite(closed, Sweeps(), finite_invars)
+        try:
+            new, report = _rewrite(closed, Sweeps(), finite_invars)
+        except Exception as error:
+            if strict():
+                raise
+            return closed, _failed(closed, error)
     # the diagnostics compare the flattened original (what was analysed) with the result
     report.rewritten = report.original if new is closed else new
     return new, report
@@ -85,6 +96,16 @@ def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps, finite_invars: Sequence[bool] 
         return closed, plan.report
     avals = [v.aval for v in closed.jaxpr.invars]
     return dce(trace_to_jaxpr(partial(emit, plan), avals)), plan.report
+
+
+def _failed(closed: ClosedJaxpr, error: Exception) -> Report:
+    """The report of a program the analysis failed on, and the warning that says so."""
+    text = failure_text(error)
+    warnings.warn(AnalysisFailedWarning(
+        f"jaxsafe could not analyse this program, a bug in jaxsafe (please report it with "
+        f"this message): the original program runs unchanged, its dropped lanes unguarded. "
+        f"Set JAXSAFE_STRICT=1 to raise instead.\n{text}"), stacklevel=2)
+    return Report(failure=text, original=closed, rewritten=closed)
 
 
 def values_of(original: ClosedJaxpr, rewritten: Callable[[], ClosedJaxpr]) -> Callable:

@@ -8,11 +8,15 @@ many more programs, opt out with `pytestmark = pytest.mark.no_leak_check` (a tes
 """
 
 import gc
+import os
 
 import jax
 import pytest
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# A failure inside jaxsafe's analysis raises in the tests: users' programs fall back to the
+# original program with an AnalysisFailedWarning instead (tests/test_architecture.py).
+os.environ["JAXSAFE_STRICT"] = "1"
 
 
 @pytest.fixture(scope="module", autouse=True)

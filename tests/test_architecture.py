@@ -281,6 +281,38 @@ def test_a_failure_inside_a_pass_names_the_pass_the_equation_and_the_source_line
     assert "test_architecture.py" in notes and "bug in jaxsafe" in notes
 
 
+def test_outside_strict_mode_a_failed_analysis_runs_the_original_program_with_a_warning(
+        table, monkeypatch):
+    """A bug in the analysis must not stop a user's program: JAX's own program runs, values
+    and derivatives bit for bit, and the warning carries what the strict mode raises."""
+    prim = _user_sqrt("jaxsafe_test_failing_rule_fallback")
+
+    def broken_static_rule(eqn, out_syms, ctx):
+        raise RuntimeError("a rule that fails")
+
+    _rules.register(prim, masks=lambda *a: [None], static=broken_static_rule)
+    f = lambda x: jnp.sum(jnp.where(x > 0, prim.bind(x) * x, 0.))
+    x = jnp.array([4.0, -1.0, 0.0])
+    monkeypatch.setenv("JAXSAFE_STRICT", "0")
+    safe = jaxsafe.nan_safe(f)
+    with pytest.warns(jaxsafe.AnalysisFailedWarning, match="a rule that fails") as record:
+        g = jax.grad(safe)(x)
+    message = str(record[0].message)
+    assert "liveness pass" in message and "JAXSAFE_STRICT=1" in message
+    np.testing.assert_array_equal(g, jax.grad(f)(x))  # JAX's gradient, its NaN included
+    assert np.isnan(g[1])
+    np.testing.assert_array_equal(safe(x), jax.jit(f)(x))
+    with pytest.warns(jaxsafe.AnalysisFailedWarning):
+        report = jaxsafe.explain(f)(x)
+    assert report.failure is not None and "a rule that fails" in report.failure
+    assert str(report).startswith("the analysis failed") and not report.changed
+    with pytest.warns(jaxsafe.AnalysisFailedWarning):
+        assert str(jaxsafe.make_jaxpr(f)(x)) == str(jax.make_jaxpr(f)(x))
+    monkeypatch.setenv("JAXSAFE_STRICT", "1")
+    with pytest.raises(RuntimeError, match="a rule that fails"):
+        jaxsafe.make_jaxpr(f)(x)
+
+
 def test_a_rewritten_body_that_changed_its_signature_is_an_assertion_naming_the_equation():
     closed = jax.make_jaxpr(lambda x: jax.lax.scan(lambda c, x: (c + x, x), 0., x))(
         jnp.ones(3))
