@@ -31,7 +31,16 @@ from jax import lax
 
 from ._atoms import is_float, literal_value, shape_of
 from ._compat import Jaxpr, JaxprEqn, Literal, Var, bind_eqn
-from ._masks import all_of, any_of, broadcast, known_false, materialize, not_mask, zeros
+from ._masks import (
+    all_of,
+    any_of,
+    broadcast,
+    known_false,
+    materialize,
+    not_mask,
+    reduce_any,
+    zeros,
+)
 from ._rules import Mask, rule_for
 from ._walk import demand
 
@@ -132,6 +141,14 @@ def moved_lanes(eqn: JaxprEqn, masks: list, value: Callable[[int], Any]) -> Mask
     return bind_eqn(eqn, operands)[0]
 
 
+def reduced_lanes(eqn: JaxprEqn, masks: list, value: Callable[[int], Any]) -> Mask:
+    """A reduction's result carries where any lane of its row does: a row of a padded batch
+    that a `where` filled with constants sums to a lane that carries nothing (the norm of a
+    padding row, whose `sqrt` forward mode meets at 0)."""
+    m = masks[0]
+    return None if m is None else reduce_any(m, eqn.params["axes"])
+
+
 def winner_static(eqn: JaxprEqn, classes: list) -> Carry:
     found = _float_classes(eqn, classes)
     if Carry.NONE in found and len(set(found)) > 1:
@@ -173,7 +190,9 @@ def product_lanes(eqn: JaxprEqn, masks: list, value: Callable[[int], Any]) -> Ma
     nothing (`b * da` is an exact zero there), and `b`'s likewise."""
     shape = shape_of(eqn.outvars[0])
     parts = []
-    for k, j in ((0, 1), (1, 0)):
+    # a square (`x * x`): both factors give the same lanes
+    pairs = ((0, 1),) if eqn.invars[0] is eqn.invars[1] else ((0, 1), (1, 0))
+    for k, j in pairs:
         if masks[k] is not None and known_false(masks[k]):
             continue
         other = value(j)

@@ -279,6 +279,42 @@ def moved_held(eqn: JaxprEqn, classes: list, helds: list[Held]) -> Held:
                    if is_float(u) and c != Carry.ALL])
 
 
+def summed_held(eqn: JaxprEqn, classes: list, helds: list[Held]) -> Held:
+    """A sum over a row whose lanes all hold one value `a` (`jnp.where(small, ones, x)` before
+    a norm: optax's `safe_norm`) is `k * a` for a row of `k` lanes, where that sum is exact in
+    any order (no partial sum rounds); a row of zeros sums to a zero (of either sign). Else
+    unknown."""
+    held = helds[0]
+    if held is None or held == ():
+        return held
+    dtype = dtype_of(eqn.outvars[0])
+    zero = np.zeros((), dtype)
+    if all(float(x) == 0 for x in held):
+        return _union([held, (zero,)])
+    shape = shape_of(eqn.invars[0])
+    k = int(np.prod([shape[a] for a in eqn.params["axes"]], dtype=np.int64))
+    if k == 0:
+        return (zero,)
+    if len(held) != 1 or not _sums_exactly(held[0], k, dtype):
+        return None
+    return (np.asarray(k * float(held[0]), dtype)[()],)
+
+
+def _sums_exactly(a: Any, k: int, dtype: Any) -> bool:
+    """Whether every partial sum of `k` copies of `a` is exact in `dtype`: `a`'s integer
+    significand times `k` fits the significand (normal values, far from overflow)."""
+    info = np.finfo(dtype)
+    a = float(a)
+    if not np.isfinite(a) or abs(a) < float(info.tiny) or abs(a) * k > float(info.max) / 4:
+        return False
+    significand, _ = np.frexp(a)
+    bits = 0
+    while significand != np.floor(significand) and bits < 64:
+        significand *= 2
+        bits += 1
+    return k * abs(significand) < 2 ** (info.nmant + 1)
+
+
 def winner_held(eqn: JaxprEqn, classes: list, helds: list[Held]) -> Held:
     """`max`, `min`, `clamp`: what the operands hold where they carry nothing (the lanes where
     such an operand wins alone)."""

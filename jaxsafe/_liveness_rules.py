@@ -26,6 +26,7 @@ from jax import lax
 
 from ._atoms import dtype_of, is_float, shape_of
 from ._compat import JaxprEqn, Literal, bind_eqn
+from ._constants import fold
 from ._masks import (
     all_of,
     any_of,
@@ -442,14 +443,103 @@ def gather_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sy
     for o, i in zip(batch_out, range(len(shape_of(eqn.invars[1])) - 1), strict=False):
         if i in dn.start_indices_batching_dims:
             to_operand[o] = dn.operand_batching_dims[dn.start_indices_batching_dims.index(i)]
-    out = out_syms[0]
-    if not out:
+    if not out_syms[0]:
         return [FALSE] * len(eqn.invars)
+    return [_kept_along(out_syms[0], to_operand, op_shape)] + \
+        [opaque() for _ in eqn.invars[1:]]
+
+
+def _kept_along(out: Sym, to_operand: dict[int, int], op_shape: Sequence[int],
+                dropping: Sequence[int] | None = None) -> Sym:
+    """An operand's formula from its output's, through a movement that keeps the lanes of the
+    output axes in `to_operand` in place along those operand axes: a formula along them
+    carries over; along the other axes lanes move (an unknown for what ran along them), and
+    along `dropping` (default: every other axis) some may be cut off (an unknown there)."""
     sym = move(out, to_operand)
-    rest = [d for d in range(len(op_shape)) if d not in to_operand.values() and op_shape[d] != 1]
-    if rest:
-        sym = sym_and_literal(sym, unknown(rest))
-    return [sym] + [opaque() for _ in eqn.invars[1:]]
+    if dropping is None:
+        dropping = [d for d in range(len(op_shape)) if d not in to_operand.values()]
+    rest = [d for d in dropping if op_shape[d] != 1]
+    return sym_and_literal(sym, unknown(rest)) if rest else sym
+
+
+AxesRule = Callable[[JaxprEqn], tuple[list[bool], list[int]]]
+"""(equation) -> which operand axes the output takes whole, lane for lane; which axes may cut
+lanes off."""
+
+
+def _whole_axes_syms(axes: AxesRule) -> StaticRule:
+    """Static liveness of a slice-like movement (`slice`, `dynamic_slice`, `pad`, `rev`) whose
+    output axis d runs along operand axis d, lane for lane where it takes the axis whole: a
+    `where` per matrix on `chol[:, 1, 1]` drops whole matrices of `chol` (`batched_syms`), as it
+    does on `chol` itself. Other operands (indices, the padding value): unknown."""
+    def static(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
+        if not out_syms[0]:
+            return [FALSE] * len(eqn.invars)
+        whole, dropping = axes(eqn)
+        to_operand = {d: d for d, w in enumerate(whole) if w}
+        return [_kept_along(out_syms[0], to_operand, shape_of(eqn.invars[0]), dropping)] + \
+            [opaque() for _ in eqn.invars[1:]]
+    return static
+
+
+def _slice_axes(eqn: JaxprEqn) -> tuple[list[bool], list[int]]:
+    shape = shape_of(eqn.invars[0])
+    strides = eqn.params["strides"] or (1,) * len(shape)
+    whole = [lo == 0 and hi == n and step == 1 for n, lo, hi, step in zip(
+        shape, eqn.params["start_indices"], eqn.params["limit_indices"], strides, strict=True)]
+    return whole, [d for d, w in enumerate(whole) if not w]
+
+
+def _dynamic_slice_axes(eqn: JaxprEqn) -> tuple[list[bool], list[int]]:
+    # as long as its axis, a slice starts at 0 whatever its index (JAX clamps it)
+    whole = [k == n for k, n in zip(eqn.params["slice_sizes"], shape_of(eqn.invars[0]),
+                                    strict=True)]
+    return whole, [d for d, w in enumerate(whole) if not w]
+
+
+def _pad_axes(eqn: JaxprEqn) -> tuple[list[bool], list[int]]:
+    config = eqn.params["padding_config"]
+    return ([tuple(c) == (0, 0, 0) for c in config],
+            [d for d, (lo, hi, _) in enumerate(config) if lo < 0 or hi < 0])
+
+
+def _rev_axes(eqn: JaxprEqn) -> tuple[list[bool], list[int]]:
+    return [d not in eqn.params["dimensions"] for d in range(len(shape_of(eqn.invars[0])))], []
+
+
+slice_syms = _whole_axes_syms(_slice_axes)
+dynamic_slice_syms = _whole_axes_syms(_dynamic_slice_axes)
+pad_syms = _whole_axes_syms(_pad_axes)
+rev_syms = _whole_axes_syms(_rev_axes)
+
+
+def out_of_range_drops(eqn: JaxprEqn) -> bool:
+    """A scatter-add drops the updates whose index is out of range in its default mode
+    (`FILL_OR_DROP`: `.at[].add`, `jax.ops.segment_sum` with padding sent to segment
+    `num_segments`); clipped or promised indices drop none."""
+    return eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP
+
+
+def scatter_add_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
+    """Every update of a scatter-add into a value live everywhere is live when no index can be
+    out of range: clipped or promised indices, or indices the program computes from literals
+    that all fall in range (`x.at[1].add(u)`). Else the kinds decide (`out_of_range_drops`)."""
+    if out_syms[0] != TRUE:
+        return None
+    if out_of_range_drops(eqn):
+        indices = ctx.constant(eqn.invars[1])
+        if indices is None or not _all_in_range(eqn, indices):
+            return None
+    return [TRUE] * len(eqn.invars)
+
+
+def _all_in_range(eqn: JaxprEqn, indices: Any) -> bool:
+    """Whether the scatter-add keeps every update: ones scattered into zeros sum to their
+    count."""
+    operand, updates = eqn.invars[0], eqn.invars[2]
+    ones = np.ones(shape_of(updates), np.float32)
+    out = fold(eqn, [np.zeros(shape_of(operand), np.float32), np.asarray(indices), ones])[0]
+    return float(np.sum(out)) == float(ones.size)
 
 
 def pad_drops(eqn: JaxprEqn) -> bool:
@@ -527,6 +617,50 @@ def split_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     if all(m is None for m in outs):
         return [None]
     return [concat_masks(outs, [shape_of(o) for o in eqn.outvars], eqn.params["axis"])]
+
+
+def stack_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                ctx: Context) -> list[Mask]:
+    """`jnp.stack` (a primitive of its own in newer JAX): operand k reads the output's k-th
+    entry along the new axis."""
+    out = outs[0]
+    if out is None:
+        return [None] * len(eqn.invars)
+    axis = eqn.params["axis"]
+    return [reshape_mask(slice_mask(out, axis, k, k + 1), shape_of(v))
+            for k, v in enumerate(eqn.invars)]
+
+
+def unstack_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                  ctx: Context) -> list[Mask]:
+    """`jnp.unstack`: the outputs' masks, stacked back along the axis."""
+    if all(m is None for m in outs):
+        return [None]
+    axis = eqn.params["axis"]
+    shapes = []
+    for o in eqn.outvars:
+        shape = list(shape_of(o))
+        shape.insert(axis, 1)
+        shapes.append(tuple(shape))
+    parts = [None if m is None else reshape_mask(m, s) for m, s in zip(outs, shapes, strict=True)]
+    return [concat_masks(parts, shapes, axis)]
+
+
+def tile_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+               ctx: Context) -> list[Mask]:
+    """`jnp.tile`: an operand lane is live where any of its copies is (the output, axis by
+    axis, is `reps` copies of the operand one after another)."""
+    out = outs[0]
+    shape = shape_of(eqn.invars[0])
+    reps = tuple(eqn.params["reps"])
+    if out is None:
+        return [None]
+    if len(reps) != len(shape):  # not the form JAX binds: live where any output lane is
+        return [broadcast(reduce_any(out, range(out.ndim)), shape)]
+    split = tuple(n for r, d in zip(reps, shape, strict=True) for n in (r, d))
+    copies = reduce_any(reshape_mask(materialize(out, shape_of(eqn.outvars[0])), split),
+                        range(0, 2 * len(shape), 2))
+    return [reshape_mask(copies, shape)]
 
 
 def broadcast_in_dim_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
@@ -729,6 +863,38 @@ def opaque_call_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
 
 def opaque_call_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]:
     return ctx.inner_kinds(call_jaxpr(eqn), out_kinds, True)
+
+
+def custom_rule_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                      ctx: Context) -> list[Mask]:
+    """Through the primal body of a custom derivative rule, and more: the rule may read what
+    the body does not (`lax.custom_root`'s implicit derivative reads the parameter its solver
+    only iterates on; a rule of an operand the primal ignores). A lane the body reads for no
+    output is live wherever any output lane is; the lanes it reads follow the body."""
+    body = opaque_call_masks(eqn, outs, invals, ctx)
+    read = ctx.inner_masks(call_jaxpr(eqn), invals, [None] * len(outs), True)
+    if all(r is None for r in read):
+        return body
+    anywhere = any_of([None if m is None else reduce_any(m, range(m.ndim)) for m in outs])
+    masks: list[Mask] = []
+    for v, b, r in zip(eqn.invars, body, read, strict=True):
+        if r is None or b is None:
+            masks.append(b)
+            continue
+        unread = not_mask(broadcast(r, shape_of(v)))
+        if anywhere is not None:
+            unread = all_of([unread, broadcast(anywhere, shape_of(v))])
+        masks.append(any_of([broadcast(b, shape_of(v)), unread]))
+    return masks
+
+
+def custom_rule_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]:
+    """`custom_rule_masks`' kinds: every lane of an operand is live where every output is."""
+    body = opaque_call_kinds(eqn, out_kinds, ctx)
+    if all(k == Kind.LIVE for k in out_kinds):
+        return [Kind.LIVE] * len(body)
+    read = ctx.inner_kinds(call_jaxpr(eqn), [Kind.LIVE] * len(out_kinds), True)
+    return [b if r == Kind.LIVE else Kind.MAYBE for b, r in zip(body, read, strict=True)]
 
 
 def cond_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],

@@ -30,6 +30,7 @@ from ._carries import (
     moved_static,
     product_lanes,
     product_static,
+    reduced_lanes,
     winner_lanes,
     winner_static,
 )
@@ -70,7 +71,7 @@ from ._diagonal import (
     selected_diagonal,
 )
 from ._dropped import chosen_scalar, reshaped_scalar, same_scalar, summed_scalar
-from ._free import moved_held, product_held, winner_held
+from ._free import moved_held, product_held, summed_held, winner_held
 from ._lanewise import scan_kinds, scan_masks
 from ._liveness_rules import (
     CONVOLUTION,
@@ -89,8 +90,11 @@ from ._liveness_rules import (
     cond_kinds,
     cond_masks,
     cumulative_masks,
+    custom_rule_kinds,
+    custom_rule_masks,
     dot_general_alignment,
     dot_general_masks,
+    dynamic_slice_syms,
     elementwise_masks,
     gather_masks,
     gather_syms,
@@ -98,22 +102,30 @@ from ._liveness_rules import (
     min_wins,
     opaque_call_kinds,
     opaque_call_masks,
+    out_of_range_drops,
     pad_drops,
+    pad_syms,
     paired_masks,
     paired_syms,
     reduction_alignment,
     reduction_masks,
     reshape_alignment,
     reshape_masks,
+    rev_syms,
     same_rank_alignment,
+    scatter_add_syms,
     select_masks,
     select_syms,
     selected_syms,
     slice_masks,
+    slice_syms,
     split_masks,
     squeeze_masks,
+    stack_masks,
+    tile_masks,
     transpose_alignment,
     transpose_masks,
+    unstack_masks,
     window_drops,
     windowed_masks,
     winner_masks,
@@ -176,6 +188,7 @@ def _complex_operand(eqn: JaxprEqn) -> bool:
 MOVED = Carries(moved_static, moved_lanes, moved_held)
 WINNER = Carries(winner_static, winner_lanes, winner_held)
 PRODUCT = Carries(product_static, product_lanes, product_held, selects=False)
+SUMMED = Carries(moved_static, reduced_lanes, summed_held)
 
 ONE = Guard({0: 1.0})  # roots, logs, poles at 0 and below: 1 is inside every domain
 ZERO = Guard({0: 0.0})  # overflow, inverse trig: the middle of the domain
@@ -301,14 +314,17 @@ register_selection(prims.clamp_p, masks=winner_masks, static=selected_syms, carr
                    chooser=Chooser(by_wins))
 
 # --------------------------------------------------------------------------- data movement
-register_movement(prims.slice_p, masks=slice_masks, drops=_always, bound=bounds.moved,
-                  carries=MOVED)
+register_movement(prims.slice_p, masks=slice_masks, static=slice_syms, drops=_always,
+                  bound=bounds.moved, carries=MOVED)
 register_movement(prims.gather_p, masks=gather_masks, static=gather_syms, drops=_always,
                   carries=MOVED)
-register_movement(prims.dynamic_slice_p, prims.dynamic_update_slice_p,
-                  masks=by_transpose_masks, drops=_always, carries=MOVED)
-register_movement(prims.pad_p, masks=by_transpose_masks, drops=pad_drops, carries=MOVED)
-register_movement(prims.rev_p, masks=by_transpose_masks, carries=MOVED)
+register_movement(prims.dynamic_slice_p, masks=by_transpose_masks, static=dynamic_slice_syms,
+                  drops=_always, carries=MOVED)
+register_movement(prims.dynamic_update_slice_p, masks=by_transpose_masks, drops=_always,
+                  carries=MOVED)
+register_movement(prims.pad_p, masks=by_transpose_masks, static=pad_syms, drops=pad_drops,
+                  carries=MOVED)
+register_movement(prims.rev_p, masks=by_transpose_masks, static=rev_syms, carries=MOVED)
 register_movement(prims.transpose_p, masks=transpose_masks, align=transpose_alignment,
                   static=aligned_syms, bound=bounds.moved, range=ranges.same_range,
                   carries=MOVED)
@@ -325,14 +341,24 @@ register_movement(prims.broadcast_in_dim_p, masks=broadcast_in_dim_masks,
 register_movement(prims.concatenate_p, masks=concatenate_masks, carries=MOVED)
 if hasattr(lax, "split_p"):
     register(lax.split_p, masks=split_masks, foldable=True)
+# `jnp.stack`, `jnp.unstack` and `jnp.tile` bind primitives of their own in newer JAX
+if hasattr(lax, "stack_p"):
+    register_movement(lax.stack_p, masks=stack_masks, carries=MOVED)
+if hasattr(lax, "unstack_p"):
+    register_movement(lax.unstack_p, masks=unstack_masks)
+if hasattr(lax, "tile_p"):
+    register_movement(lax.tile_p, masks=tile_masks, carries=MOVED)
 # an overwrite drops the operand lanes it writes (and updates that a duplicate index overwrites)
 register_movement(prims.scatter_p, masks=by_transpose_masks, drops=_always, carries=MOVED)
-register(prims.scatter_add_p, linear=True)  # no liveness rule: every lane live
+# an update lane is live where the output lane it adds to is (a gather of the output's mask:
+# the transpose), and dropped where its index is out of range (`out_of_range_drops`)
+register(prims.scatter_add_p, masks=by_transpose_masks, static=scatter_add_syms,
+         drops=out_of_range_drops, linear=True)
 
 # --------------------------------------------------------------------------- reductions
 register_reduction(prims.reduce_sum_p, linear=True, scalar_move=summed_scalar,
                    bound=bounds.non_negative_if_bounded, range=ranges.non_negative_sum_range,
-                   diagonal=reduced_diagonal)
+                   diagonal=reduced_diagonal, carries=SUMMED)
 # an index along one axis (`eye` compares two): no operand, no derivative
 register(prims.iota_p, iota_axis=lambda eqn: eqn.params["dimension"])
 # --------------------------------------------------------------------------- choosers
@@ -408,9 +434,9 @@ register(prims.linear_solve_p, masks=batched_masks(None), static=batched_syms(No
 register(prims.jit_p, prims.closed_call_p, masks=call_masks, kinds=call_kinds, inline=True)
 register(prims.remat_p, masks=opaque_call_masks, kinds=opaque_call_kinds,
          nested_params=("jaxpr",), masked_body=RematBody(), body_inputs=direct_body_inputs)
-register(prims.custom_jvp_call_p, masks=opaque_call_masks, kinds=opaque_call_kinds,
+register(prims.custom_jvp_call_p, masks=custom_rule_masks, kinds=custom_rule_kinds,
          custom_rule=True)
-register(prims.custom_vjp_call_p, masks=opaque_call_masks, kinds=opaque_call_kinds,
+register(prims.custom_vjp_call_p, masks=custom_rule_masks, kinds=custom_rule_kinds,
          custom_rule=True, backward_param="bwd")
 register(prims.cond_p, masks=cond_masks, kinds=cond_kinds, nested_params=("branches",),
          masked_body=CondBody(), body_inputs=cond_body_inputs)

@@ -316,10 +316,16 @@ def plan_masked_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
     finite: dict[int, list[bool]] = {}
     cotangents: dict[int, list[bool]] = {}
 
+    unchanged: list[Report] = []  # what a body that guards nothing left, for the diagnostics
+
     def plan_body(body: ClosedJaxpr, out_kinds: list[Kind]) -> Plan | None:
         plan = plan_program(flatten(body), out_kinds, sweeps, finite.get(id(body.jaxpr)),
                             cotangents.get(id(body.jaxpr)))
-        return plan if plan.report.changed else None
+        if plan.report.changed:
+            return plan
+        if plan.report.skipped:
+            unchanged.append(plan.report)
+        return None
 
     masked: dict[int, list] = {}
     for i, eqn in enumerate(closed.jaxpr.eqns):
@@ -330,6 +336,7 @@ def plan_masked_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
         if not any(k == Kind.MAYBE and is_float(o)
                    for k, o in zip(out_kinds, eqn.outvars, strict=True)):
             continue
+        unchanged.clear()
         try:
             finite = _finite_body_inputs(eqn, nonfinite)
             cotangents = body_cotangents(eqn, bad, nonfinite)
@@ -340,5 +347,7 @@ def plan_masked_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
         if plans is not None:
             masked[i] = plans
             report.nested.extend((eqn, p.report) for p in plans if p is not None)
+        # a body left as it is still says what it left unguarded (`explain`)
+        report.nested.extend((eqn, r) for r in unchanged)
     return masked
 

@@ -124,6 +124,42 @@ def test_custom_jvp_rule_singular_in_dropped_lanes_is_cut():
     assert_close(jax.hessian(nan_safe(f))(x), jax.jit(jax.hessian(hand))(x))
 
 
+def test_a_custom_rule_reads_what_its_primal_body_does_not():
+    """The rule is the derivative: an operand (or lanes of one) that the primal body never
+    reads may still get the rule's derivative, so it is live where the output is, never cut.
+    Dropped, it is cut as before (the hand fix's zero)."""
+    @jax.custom_jvp
+    def ignores_x(x, y):
+        return y
+    ignores_x.defjvp(lambda p, t: (p[1], 3. * t[0]))
+    f = lambda x: jnp.where(x > 0, ignores_x(x, 1.), 0.)
+    assert jax.grad(nan_safe(f))(2.) == jax.grad(f)(2.) == 3.
+    assert jax.jvp(nan_safe(f), (2.,), (1.,))[1] == 3.
+    assert jax.grad(nan_safe(f))(-2.) == 0.
+
+    @jax.custom_vjp
+    def reads_first(x):
+        return jnp.sqrt(x[0])
+    reads_first.defvjp(lambda x: (jnp.sqrt(x[0]), x[0]),
+                       lambda r, ct: (jnp.full((3,), 0.5 * ct / jnp.sqrt(r)),))
+    g = lambda x: jnp.where(x[0] > 0, reads_first(x), 0.)
+    x = jnp.array([4., 1., 1.])
+    np.testing.assert_array_equal(jax.grad(nan_safe(g))(x), jax.grad(g)(x))
+    np.testing.assert_array_equal(jax.grad(g)(x), [0.25, 0.25, 0.25])
+
+    # implicit differentiation: the solver iterates on `a`, the rule differentiates in it
+    def root(a):
+        return lax.custom_root(lambda y: y * y - a, 1.,
+                               lambda h, y0: lax.fori_loop(0, 20, lambda i, y: y - h(y) / (2 * y),
+                                                           y0),
+                               lambda h, b: b / h(1.))
+    r = lambda a: jnp.where(a > 0, root(a), 0.)
+    hand = lambda a: jnp.where(a > 0, root(jnp.where(a > 0, a, 1.)), 0.)
+    assert_close(jax.grad(nan_safe(r))(2.), 0.5 / jnp.sqrt(2.))
+    assert_close(jax.grad(nan_safe(r))(2.), jax.grad(r)(2.))
+    assert jax.grad(nan_safe(r))(-2.) == jax.grad(hand)(-2.) == 0.
+
+
 def test_liveness_flows_into_a_checkpoint_from_outside():
     f = lambda x: jnp.where(x > 0, jax.checkpoint(jnp.sqrt)(x), 0.)
     loss = lambda g: (lambda x: jnp.sum(g(x)))

@@ -484,3 +484,50 @@ def test_in_domain_literal_is_not_guarded():
     f = lambda x: jnp.where(x > 0, x / 2., 0.)
     x = jnp.array([-1., 2.])
     assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+
+
+# --------------------------------------------------------------------------- stack, unstack, tile
+
+
+def test_stack_unstack_and_tile_pass_liveness():
+    """`jnp.stack`, `jnp.unstack` and `jnp.tile` (primitives of their own in newer JAX): a
+    dropped entry of a stack, an unused part of an unstack, a copy of a tile that no live lane
+    reads; each against the program with the dropped lanes removed."""
+    p = jnp.array([0., 2.])
+    active = jnp.array([True, True, False])
+    losses = lambda p: jnp.sum(jnp.where(active, jnp.stack([p[1], 3 * p[1], jnp.log(p[0])]),
+                                         0.))
+    assert np.isnan(jax.grad(losses)(p)).any()
+    assert_bitwise(nan_safe(losses)(p), jax.jit(losses)(p))
+    np.testing.assert_array_equal(jax.grad(nan_safe(losses))(p),
+                                  jax.grad(lambda p: p[1] + 3 * p[1])(p))
+
+    x = jnp.array([4., -1., 9.])
+    first = lambda x: jnp.unstack(jnp.sqrt(x))[0]
+    assert np.isnan(jax.grad(first)(x)).any()
+    np.testing.assert_array_equal(jax.grad(nan_safe(first))(x),
+                                  jax.grad(lambda x: jnp.sqrt(x[0]))(x))
+
+    keep = jnp.array([True, False, True, True, False, True])
+    tiled = lambda x: jnp.sum(jnp.where(keep, jnp.tile(jnp.sqrt(x), 2), 0.))
+    hand = lambda x: jnp.sum(jnp.where(keep, jnp.tile(jnp.sqrt(jnp.where(x > 0, x, 1.)), 2), 0.))
+    assert np.isnan(jax.grad(tiled)(x)).any()
+    assert_bitwise(nan_safe(tiled)(x), jax.jit(tiled)(x))
+    np.testing.assert_array_equal(jax.grad(nan_safe(tiled))(x), jax.grad(hand)(x))
+    assert_close(jax.hessian(nan_safe(tiled))(x), jax.hessian(hand)(x))
+
+
+def test_a_scatter_add_drops_only_what_it_may_drop():
+    """`x.at[i].add(u)` drops `u` where `i` is out of range (its default mode): an index the
+    program fixes in range drops nothing (the program is unchanged), one out of range drops the
+    update (the hand fix's zero), and a clipped index drops nothing either."""
+    x = jnp.ones(3)
+    inside = lambda x, v: jnp.sum(x.at[1].add(jnp.sqrt(v)))
+    assert structure(jaxsafe.make_jaxpr(inside)(x, 2.)) == structure(jax.make_jaxpr(inside)(x, 2.))
+    clipped = lambda x, v, i: jnp.sum(x.at[i].add(jnp.sqrt(v), mode="clip"))
+    assert structure(jaxsafe.make_jaxpr(clipped)(x, 2., 7)) == \
+        structure(jax.make_jaxpr(clipped)(x, 2., 7))
+    outside = lambda x, v: jnp.sum(x.at[5].add(jnp.sqrt(v)))
+    assert np.isnan(jax.grad(outside, 1)(x, -2.))
+    assert jax.grad(nan_safe(outside), 1)(x, -2.) == 0.
+    assert_bitwise(nan_safe(outside)(x, -2.), jax.jit(outside)(x, -2.))

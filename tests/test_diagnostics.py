@@ -184,3 +184,17 @@ def test_diagnose_checks_its_arguments():
         jaxsafe.diagnose(fx.leaky, argnums=3)(X)
     with pytest.raises(TypeError, match="outside jit"):
         jax.jit(lambda x: jaxsafe.diagnose(fx.leaky)(x).leaks and 0.0)(X)
+
+
+def test_a_body_left_unguarded_is_still_reported():
+    """A scan body whose per-step output the program drops, and whose only leak it leaves (a
+    product with an argument that may be NaN, needing a run-time OR of the liveness): the body
+    is not rewritten, and `explain` says what was left, as it does outside a body."""
+    def f(w, xs):
+        ys = jax.lax.scan(lambda c, x: (c, x @ w), 0., xs)[1]
+        return jnp.sum(jnp.where(jnp.array([True, False])[:, None, None], ys, 0.))
+    w, xs = jnp.eye(2), jnp.ones((2, 2, 2)).at[1].set(jnp.nan)
+    report = jaxsafe.explain(f)(w, xs)
+    assert not report.changed and not report.guards
+    text = str(report)
+    assert "left dot_general operand 0 unguarded" in text and "run-time reduction" in text

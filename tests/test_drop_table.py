@@ -101,6 +101,15 @@ ROWS: list[Drop] = [
          lambda x, h: (h(x).reshape(2, 2).at[:, 1].set(0.) * jnp.array([[1., 2.]], x.dtype)
                        ).sum(),
          lambda x: _idx(x) % 2 == 0),
+    # a sum by index: an out-of-range segment drops its updates (the padding id of
+    # `segment_sum`); a segment the program drops afterwards drops the updates it sums
+    Drop("scatter_add-out-of-range", P.scatter_add_p,
+         lambda x, h: jax.ops.segment_sum(h(x), jnp.array([0, 2, 1, 1]), num_segments=2).sum(),
+         lambda x: _idx(x) != 1),
+    Drop("scatter_add-dropped-segment", P.scatter_add_p,
+         lambda x, h: jnp.where(jnp.array([True, False]), jax.ops.segment_sum(
+             h(x), jnp.array([0, 1, 0, 0]), num_segments=2), 0.).sum(),
+         lambda x: _idx(x) != 1),
     # chooser reductions
     Drop("reduce_max", P.reduce_max_p, lambda x, h: jnp.max(h(x)), lambda x: h(x) == h(x).max()),
     Drop("reduce_min", P.reduce_min_p, lambda x, h: jnp.min(-h(x)), lambda x: h(x) == h(x).max()),

@@ -175,3 +175,66 @@ def test_an_unknown_constant_under_the_hazard_is_guarded_where_zero():
     hand = lambda x: jnp.where(x > 0, jnp.sqrt(jnp.where(x > 0, x, 1.)), jnp.sqrt(data))
     assert_bitwise(nan_safe(f)(X), jax.jit(f)(X))
     assert_close(jax.jacfwd(nan_safe(f))(X), jax.jacfwd(hand)(X))
+
+
+# --------------------------------------------------------------------------- through a sum
+
+ROWS = jnp.array([[3., 4.], [0., 0.], [1., -2.], [0.5, 0.]])
+PADDED = jnp.array([True, False, True, True])  # row 1 is padding: a constant zero vector
+
+
+def _padded_row_norms(x):
+    return jnp.linalg.norm(jnp.where(PADDED[:, None], x, 0.), axis=1)
+
+
+def _padded_row_norms_by_hand(x):
+    s = jnp.sum(jnp.where(PADDED[:, None], x, 0.) ** 2, axis=1)
+    return jnp.where(PADDED, jnp.sqrt(jnp.where(PADDED, s, 1.)), 0.)
+
+
+def _padded_row_roots(x):
+    return jnp.sqrt(jnp.sum(jnp.where(PADDED[:, None], jnp.abs(x), 0.), axis=1))
+
+
+def _padded_row_roots_by_hand(x):
+    s = jnp.sum(jnp.where(PADDED[:, None], jnp.abs(x), 0.), axis=1)
+    return jnp.where(PADDED, jnp.sqrt(jnp.where(PADDED, s, 1.)), 0.)
+
+
+@pytest.mark.parametrize("f,hand", [(_padded_row_norms, _padded_row_norms_by_hand),
+                                    (_padded_row_roots, _padded_row_roots_by_hand)],
+                         ids=["norm", "root of a sum"])
+def test_a_sum_over_a_padded_row_carries_no_derivative(f, hand):
+    """The norm of a padding row that a `where` filled with zeros: the row's sum carries no
+    derivative, so `sqrt`'s infinite derivative at 0 meets an exact zero tangent (forward
+    mode's NaN, in every column jacfwd mixes it into). Reverse mode was right already."""
+    safe = nan_safe(f)
+    assert_bitwise(safe(ROWS), jax.jit(f)(ROWS))
+    assert np.isnan(np.asarray(jax.jacfwd(f)(ROWS))).any()  # plain JAX: the bug this fixes
+    assert_close(jax.jacfwd(safe)(ROWS), jax.jacfwd(hand)(ROWS))
+    assert_close(jax.jacrev(safe)(ROWS), jax.jacrev(hand)(ROWS))
+    t = jnp.ones_like(ROWS)
+    assert_close(jax.jvp(safe, (ROWS,), (t,))[1], jax.jvp(hand, (ROWS,), (t,))[1])
+    loss = lambda g: lambda x: jnp.sum(g(x) * jnp.arange(1., 5.))
+    assert_close(jax.hessian(loss(safe))(ROWS), jax.hessian(loss(hand))(ROWS))
+
+
+def test_a_live_row_of_zeros_keeps_its_singularity():
+    """A live row that sums to 0 carries its tangent: `sqrt`'s infinite derivative is real."""
+    x = ROWS.at[2].set(0.)
+    jac = np.asarray(jax.jacfwd(nan_safe(_padded_row_norms))(x))
+    assert np.isnan(jac[2, 2]).all() and np.isfinite(jac[0]).all() and (jac[1] == 0).all()
+
+
+def test_a_row_of_ones_sums_to_a_known_value():
+    """optax's `safe_norm` form: the rows a `where` fills with ones sum to 2 (exactly, in any
+    order), where `sqrt` is finite with its derivatives: nothing to guard. Rows of halves sum to
+    exactly 1, where `arccos`'s derivative is infinite: forward mode's guard stays."""
+    small = jnp.array([False, True, False, False])
+    ones = lambda x: jnp.sqrt(jnp.sum(jnp.where(small[:, None], 1., x) ** 2, axis=1))
+    assert structure(jaxsafe.make_jaxpr(ones)(ROWS)) == structure(jax.make_jaxpr(ones)(ROWS))
+    halves = lambda x: jnp.arccos(jnp.sum(jnp.where(small[:, None], 0.5, x / 8.), axis=1))
+    by_hand = lambda x: jnp.where(small, jnp.arccos(1.), jnp.arccos(
+        jnp.where(small, 0., jnp.sum(jnp.where(small[:, None], 0.5, x / 8.), axis=1))))
+    assert np.isnan(np.asarray(jax.jacfwd(halves)(ROWS))).any()
+    assert_close(jax.jacfwd(nan_safe(halves))(ROWS), jax.jacfwd(by_hand)(ROWS))

@@ -87,6 +87,39 @@ def test_dropped_batch_elements_contribute_zero(name, f, safe):
                      rtol=1e-4, atol=1e-5)
 
 
+# The output read through a slice of the matrix axes before the `where` (one entry, one
+# eigenvector, a reversed or padded matrix): a dropped matrix is still dropped whole.
+SLICED = [
+    ("chol[:, 1, 1]", lambda a: jnp.where(VALID, jnp.log(jnp.linalg.cholesky(a)[:, 1, 1]),
+                                          0.).sum(), jnp.eye(2)),
+    ("eigh v[..., 0]", lambda a: jnp.where(VALID[:, None], jnp.linalg.eigh(a)[1][..., 0] ** 2
+                                           * jnp.arange(1., 3.)[None], 0.).sum(), DISTINCT),
+    ("svd u[..., 0]", lambda a: jnp.where(VALID[:, None], jnp.linalg.svd(a)[0][..., 0] ** 2
+                                          * jnp.arange(1., 3.)[None], 0.).sum(), DISTINCT),
+    ("qr q[:, :, 0] by dynamic_slice", lambda a: jnp.where(VALID[:, None], jax.lax.dynamic_slice(
+        jnp.linalg.qr(a)[0], (0, 0, 0), (5, 2, 1))[..., 0] * jnp.arange(1., 3.)[None], 0.).sum(),
+     DISTINCT),
+    ("rev and negative pad of cholesky", lambda a: jnp.where(VALID[:, None, None], jax.lax.pad(
+        jnp.flip(jnp.linalg.cholesky(a), -1), 0., ((0, 0, 0), (0, 0, 0), (0, -1, 0))),
+        0.).sum(), jnp.eye(2)),
+    ("vmapped eigh v[:, -1]", jax.vmap(lambda a, ok: jnp.where(
+        ok, jnp.linalg.eigh(a)[1][:, -1] ** 2 * jnp.arange(1., 3.), 0.).sum()), DISTINCT),
+]
+
+
+@pytest.mark.parametrize("name,f,safe", SLICED, ids=[c[0] for c in SLICED])
+def test_a_slice_of_the_matrix_axes_before_the_where_still_drops_whole_matrices(name, f, safe):
+    if name.startswith("vmapped"):
+        f = (lambda g: lambda a: g(a, VALID).sum())(f)
+    hand = lambda a: f(_fixed(a, safe))
+    assert_bitwise(nan_safe(f)(MATS), jax.jit(f)(MATS))
+    assert not np.all(np.isfinite(jax.grad(f)(MATS))), "plain JAX leaks here"
+    got = jax.grad(nan_safe(f))(MATS)
+    assert_finite(got)
+    np.testing.assert_array_equal(np.asarray(got)[~np.asarray(VALID)], 0.)
+    assert_close(got, jax.grad(hand)(MATS), rtol=1e-5, atol=1e-6)
+
+
 def test_a_nan_from_cholesky_times_a_weight_is_guarded():
     """cholesky makes NaN from a finite matrix that is not positive definite: a product with a
     differentiated weight in the dropped lanes is a leak (0 * NaN in the weight's gradient)."""
