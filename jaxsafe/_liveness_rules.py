@@ -537,9 +537,10 @@ def _all_in_range(eqn: JaxprEqn, indices: Any) -> bool:
     """Whether the scatter-add keeps every update: ones scattered into zeros sum to their
     count."""
     operand, updates = eqn.invars[0], eqn.invars[2]
-    ones = np.ones(shape_of(updates), np.float32)
-    out = fold(eqn, [np.zeros(shape_of(operand), np.float32), np.asarray(indices), ones])[0]
-    return float(np.sum(out)) == float(ones.size)
+    dtype = dtype_of(operand)  # the equation's own types (a count a low precision cannot hold
+    ones = np.ones(shape_of(updates), dtype)  # exactly only makes the answer no)
+    out = fold(eqn, [np.zeros(shape_of(operand), dtype), np.asarray(indices), ones])[0]
+    return float(np.sum(out, dtype=np.float64)) == float(ones.size)
 
 
 def pad_drops(eqn: JaxprEqn) -> bool:
