@@ -19,6 +19,7 @@ from collections.abc import Callable, Generator, Hashable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._atoms import SMALL_CONSTANT, literal_value, shape_of
@@ -219,7 +220,7 @@ def finite_with_derivatives(eqn: JaxprEqn, point: Sequence[Any], order: int = 1,
 def _finite_with_derivatives(eqn: JaxprEqn, point: Sequence[Any], order: int,
                              wrt: int | None) -> bool:
     point = [np.asarray(p).reshape(()) if np.size(p) == 1 else np.asarray(p) for p in point]
-    floats = [j for j, p in enumerate(point) if np.issubdtype(p.dtype, np.inexact)
+    floats = [j for j, p in enumerate(point) if jnp.issubdtype(p.dtype, jnp.inexact)
               and (wrt is None or j == wrt)]
     if any(j in rule_for(eqn.primitive).no_derivative for j in floats):
         return False

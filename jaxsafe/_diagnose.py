@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, bind_eqn, user_frame
@@ -88,7 +89,7 @@ class Diagnosis:
 
 def _nonfinite(value: Any) -> np.ndarray | None:
     array = np.asarray(value)
-    if not np.issubdtype(array.dtype, np.inexact):
+    if not jnp.issubdtype(array.dtype, jnp.inexact):
         return None
     return ~np.isfinite(array)
 

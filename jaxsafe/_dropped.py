@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Generator, Mapping
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from ._atoms import SMALL_CONSTANT, dtype_of, literal_value, shape_of
@@ -304,7 +305,7 @@ def reshaped_scalar(eqn: JaxprEqn, value: np.ndarray) -> np.ndarray | None:
 
 def _row_length(eqn: JaxprEqn, value: np.ndarray) -> int | None:
     n = int(np.prod([shape_of(eqn.invars[0])[a] for a in eqn.params["axes"]]))
-    return None if n == 0 or not np.issubdtype(value.dtype, np.floating) else n
+    return None if n == 0 or not jnp.issubdtype(value.dtype, jnp.floating) else n
 
 
 def chosen_scalar(eqn: JaxprEqn, value: np.ndarray) -> np.ndarray | None:

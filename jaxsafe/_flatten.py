@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from ._atoms import dtype_of, literal_value, shape_of
@@ -111,7 +112,7 @@ def _scalar_value(const: Any) -> Any:
     if isinstance(const, Tracer) or np.shape(const) != ():
         return None
     dtype = getattr(const, "dtype", None)
-    if dtype is None or not (np.issubdtype(dtype, np.number) or np.issubdtype(dtype, np.bool_)):
+    if dtype is None or not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
         return None
     return np.asarray(const)[()]
 

@@ -300,19 +300,19 @@ def summed_held(eqn: JaxprEqn, classes: list, helds: list[Held]) -> Held:
     return (np.asarray(k * float(held[0]), dtype)[()],)
 
 
+MAX_SUMMED = 64
+"""Rows longer than this sum to an unknown value (`summed_held`)."""
+
+
 def _sums_exactly(a: Any, k: int, dtype: Any) -> bool:
-    """Whether every partial sum of `k` copies of `a` is exact in `dtype`: `a`'s integer
-    significand times `k` fits the significand (normal values, far from overflow)."""
+    """Whether every partial sum of `k` copies of `a` is exact in `dtype`, whatever the order
+    of the additions: each `j * a` (j <= k) is representable (doubling always is, so a row of
+    two holds `2 * a` for any `a`), and far from overflow."""
     info = np.finfo(dtype)
     a = float(a)
-    if not np.isfinite(a) or abs(a) < float(info.tiny) or abs(a) * k > float(info.max) / 4:
+    if k > MAX_SUMMED or not np.isfinite(a) or abs(a) * k > float(info.max) / 4:
         return False
-    significand, _ = np.frexp(a)
-    bits = 0
-    while significand != np.floor(significand) and bits < 64:
-        significand *= 2
-        bits += 1
-    return k * abs(significand) < 2 ** (info.nmant + 1)
+    return all(float(np.asarray(j * a, dtype)) == j * a for j in range(1, k + 1))
 
 
 def winner_held(eqn: JaxprEqn, classes: list, helds: list[Held]) -> Held:

@@ -25,7 +25,7 @@ primal provably never reads are dropped.
 
 from __future__ import annotations
 
-from collections.abc import Container, Generator, Sequence
+from collections.abc import Container, Generator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -156,11 +156,13 @@ class Sweeps:
     def __init__(self) -> None:
         self._sweeps: dict[tuple, Sweep] = {}
 
-    def get(self, jaxpr: Jaxpr, out_kinds: Sequence[Kind], structural: bool) -> Sweep:
+    def get(self, jaxpr: Jaxpr, out_kinds: Sequence[Kind], structural: bool,
+            consts: Mapping[Var, Any] | None = None) -> Sweep:
+        """`consts`: the values of constants the rules may read (`Sweep.constant`)."""
         key = (id(jaxpr), tuple(out_kinds), structural)
         hit = self._sweeps.get(key)
         if hit is None:
-            hit = self._sweeps[key] = Sweep(jaxpr, out_kinds, structural, self)
+            hit = self._sweeps[key] = Sweep(jaxpr, out_kinds, structural, self, consts)
         assert hit.jaxpr is jaxpr
         return hit
 
@@ -174,10 +176,11 @@ class Sweep:
     """
 
     def __init__(self, jaxpr: Jaxpr, out_kinds: Sequence[Kind], structural: bool,
-                 sweeps: Sweeps):
+                 sweeps: Sweeps, consts: Mapping[Var, Any] | None = None):
         self.jaxpr = jaxpr
         self.structural = structural
         self.sweeps = sweeps
+        self._known = dict(consts or {})
         self.diff = [differentiable_operands(e, structural) for e in jaxpr.eqns]
         self.producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
         self._constants: dict = {}
@@ -260,12 +263,13 @@ class Sweep:
         return region
 
     def constant(self, atom: Any) -> Any:
-        """The value of a small atom that the program computes from literals alone, else None
-        (asked for select predicates only, so programs without such pay nothing)."""
+        """The value of a small atom that the program computes from literals and the constants
+        it was given alone, else None (asked for select predicates and scatter indices only, so
+        programs without such pay nothing)."""
         if isinstance(atom, Literal):
             return np.asarray(literal_value(atom))
         if self._from_literals is None:  # one forward pass: what is computed from literals only
-            self._from_literals = found = set()
+            self._from_literals = found = set(self._known)
             for eqn in self.jaxpr.eqns:
                 if all(isinstance(u, Literal) or u in found for u in eqn.invars):
                     found.update(eqn.outvars)
@@ -325,6 +329,8 @@ class Sweep:
 
     def _fold(self, v: Any) -> Generator[Any, Any, Any]:
         """The rule `demand` runs: yields each operand whose value it needs."""
+        if v in self._known:
+            return _known_value(self._known[v])
         return small_constant(self.producer_of(v))
 
     # -- kinds and masks ----------------------------------------------------------------------
@@ -492,3 +498,9 @@ def _operand_key(atom: Any, same: dict) -> Any:
         value = np.asarray(atom.val)
         return ("literal", value.dtype.str, value.tobytes(), getattr(atom.aval, "weak_type", None))
     return same.get(atom, atom)
+
+
+def _known_value(value: Any) -> Generator[Any, Any, Any]:
+    """A `demand` rule that needs nothing: a constant's value, read from the device once."""
+    return np.asarray(value)
+    yield  # pragma: no cover - a generator that asks for nothing

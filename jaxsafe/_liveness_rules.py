@@ -453,13 +453,20 @@ def _kept_along(out: Sym, to_operand: dict[int, int], op_shape: Sequence[int],
                 dropping: Sequence[int] | None = None) -> Sym:
     """An operand's formula from its output's, through a movement that keeps the lanes of the
     output axes in `to_operand` in place along those operand axes: a formula along them
-    carries over; along the other axes lanes move (an unknown for what ran along them), and
-    along `dropping` (default: every other axis) some may be cut off (an unknown there)."""
+    carries over; along the other axes lanes move (an unknown for what ran along them). Along
+    the axes of `dropping`, each on its own (a slice keeps an interval of each axis: the lanes
+    it keeps are their product), some lanes may be cut off: an unknown per axis, so that one
+    along a batch axis reaches a batched decomposition (`chol[1:, 0, 0]` never reads matrix
+    0). Without `dropping`, one unknown over every other axis (a gather picks lanes anywhere)."""
     sym = move(out, to_operand)
     if dropping is None:
-        dropping = [d for d in range(len(op_shape)) if d not in to_operand.values()]
-    rest = [d for d in dropping if op_shape[d] != 1]
-    return sym_and_literal(sym, unknown(rest)) if rest else sym
+        rest = [d for d in range(len(op_shape)) if d not in to_operand.values()
+                and op_shape[d] != 1]
+        return sym_and_literal(sym, unknown(rest)) if rest else sym
+    for d in dropping:
+        if op_shape[d] != 1:
+            sym = sym_and_literal(sym, unknown([d]))
+    return sym
 
 
 AxesRule = Callable[[JaxprEqn], tuple[list[bool], list[int]]]

@@ -360,7 +360,7 @@ register_reduction(prims.reduce_sum_p, linear=True, scalar_move=summed_scalar,
                    bound=bounds.non_negative_if_bounded, range=ranges.non_negative_sum_range,
                    diagonal=reduced_diagonal, carries=SUMMED)
 # an index along one axis (`eye` compares two): no operand, no derivative
-register(prims.iota_p, iota_axis=lambda eqn: eqn.params["dimension"])
+register(prims.iota_p, iota_axis=lambda eqn: eqn.params["dimension"], foldable=True)
 # --------------------------------------------------------------------------- choosers
 # Only the lanes their derivative chooses on the original values are live (`_choosers.py`).
 FILL = Chooser(by_fill, keeps_dropped_values=False)

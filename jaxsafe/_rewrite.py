@@ -33,8 +33,9 @@ from collections.abc import Callable, Sequence, Set
 from functools import partial
 
 import jax
+import numpy as np
 
-from ._atoms import dtype_of, is_float, is_nonfinite_literal, shape_of
+from ._atoms import SMALL_CONSTANT, dtype_of, is_float, is_nonfinite_literal, shape_of
 from ._backward import guarded_backward
 from ._bounds import of_program
 from ._collector import fewer_collections
@@ -143,7 +144,7 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
     outputs (all LIVE at the top; MAYBE for a body the program around it drops in places).
     `finite_invars`: the arguments promised finite (None: none is). `bad_cotangents`: the
     outputs whose cotangent may be non-finite (None: none, as `jax.grad` seeds 1)."""
-    sweep = sweeps.get(closed.jaxpr, out_kinds, False)
+    sweep = sweeps.get(closed.jaxpr, out_kinds, False, _small_integer_constants(closed))
     report = Report(drops_of=functools.partial(drops_from, sweep))
     if finite_invars is None:
         finite_invars = [False] * len(closed.jaxpr.invars)
@@ -164,6 +165,15 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
     masked = plan_masked_bodies(closed, sweep, report, sweeps, anywhere, bad)
     decisions = plan_decisions(closed, sweep, sites, masked, report, bad, bounds)
     return Plan(closed, sweep, nested, sites, masked, decisions, report)
+
+
+def _small_integer_constants(closed: ClosedJaxpr) -> dict:
+    """The program's small integer constants (a `segment_sum`'s ids, `x.at[idx]`'s indices),
+    whose values the liveness rules may read: where such indices fall is known when the
+    rewrite is planned. Floats are left to the rules that read them elsewhere."""
+    return {v: c for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
+            if not isinstance(c, Tracer) and np.size(c) <= SMALL_CONSTANT
+            and np.issubdtype(dtype_of(v), np.integer)}
 
 
 # --------------------------------------------------------------------------- nested bodies

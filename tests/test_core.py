@@ -524,6 +524,10 @@ def test_a_scatter_add_drops_only_what_it_may_drop():
     x = jnp.ones(3)
     inside = lambda x, v: jnp.sum(x.at[1].add(jnp.sqrt(v)))
     assert structure(jaxsafe.make_jaxpr(inside)(x, 2.)) == structure(jax.make_jaxpr(inside)(x, 2.))
+    for ids in (jnp.array([0, 1, 1, 0]), jnp.arange(4) % 2):  # constants in range
+        segments = lambda x, ids=ids: jnp.sum(jax.ops.segment_sum(jnp.sqrt(x), ids, 2))
+        assert structure(jaxsafe.make_jaxpr(segments)(jnp.ones(4))) == \
+            structure(jax.make_jaxpr(segments)(jnp.ones(4)))
     clipped = lambda x, v, i: jnp.sum(x.at[i].add(jnp.sqrt(v), mode="clip"))
     assert structure(jaxsafe.make_jaxpr(clipped)(x, 2., 7)) == \
         structure(jax.make_jaxpr(clipped)(x, 2., 7))

@@ -233,8 +233,24 @@ def test_a_row_of_ones_sums_to_a_known_value():
     small = jnp.array([False, True, False, False])
     ones = lambda x: jnp.sqrt(jnp.sum(jnp.where(small[:, None], 1., x) ** 2, axis=1))
     assert structure(jaxsafe.make_jaxpr(ones)(ROWS)) == structure(jax.make_jaxpr(ones)(ROWS))
+    # a row of two tenths squared: 2 * 0.010000001 is exact (a doubling), sqrt finite there
+    tenths = lambda x: jnp.sqrt(jnp.sum(jnp.where(small[:, None], 0.1, x) ** 2, axis=1))
+    assert structure(jaxsafe.make_jaxpr(tenths)(ROWS)) == \
+        structure(jax.make_jaxpr(tenths)(ROWS))
     halves = lambda x: jnp.arccos(jnp.sum(jnp.where(small[:, None], 0.5, x / 8.), axis=1))
     by_hand = lambda x: jnp.where(small, jnp.arccos(1.), jnp.arccos(
         jnp.where(small, 0., jnp.sum(jnp.where(small[:, None], 0.5, x / 8.), axis=1))))
     assert np.isnan(np.asarray(jax.jacfwd(halves)(ROWS))).any()
     assert_close(jax.jacfwd(nan_safe(halves))(ROWS), jax.jacfwd(by_hand)(ROWS))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["float16", "bfloat16"])
+def test_the_forward_mode_guard_in_half_precision(dtype):
+    """bfloat16 is not a NumPy `inexact` type: the check that a primitive's derivative is finite
+    at the values such lanes hold took it for an integer and found nothing to guard."""
+    x = jnp.array([-1., 4., 0.25], dtype)
+    f = lambda x: jnp.sum(jnp.sqrt(jnp.where(x > 0, x, 0.)))
+    hand = lambda x: jnp.sum(_fixed(x <= 0, jnp.where(x > 0, x, 0.)))
+    assert np.isnan(np.asarray(jax.jacfwd(f)(x), np.float32)).any()
+    np.testing.assert_array_equal(np.asarray(jax.jacfwd(nan_safe(f))(x), np.float32),
+                                  np.asarray(jax.jacfwd(hand)(x), np.float32))

@@ -220,3 +220,16 @@ def test_vmap_of_nan_safe_newton_steps():
     got = jax.grad(loss(nan_safe(_newton_step)))(xs)
     assert_close(got, jax.grad(loss(lambda x, d: _newton_step(x, d, fixed=True)))(xs))
     assert_finite(got)
+
+
+def test_a_matrix_that_a_slice_of_the_batch_never_reads_is_cut():
+    """`chol[1:, 0, 0]`: the slice cuts off matrix 0 along the batch axis and the other lanes
+    along the matrix axes; matrix 0 (not positive definite: NaN) is dropped whole."""
+    mats = jnp.stack([NOT_PD, SPD, SPD + 1.])
+    for read in (lambda c: jnp.sum(c[1:, 0, 0]), lambda c: jnp.sum(c[1:, :, :1])):
+        f = lambda a, read=read: read(jnp.linalg.cholesky(a))
+        hand = lambda a, read=read: read(jnp.linalg.cholesky(a.at[0].set(jnp.eye(2))))
+        assert np.isnan(jax.grad(f)(mats)).any()
+        got = jax.grad(nan_safe(f))(mats)
+        np.testing.assert_array_equal(got, jax.grad(hand)(mats))
+        assert_bitwise(nan_safe(f)(mats), jax.jit(f)(mats))
