@@ -880,19 +880,24 @@ def custom_rule_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     only iterates on; a rule of an operand the primal ignores). A lane the body reads for no
     output is live wherever any output lane is; the lanes it reads follow the body."""
     body = opaque_call_masks(eqn, outs, invals, ctx)
-    read = ctx.inner_masks(call_jaxpr(eqn), invals, [None] * len(outs), True)
-    if all(r is None for r in read):
+    read_kinds = ctx.inner_kinds(call_jaxpr(eqn), [Kind.LIVE] * len(outs), True)
+    if all(k == Kind.LIVE for k in read_kinds):
         return body
+    # the lanes read in part only need the body's masks at run time; unread operands do not
+    read = ctx.inner_masks(call_jaxpr(eqn), invals, [None] * len(outs), True) \
+        if Kind.MAYBE in read_kinds else [None] * len(read_kinds)
     anywhere = any_of([None if m is None else reduce_any(m, range(m.ndim)) for m in outs])
     masks: list[Mask] = []
-    for v, b, r in zip(eqn.invars, body, read, strict=True):
-        if r is None or b is None:
+    for v, b, kind, r in zip(eqn.invars, body, read_kinds, read, strict=True):
+        if kind == Kind.LIVE or b is None:
             masks.append(b)
             continue
-        unread = not_mask(broadcast(r, shape_of(v)))
+        shape = shape_of(v)
+        unread = None if kind == Kind.DEAD else not_mask(broadcast(r, shape))
         if anywhere is not None:
-            unread = all_of([unread, broadcast(anywhere, shape_of(v))])
-        masks.append(any_of([broadcast(b, shape_of(v)), unread]))
+            anywhere_here = broadcast(anywhere, shape)
+            unread = anywhere_here if unread is None else all_of([unread, anywhere_here])
+        masks.append(None if unread is None else any_of([broadcast(b, shape), unread]))
     return masks
 
 
