@@ -18,9 +18,11 @@ from ._by_value import concrete_values, make_jaxpr_by_value
 from ._collector import fewer_collections
 from ._compat import (
     ClosedJaxpr,
+    Jaxpr,
     Tracer,
     differentiated_while_staging,
     eval_jaxpr,
+    with_leading_arg_names,
 )
 from ._replay import replay
 from ._report import Report
@@ -271,6 +273,35 @@ def _merge(arrays: Sequence[Any], fixed: tuple[tuple[int, _StaticLeaf], ...]) ->
     return leaves
 
 
+def _tracers_as_arguments(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list]:
+    """`closed` with the outer tracers it closes over (a value from an enclosing `grad`,
+    `jit` or `vmap`) made its leading arguments, and those tracers. A constant is a value the
+    analysis may read and that carries no derivative; a closed-over tracer is neither: it is
+    an argument like the others, differentiated, never promised finite. As an argument it is
+    not captured either, where a cached custom_jvp would keep it alive."""
+    jaxpr = closed.jaxpr
+    outer = [isinstance(c, Tracer) for c in closed.consts]
+    if not any(outer):
+        return closed, []
+    pairs = list(zip(jaxpr.constvars, closed.consts, strict=True))
+    hoisted = [v for (v, _), o in zip(pairs, outer, strict=True) if o]
+    kept = [(v, c) for (v, c), o in zip(pairs, outer, strict=True) if not o]
+    info = with_leading_arg_names(
+        jaxpr.debug_info, [f"closed-over value {i}" for i in range(len(hoisted))])
+    new = Jaxpr([v for v, _ in kept], [*hoisted, *jaxpr.invars], jaxpr.outvars, jaxpr.eqns,
+                jaxpr.effects, info)
+    return (ClosedJaxpr(new, [c for _, c in kept]),
+            [c for c, o in zip(closed.consts, outer, strict=True) if o])
+
+
+def _typed(static_pos: tuple, static_kw: tuple) -> tuple:
+    """The static arguments with their types, for a cache key: `1`, `1.0` and `True` are equal
+    and hash alike, yet `f` may read the type (`isinstance`, a dtype); `jax.jit` keeps them
+    apart too."""
+    return (tuple((i, type(v), v) for i, v in static_pos),
+            tuple((k, type(v), v) for k, v in static_kw))
+
+
 def _hashable(value: Any, where: str, who: str) -> Hashable:
     try:
         hash(value)
@@ -289,17 +320,16 @@ class _Traced:
     never pays for it."""
 
     def __init__(self, original: ClosedJaxpr, rewrite: Callable[[], tuple[ClosedJaxpr, Report]],
-                 out_tree, use_jit: bool):
+                 out_tree, use_jit: bool, closed_over: Sequence[Any] = ()):
         self.out_tree = out_tree
         self._rewrite: Callable[[], tuple[ClosedJaxpr, Report]] | None = rewrite
         self._rewritten: tuple[ClosedJaxpr, Report] | None = None
         self._lock = threading.Lock()
-        self.closes_over_tracers = any(isinstance(c, Tracer) for c in original.consts)
-        if not use_jit or self.closes_over_tracers:
-            # Closing over outer tracers: a custom_jvp that captures them would keep them alive
-            # in JAX's caches. jit=False runs the rewritten program equation by equation: each
-            # primitive alone gives the same bits in live lanes, and dropped lanes stay finite
-            # for jax_debug_nans.
+        self.closes_over_tracers = bool(closed_over)  # its leading arguments (not cacheable)
+        if not use_jit:
+            # jit=False runs the rewritten program equation by equation: each primitive alone
+            # gives the same bits in live lanes, and dropped lanes stay finite for
+            # jax_debug_nans.
             closed = self.closed
             self.evaluate = functools.partial(eval_jaxpr, closed.jaxpr, closed.consts)
         else:
@@ -380,7 +410,7 @@ class NanSafeFunction:
         leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         leaves, fixed = _partition(leaves)
         avals = tuple(jax.typeof(x) for x in leaves)
-        key = (in_tree, avals, static_pos, static_kw, fixed, _guards.GENERATION)
+        key = (in_tree, avals, _typed(static_pos, static_kw), fixed, _guards.GENERATION)
         return key, leaves, in_tree, avals, static_pos, static_kw, dyn_kwargs, fixed
 
     def _remember(self, store: collections.OrderedDict, key, value) -> bool:
@@ -436,14 +466,17 @@ class NanSafeFunction:
         if fixed:  # one flag per array leaf
             skip = {i for i, _ in fixed}
             finite = [f for i, f in enumerate(finite) if i not in skip]
+        closed, closed_over = _tracers_as_arguments(closed)
+        finite = [False] * len(closed_over) + list(finite)
         traced = _Traced(closed, functools.partial(rewrite_with_report, closed, finite),
-                         jax.tree_util.tree_structure(out_shape), self._use_jit)
-        cacheable = not traced.closes_over_tracers and self._cache_size and not by_value
+                         jax.tree_util.tree_structure(out_shape), self._use_jit,
+                         closed_over)
+        cacheable = not closed_over and self._cache_size and not by_value
         if cacheable and self._remember(self._cache, key, traced):
             # jax.jit keeps its own trace per signature: start a fresh front so that an
             # evicted signature's program is really released
             self._jitted = None
-        return traced, leaves
+        return traced, [*closed_over, *leaves]
 
     def _trace_by_value(self, flat_fun: Callable, leaves: list, values: list):
         """The jaxpr at these values (`_by_value`); not cached: it holds for this call only."""
@@ -500,7 +533,7 @@ class NanSafeFunction:
         return self._leaf_jitted
 
     def _staged_leaves(self, spec, *arrays):
-        tree, fixed, static_pos, static_kw = spec
+        tree, fixed, static_pos, static_kw, _ = spec
         dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(tree, _merge(arrays, fixed))
         args = list(dyn_args)
         for i, v in static_pos:
@@ -511,7 +544,8 @@ class NanSafeFunction:
         static_pos, static_kw, dyn_args, dyn_kwargs = self._split(args, kwargs)
         leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         arrays, fixed = _partition(leaves)
-        return self._leaf_front()((tree, fixed, static_pos, static_kw), *arrays)
+        spec = (tree, fixed, static_pos, static_kw, _typed(static_pos, static_kw))
+        return self._leaf_front()(spec, *arrays)
 
     def __call__(self, *args, **kwargs):
         if not self._use_jit or self._known_to_need_values(args, kwargs):

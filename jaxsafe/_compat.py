@@ -12,6 +12,7 @@ here too, each with why. They are all spelled here, so that a JAX upgrade breaks
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import pathlib
@@ -105,6 +106,39 @@ def trace_to_jaxpr(fun: Any, avals: Sequence[Any]) -> ClosedJaxpr:
     if any(_varying_axes(a) for a in avals):
         return _trace_keeping_varying_axes(fun, avals)
     return jax.make_jaxpr(fun)(*avals)
+
+
+def with_leading_arg_names(info: Any, names: Sequence[str]) -> Any:
+    """A jaxpr's debug info with `names` for arguments put before the others: JAX checks that
+    it names as many arguments as the jaxpr has. Its type (a NamedTuple in JAX 0.10) is not
+    public."""
+    arg_names = getattr(info, "arg_names", None)
+    if arg_names is None:
+        return info
+    new_names = (*names, *arg_names)
+    if hasattr(info, "_replace"):
+        return info._replace(arg_names=new_names)
+    return dataclasses.replace(info, arg_names=new_names)
+
+
+def transpose_to_zero_where_missing(primitive: Primitive) -> None:
+    """Give `primitive` the transpose rule of a map whose derivative is zero, unless JAX (or
+    a library) already has one. For `stop_gradient`: `jax.grad(jax.vmap(nan_safe(f)))` of an
+    `f` with a `lax.cond` batches nan_safe's custom_jvp rule, and JAX's batching of a cond on
+    a batched predicate runs each branch on `select(taken, x, stop_gradient(x))`, tangents
+    included; JAX has no transpose for that stop_gradient and the gradient raised
+    (jax-ml/jax#22011). Zero is its derivative, and keeps what the select is for: a branch's
+    lanes that it does not take send back no cotangent, NaN included, as in plain JAX. lineax
+    registers the identity instead when it is imported (equal but for those NaN)."""
+    from jax.interpreters import ad
+
+    if primitive in ad.primitive_transposes:
+        return
+
+    def zero_transpose(cotangent, operand):
+        return [ad.Zero(operand.aval) if ad.is_undefined_primal(operand) else None]
+
+    ad.primitive_transposes[primitive] = zero_transpose
 
 
 def _varying_axes(aval: Any) -> frozenset:

@@ -61,6 +61,7 @@ from ._compat import (
     Primitive,
     shard_map_body_context,
     shard_map_p,
+    transpose_to_zero_where_missing,
 )
 from ._compat import primitives as prims
 from ._diagonal import (
@@ -286,6 +287,7 @@ register_elementwise(prims.nextafter_p, no_derivative=frozenset({0, 1}))
 # zero derivative: operands are read for their value only
 register_elementwise(prims.stop_gradient_p, zero_derivative=True, linear=True,
                      bound=bounds.moved)
+transpose_to_zero_where_missing(prims.stop_gradient_p)  # jax-ml/jax#22011, under vmap of a cond
 register_elementwise(prims.sign_p, prims.floor_p, prims.ceil_p, prims.round_p,
                      zero_derivative=True)
 register_elementwise(prims.is_finite_p, zero_derivative=True, tests_nonfinite=every_operand)

@@ -34,6 +34,7 @@ from functools import partial
 
 import jax
 import numpy as np
+from jax.custom_derivatives import SymbolicZero as NoTangent  # custom_jvp's, not ad.Zero
 
 from ._atoms import SMALL_CONSTANT, dtype_of, is_float, is_nonfinite_literal, shape_of
 from ._backward import guarded_backward
@@ -123,17 +124,29 @@ def values_of(original: ClosedJaxpr, rewritten: Callable[[], ClosedJaxpr]) -> Ca
     def run(orig_consts, *args):
         return eval_jaxpr(original.jaxpr, orig_consts, *args)
 
-    @run.defjvp
     def run_jvp(primals, tangents):
         _, *args = primals
         _, *t_args = tangents
-        # Differentiated with respect to the arguments only: a custom_vjp call that reads a
-        # constant as an operand would count as differentiated with respect to a closed-over
-        # value if a constant had an (instantiated, zero) tangent here.
+        # Differentiated with respect to the arguments that have a tangent only: an argument
+        # that is not differentiated (a symbolic zero) is held fixed, as JAX holds it, so its
+        # lanes put nothing into the tangents (an instantiated zero tangent times an infinite
+        # partial derivative would be NaN in a live lane: `w * sqrt(x)` at `x = 0`, forward mode
+        # in `w`). The constants are not differentiated either: a custom_vjp call that reads a
+        # constant would otherwise count as differentiated with respect to a closed-over value
+        # (closed-over tracers are arguments: `_api._tracers_as_arguments`).
         program = rewritten()
-        return jax.jvp(lambda *a: eval_jaxpr(program.jaxpr, program.consts, *a),
-                       tuple(args), tuple(t_args))
+        moving = [i for i, t in enumerate(t_args) if not isinstance(t, NoTangent)]
 
+        def on_moving(*values):
+            full = list(args)
+            for i, value in zip(moving, values, strict=True):
+                full[i] = value
+            return eval_jaxpr(program.jaxpr, program.consts, *full)
+
+        return jax.jvp(on_moving, tuple(args[i] for i in moving),
+                       tuple(t_args[i] for i in moving))
+
+    run.defjvp(run_jvp, symbolic_zeros=True)
     return functools.partial(run, list(original.consts))
 
 

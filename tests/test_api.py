@@ -64,6 +64,27 @@ def test_static_values_are_part_of_the_signature():
     assert count == ["log", "sqrt"]
 
 
+@pytest.mark.parametrize("order", [(1, True, 1.), (True, 1., 1), (1., 1, True)])
+def test_equal_static_values_of_other_types_are_other_signatures(order):
+    """`1`, `True` and `1.0` are equal and hash alike; `f` may read the type, and jax.jit keeps
+    them apart: so must nan_safe's cache, in values and derivatives, positional, by name and
+    beside a leaf that is not an array (the second jit front)."""
+    def f(x, k, act=jnp.sin):
+        scale = 100. if isinstance(k, bool) else 10. if isinstance(k, float) else 1.
+        return act(jnp.where(x > 0, jnp.sqrt(x), 0.)) * scale
+
+    by_position = nan_safe(f, static_argnums=1)
+    by_name = nan_safe(f, static_argnames="k")
+    for k in order:
+        want = jax.jit(f, static_argnums=1)(4., k)
+        want_grad = jax.grad(jax.jit(f, static_argnums=1))(4., k)
+        assert by_position(4., k) == want and by_name(4., k=k) == want
+        assert by_position(4., k, jnp.cos) == jax.jit(f, static_argnums=(1, 2))(4., k, jnp.cos)
+        assert jax.grad(by_position)(4., k) == want_grad
+        assert jax.grad(by_name)(4., k=k) == want_grad
+        assert jax.grad(by_position)(-1., k) == 0.
+
+
 def test_cache_is_bounded():
     f = nan_safe(lambda x: jnp.where(x > 0, jnp.log(x), 0.), cache_size=2)
     for n in range(1, 6):

@@ -1,5 +1,7 @@
 """nan_safe composes with every JAX transformation, each result equal to the hand-fixed function."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,6 +102,49 @@ def test_closure_over_outer_tracers_is_not_cached_and_does_not_leak():
     assert_close(jax.jit(jax.grad(loss))(1.), -0.5 / np.sqrt(3.))
     assert_close(jax.vmap(jax.grad(loss))(jnp.array([1., 5.])),
                  jnp.array([-0.5 / np.sqrt(3.), 0.]))
+
+
+@pytest.mark.parametrize("differentiate", ["grad", "jvp", "jit of grad"])
+def test_a_closed_over_tracer_keeps_its_live_derivative(differentiate):
+    """A value closed over from an enclosing `grad` is an argument of the rewritten program,
+    not a constant: at `c = 0` it is no zero factor that drops `sqrt(x)`'s lanes, and where a
+    `where` takes it, it carries its derivative. Reference: plain JAX (finite here)."""
+    programs = {
+        "factor": lambda c: lambda x: c * jnp.sqrt(x),
+        "taken side": lambda c: lambda x: jnp.sqrt(jnp.where(x > 0, x, c)),
+        "max": lambda c: lambda x: jnp.sqrt(jnp.maximum(x, c)),
+    }
+    at = {"factor": (jnp.array([0., 1., 2.]), 4.), "taken side": (4., -1.), "max": (2., -1.)}
+    for name, program in programs.items():
+        c, x = at[name]
+        outer = lambda c, wrap: jnp.sum(wrap(program(c))(x))  # noqa: B023, E731
+        safe = functools.partial(outer, wrap=nan_safe)
+        plain = functools.partial(outer, wrap=lambda f: f)
+        if differentiate == "jvp":
+            tangent = jnp.ones_like(c)
+            got = jax.jvp(safe, (c,), (tangent,))[1]
+            want = jax.jvp(plain, (c,), (tangent,))[1]
+        else:
+            d = jax.jit(jax.grad(safe)) if differentiate == "jit of grad" else jax.grad(safe)
+            got, want = d(c), jax.grad(plain)(c)
+        assert_finite(want)
+        assert_bitwise(got, want)
+
+
+def test_forward_mode_in_some_arguments_holds_the_others_fixed():
+    """`jvp` in `w` only: `x` has no tangent, as in JAX, so `sqrt`'s infinite derivative at
+    `x = 0` is never multiplied by a zero tangent (NaN). Reference: plain JAX, eager and under
+    `jit`, which agree here."""
+    scaled = lambda x, w: w * jnp.sqrt(x)  # noqa: E731
+    masked = lambda x, w: jnp.sum(jnp.where(x > 1., 0., w * jnp.sqrt(x)))  # noqa: E731
+    x = jnp.array([0., 4.])
+    for g in (scaled, masked):
+        for wrap in (lambda f: f, jax.jit):
+            want = wrap(jax.jacfwd(g, argnums=1))(x, 2.)
+            assert_finite(want)
+            assert_bitwise(wrap(jax.jacfwd(nan_safe(g), argnums=1))(x, 2.), want)
+            assert_bitwise(jax.jvp(lambda w: nan_safe(g)(x, w), (2.,), (1.,))[1],  # noqa: B023
+                           jax.jvp(lambda w: g(x, w), (2.,), (1.,))[1])  # noqa: B023
 
 
 def test_jit_false_evaluates_eagerly_and_equals_eager_f():

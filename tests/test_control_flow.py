@@ -81,6 +81,29 @@ def test_vmap_of_cond_whose_branch_has_sqrt():
     assert_bitwise(nan_safe(jax.vmap(c))(XS), jax.jit(jax.vmap(c))(XS))
 
 
+def test_grad_of_vmap_of_a_cond_on_a_batched_predicate():
+    """`jax.grad(jax.vmap(nan_safe(f)))`: vmap batches nan_safe's derivative rule, and JAX's
+    batching of a cond on a batched predicate puts `stop_gradient` on the branches' tangents,
+    which JAX cannot transpose (jax-ml/jax#22011): this raised, with nothing to guard as with
+    a guard in a branch. Reference: plain JAX, and the hand fix in the branch."""
+    smooth = lambda v: lax.cond(v > 0, jnp.sin, jnp.cos, v)  # noqa: E731
+    x = jnp.array([-1., 2.])
+    total = lambda f: lambda x: jnp.sum(jax.vmap(f)(x))  # noqa: E731
+    assert_bitwise(jax.grad(total(nan_safe(smooth)))(x), jax.grad(total(smooth))(x))
+    assert_bitwise(jax.jit(jax.grad(total(nan_safe(smooth))))(x), jax.grad(total(smooth))(x))
+
+    def branchy(fix):
+        root = lambda v: jnp.sqrt(jnp.where(v > 1, v - 1, 1.) if fix else v - 1)  # noqa: E731
+        return lambda v: lax.cond(v > 0, lambda v: jnp.where(v > 1, root(v), 0.), jnp.sqrt, v)
+    x = jnp.array([-1., 0.5, 2.])
+    assert np.isnan(jax.grad(total(branchy(False)))(x)[1])  # the dropped lane's NaN
+    for d in (jax.grad, jax.hessian):
+        assert_close(d(total(nan_safe(branchy(False))))(x), d(total(branchy(True)))(x))
+    for d in (jax.jacrev, jax.jacfwd):
+        batched = lambda f: jax.vmap(f)  # noqa: E731
+        assert_close(d(batched(nan_safe(branchy(False))))(x), d(batched(branchy(True)))(x))
+
+
 def test_where_inside_checkpoint():
     f = jax.checkpoint(lambda x: jnp.where(x > 0, jnp.sqrt(x), 0.))
     assert np.isnan(jax.grad(f)(0.))
