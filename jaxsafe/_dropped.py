@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ._atoms import SMALL_CONSTANT, dtype_of, literal_value, shape_of
+from ._atoms import SMALL_CONSTANT, dtype_of, is_float, literal_value, shape_of
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._constants import finite_with_derivatives, fold
 from ._free import FreeValues
@@ -113,23 +113,47 @@ class DroppedValues:
         if not self._elementwise(i, eqn):
             return None
         site = self.sites.get(i)
-        vals, constant = [], True
+        vals, constants = [], []
         for k, u in enumerate(eqn.invars):
             if site is not None and k in site.replace:
                 vals.append(np.asarray(site.replace[k], dtype_of(u)))
-                constant = False
+                constants.append(False)
                 continue
             known = self.get(u) if isinstance(u, Literal) else (yield u)
             if known is None:
                 return None
-            if not known[1]:  # known in dropped lanes only: v's must read only those
-                if not self.reads_dropped(eqn, k):
-                    return None
-                constant = False
+            if not known[1] and not self.reads_dropped(eqn, k):
+                return None  # known in dropped lanes only: v's must read only those
             vals.append(known[0])
-        if not self._foldable(eqn, vals, constant):
+            constants.append(known[1])
+        if not self._foldable(eqn, vals, all(constants)):
             return None
-        return fold(eqn, vals)[0], constant
+        if not all(constants):
+            return self._guarded_value(eqn, vals, constants)
+        return fold(eqn, vals)[0], True
+
+    @staticmethod
+    def _guarded_value(eqn: JaxprEqn, vals: list, constants: list[bool]) -> Known:
+        """What the rewritten program's `eqn` holds in dropped lanes where some operand holds
+        a guard's value (not the original's). Only a float is emitted again on guarded values:
+        a comparison, a predicate, an index reads the original values, known here only when
+        constant. A selection picks its case as the original values decide (`select_n` on the
+        original predicate, `max` re-decided on the original operands: `_choosers.by_wins`), not
+        as the guarded values would: known when the predicate is a constant, or when every case
+        holds the same value."""
+        if not is_float(eqn.outvars[0]):
+            return None
+        selection = rule_for(eqn.primitive).selection
+        if selection is None:
+            return fold(eqn, vals)[0], False
+        if selection.by_predicate and constants[0]:
+            return fold(eqn, vals)[0], False
+        cases = vals[1:] if selection.by_predicate else vals
+        shape = np.broadcast_shapes(*(np.shape(c) for c in cases))
+        first = np.broadcast_to(np.asarray(cases[0], dtype_of(eqn.outvars[0])), shape)
+        if all(np.array_equal(first, np.broadcast_to(c, shape)) for c in cases[1:]):
+            return first, False
+        return None
 
     @staticmethod
     def _foldable(eqn: JaxprEqn, vals: list, constant: bool) -> bool:

@@ -220,3 +220,60 @@ def test_symbolic_move_is_an_or_over_the_removed_axis(a, vals):
     assert (_evaluate(as_true, values, (2, 1))[:, 0] >= full.any(axis=1)).all()
     if not unknowns:
         np.testing.assert_array_equal(_evaluate(moved, values, (2, 1))[:, 0], full.any(axis=1))
+
+
+# ----------------------------------------- a bound of the original program, after a guard
+
+_KEEP_FIRST_TWO = jnp.array([True, True, False])
+
+
+def _floored_unit(e, floor):
+    """`e / sqrt(floor(e * e))`: a floored norm (optax's cosine similarity clips it)."""
+    return e / jnp.sqrt(floor(e * e))
+
+
+_FLOORS = {
+    "maximum": lambda v: jnp.maximum(v, 1e-7),
+    "clip below": lambda v: jnp.clip(v, 1e-7),
+    "clip both": lambda v: jnp.clip(v, 1e-7, 1e7),
+}
+
+
+@pytest.mark.parametrize("floor", list(_FLOORS))
+def test_a_bound_the_original_program_proves_does_not_hold_after_a_guard(floor):
+    """`sqrt(max(x * x, eps))` is at least `sqrt(eps)` in the original program; but where a
+    guard gives `x * x` its safe value 0 in a dropped lane and the original `max` took
+    `x * x`, the re-decided `max` takes that 0: the `div` after it was left unguarded on the
+    original bound and made `0 / 0` in the dropped lane, which reverse mode multiplied into
+    the live scale's derivative (NaN). Reference: plain JAX, finite here, and the program
+    with the dropped lane removed, at first and second order and in forward mode."""
+    keep, floored = _KEEP_FIRST_TWO, _FLOORS[floor]
+    f = lambda s, x: jnp.sum(jnp.where(keep, s * _floored_unit(x, floored), 0.))  # noqa: E731
+    removed = lambda s, x: jnp.sum(s * _floored_unit(x[:2], floored))  # noqa: E731
+    x = jnp.array([1., 2., 3.])
+    for d in (jax.grad, jax.jacfwd, jax.hessian):
+        want = d(removed, argnums=(0, 1))(2., x)
+        got = d(nan_safe(f), argnums=(0, 1))(2., x)
+        assert_finite(got)
+        assert_close(got[0], want[0])
+    assert_close(jax.grad(nan_safe(f))(2., x), jax.grad(f)(2., x))
+
+
+def test_a_gram_matrix_of_floored_unit_vectors_whose_row_is_dropped():
+    """The same through a product: `u @ u.T` reads the dropped row's `0 / 0` for the live rows'
+    derivatives (optax's `ntxent` with a label that has no positive pair). Reference: the
+    program with the dropped row and column removed."""
+    e = jnp.array([[1., 0.], [0.6, 0.8], [0.3, 0.4]])
+    keep = jnp.array([[False, True, False], [False, False, False], [False, False, False]])
+
+    def gram(e, keep):
+        u = _floored_unit(e, lambda v: jnp.maximum(jnp.sum(v, -1, keepdims=True), 1e-7))
+        return jnp.sum(jnp.where(keep, u @ u.T, 0.))
+
+    removed = lambda e: gram(e[:2], keep[:2, :2])  # noqa: E731
+    f = lambda e: gram(e, keep)  # noqa: E731
+    for d in (jax.grad, jax.jacfwd):
+        want = d(removed)(e)
+        got = d(nan_safe(f))(e)
+        assert_close(got, want)  # `removed` slices `e` itself: its last row is 0
+        assert_bitwise(got[2], jnp.zeros(2))
