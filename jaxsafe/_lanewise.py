@@ -14,6 +14,11 @@ when anything is.
 `lane_shape` recognizes such bodies (anything else: None, and the scan stays conservative);
 `scan_masks` / `scan_kinds` are the scan row's liveness rules; `carry_masks` gives the body's
 carries their masks when the body is rewritten (`_bodies.ScanBody`).
+
+A scan without carries (`lax.map`) computes step by step, whatever its body: step t's outputs
+read step t's inputs and the constants only. A step of its stacked inputs is live exactly when
+some output of that step is (lane by lane too, for a lane-by-lane body), so a drop after a
+second `lax.map` reaches the first one's steps.
 """
 
 from __future__ import annotations
@@ -96,18 +101,44 @@ def _anything(outs: Sequence[Mask]) -> Mask:
     return any_of([reduce_any(m, range(m.ndim)) if m is not None else None for m in outs])
 
 
+def _step_by_step(eqn: JaxprEqn) -> bool:
+    """A scan without carries (`lax.map`): step t reads step t's inputs and the constants."""
+    return scan_counts(eqn.params)[1] == 0 and len(eqn.outvars) > 0
+
+
+def _step_mask(outs: Sequence[Mask], shape: tuple, lanes: tuple[int, ...] | None) -> Mask:
+    """The mask of a stacked input of `shape` of a scan without carries: lane i of step t is
+    live where some output of step t is live, in lane i when the output and the input are both
+    lane-shaped (a lane-by-lane body), in any lane otherwise."""
+    per_input: list[Mask] = []
+    for m in outs:
+        if m is None:
+            return None
+        if lanes is not None and m.shape[1:] == lanes == shape[1:]:
+            per_input.append(m)
+        else:
+            step = reduce_any(m, range(1, m.ndim))
+            per_input.append(broadcast_mask(step, shape, (0,)))
+    return any_of(per_input)
+
+
 def scan_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
                ctx: Context) -> list[Mask]:
     """A lane-by-lane scan: lane i of a lane-shaped operand is live where lane i of some output
-    is (at any step); scalars where anything is. Any other scan: every operand lane is live
-    where any output lane is."""
+    is (at any step); scalars where anything is. A scan without carries: a step of a stacked
+    input is live where that step of some output is (`_step_mask`). Any other scan: every
+    operand lane is live where any output lane is."""
     anything = _anything(outs)
     lanes = _scan_lane_shape(eqn)
     lane = None if lanes is None else _lane_mask(eqn, outs, lanes)
     n_lead = sum(scan_counts(eqn.params))
+    by_step = _step_by_step(eqn)
     masks: list[Mask] = []
     for k, v in enumerate(eqn.invars):
         shape = shape_of(v)
+        if by_step and k >= n_lead:
+            masks.append(_step_mask(outs, shape, lanes))
+            continue
         if lanes is not None and _per_step(k, n_lead, shape) == lanes:
             m = lane
             if m is not None and k >= n_lead:
@@ -128,15 +159,22 @@ def _lane_kind(eqn: JaxprEqn, out_kinds: Sequence[Kind], lanes: tuple[int, ...])
 
 
 def scan_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]:
-    """Lane-shaped operands of a lane-by-lane scan take the kind of its lane mask; every other
-    operand is live (the conservative default)."""
+    """Lane-shaped operands of a lane-by-lane scan take the kind of its lane mask, the stacked
+    inputs of a scan without carries the union of its outputs' kinds; every other operand is
+    live (the conservative default)."""
     lanes = _scan_lane_shape(eqn)
-    if lanes is None:
-        return [Kind.LIVE] * len(eqn.invars)
-    lane = _lane_kind(eqn, out_kinds, lanes)
     n_lead = sum(scan_counts(eqn.params))
-    return [lane if _per_step(k, n_lead, shape_of(v)) == lanes else Kind.LIVE
-            for k, v in enumerate(eqn.invars)]
+    step = max(out_kinds) if _step_by_step(eqn) else None  # any step of any output
+    lane = Kind.LIVE if lanes is None else _lane_kind(eqn, out_kinds, lanes)
+    kinds = []
+    for k, v in enumerate(eqn.invars):
+        if step is not None and k >= n_lead:
+            kinds.append(step)
+        elif lanes is not None and _per_step(k, n_lead, shape_of(v)) == lanes:
+            kinds.append(lane)
+        else:
+            kinds.append(Kind.LIVE)
+    return kinds
 
 
 def carry_kinds(eqn: JaxprEqn, out_kinds: Sequence[Kind]) -> list[Kind]:

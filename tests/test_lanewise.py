@@ -142,3 +142,68 @@ def test_an_unused_final_carry_drops_nothing():
 
     args = (jnp.ones(4), jnp.ones((3, 4)))
     assert structure(jaxsafe.make_jaxpr(f)(*args)) == structure(jax.make_jaxpr(f)(*args))
+
+
+# ------------------------------------------------------------ scans without carries (lax.map)
+
+_ROWS = jnp.array([[1., 4.], [-1., nan], [9., 16.]])
+_KEEP_ROWS = jnp.array([True, False, True])
+
+
+def _two_maps_of_rows(x, keep=_KEEP_ROWS):
+    """A NaN-prone map, then another map, then a drop per step (row): the second map's steps
+    are independent, so the dropped row's lanes reach the first map's body."""
+    roots = lax.map(jnp.sqrt, x)
+    return jnp.sum(jnp.where(keep, lax.map(lambda r: jnp.sum(r) * 2., roots), 0.))
+
+
+def _two_maps_of_rows_by_hand(x, keep=_KEEP_ROWS):
+    return jnp.sum(jnp.where(keep, 2. * jnp.sum(jnp.sqrt(jnp.where(keep[:, None], x, 1.)), 1), 0.))
+
+
+def _two_maps_of_lanes(x):
+    """Lane-by-lane bodies: a drop per lane after the second map reaches the first map's lane."""
+    logs = lax.map(jnp.log, x)
+    return jnp.sum(jnp.where(x > 0, lax.map(lambda r: r * 3., logs), 0.))
+
+
+def _two_maps_of_lanes_by_hand(x):
+    return jnp.sum(jnp.where(x > 0, 3. * jnp.log(jnp.where(x > 0, x, 1.)), 0.))
+
+
+@pytest.mark.parametrize("f, hand", [(_two_maps_of_rows, _two_maps_of_rows_by_hand),
+                                     (_two_maps_of_lanes, _two_maps_of_lanes_by_hand)],
+                         ids=["rows", "lanes"])
+def test_a_drop_after_a_second_map_reaches_the_first_map(f, hand):
+    """`lax.map` is a scan without carries: step t of its stacked input is live where step t
+    of some output is (lane by lane for a lane-by-lane body). Plain JAX: NaN. Reference: the
+    hand-written double where before the first map, at every order."""
+    # lanes: log(0) in the dropped lane (log(-1) has a finite derivative)
+    x = jnp.array([[1., 4.], [0., 4.], [9., 16.]]) if f is _two_maps_of_lanes else _ROWS
+    assert np.isnan(jax.grad(f)(x)).any()
+    assert_bitwise(jaxsafe.nan_safe(f)(x), jax.jit(f)(x))
+    for d in (jax.grad, jax.jacfwd, jax.hessian):
+        assert_close(d(jaxsafe.nan_safe(f))(x), d(hand)(x))
+
+
+def test_a_map_whose_other_output_is_live_keeps_every_step_live():
+    """A step is live where any output of that step is: `y * y`, summed whole, keeps every
+    step of `sqrt(z)` live, though `where` drops the step's `log`. So the guard before the map
+    leaves step 1 alone, and the real singularity there (`sqrt(z) ** 2` at `z = 0`: 0 * inf)
+    stays NaN, as in plain JAX; the other steps take the hand fix's derivatives."""
+    def f(z):
+        logs, squares = lax.map(lambda y: (jnp.log(y), y * y), jnp.sqrt(z))
+        return jnp.sum(jnp.where(z > 1., logs, 0.)) + jnp.sum(squares)
+
+    def hand(z):
+        root = jnp.sqrt(z)
+        logs = jnp.log(jnp.where(z > 1., root, 1.))
+        return jnp.sum(jnp.where(z > 1., logs, 0.)) + jnp.sum(root * root)
+
+    z = jnp.array([4., 0., 9.])
+    got = jax.grad(jaxsafe.nan_safe(f))(z)
+    assert np.isnan(got[1]) and np.isnan(jax.grad(hand)(z)[1])
+    assert_close(got[::2], jax.grad(hand)(z)[::2])
+    z = jnp.array([4., 0.5, 9.])  # step 1 dropped by the where, live through `y * y`
+    assert_close(jax.grad(jaxsafe.nan_safe(f))(z), jax.grad(hand)(z))
+    assert_close(jax.hessian(jaxsafe.nan_safe(f))(z), jax.hessian(hand)(z), atol=1e-6)  # 0 +- ulp
