@@ -320,12 +320,11 @@ class _Traced:
     never pays for it."""
 
     def __init__(self, original: ClosedJaxpr, rewrite: Callable[[], tuple[ClosedJaxpr, Report]],
-                 out_tree, use_jit: bool, closed_over: Sequence[Any] = ()):
+                 out_tree, use_jit: bool):
         self.out_tree = out_tree
         self._rewrite: Callable[[], tuple[ClosedJaxpr, Report]] | None = rewrite
         self._rewritten: tuple[ClosedJaxpr, Report] | None = None
         self._lock = threading.Lock()
-        self.closes_over_tracers = bool(closed_over)  # its leading arguments (not cacheable)
         if not use_jit:
             # jit=False runs the rewritten program equation by equation: each primitive alone
             # gives the same bits in live lanes, and dropped lanes stay finite for
@@ -469,8 +468,7 @@ class NanSafeFunction:
         closed, closed_over = _tracers_as_arguments(closed)
         finite = [False] * len(closed_over) + list(finite)
         traced = _Traced(closed, functools.partial(rewrite_with_report, closed, finite),
-                         jax.tree_util.tree_structure(out_shape), self._use_jit,
-                         closed_over)
+                         jax.tree_util.tree_structure(out_shape), self._use_jit)
         cacheable = not closed_over and self._cache_size and not by_value
         if cacheable and self._remember(self._cache, key, traced):
             # jax.jit keeps its own trace per signature: start a fresh front so that an
