@@ -26,7 +26,6 @@ the new selections drop.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import jax
@@ -42,7 +41,6 @@ from ._compat import (
     SymbolicZero,
     Tracer,
     bind_eqn,
-    eval_jaxpr,
     trace_to_jaxpr,
     wrap_function,
 )
@@ -70,13 +68,43 @@ def guarded_backward(bwd: Any, runner: Callable[[ClosedJaxpr], Callable[..., lis
             return [o for o in outs if not isinstance(o, SymbolicZero)]
 
         closed = trace_to_jaxpr(staged, [jax.typeof(args[k]) for k in traced])
-        guarded = structural_zeros(closed)
-        run_guarded = (partial(eval_jaxpr, closed.jaxpr, closed.consts) if guarded is closed
-                       else runner(guarded))
+        # the rule's own drops (a `where` written in it) too: a derivative of this derivative
+        # differentiates the program (`runner` is the program itself when nothing is guarded)
+        run_guarded = runner(structural_zeros(closed))
         values = iter(run_guarded(*[args[k] for k in traced]))
         count = len(closed.jaxpr.outvars) + len(symbolic)
         return [symbolic[k] if k in symbolic else next(values) for k in range(count)]
     return wrap_function(run, bwd)
+
+
+def guarded_forward(thunk: Any, runner: Callable[[ClosedJaxpr], Callable[..., list]]) -> Any:
+    """A custom_vjp's forward-program thunk (`fwd_jaxpr_thunk`) whose program is differentiated
+    as its jaxsafe rewrite: JAX evaluates that program when it differentiates the call, and a
+    derivative of that derivative (reverse over reverse) differentiates it as plain code, where
+    a `where` in the forward rule leaks as in plain JAX. Its values stay the program's own
+    (`runner`). Made once per set of symbolic-zero flags, as JAX's own thunk is."""
+    made: dict[tuple, tuple] = {}
+
+    def make(*nonzeros: Any) -> tuple:
+        key = tuple(nonzeros)
+        if key not in made:
+            jaxpr, consts = thunk.call_wrapped(*nonzeros)
+            closed = ClosedJaxpr(jaxpr, consts)
+            if any(isinstance(c, Tracer) for c in consts):
+                made[key] = jaxpr, consts  # an outer trace's value: runs as it is
+            else:
+                run = runner(closed)
+                # a literal output (a Python residual: `True`) stays one: the rule reads it
+                # as the Python value JAX hands on for it
+                literals = {i: v.val for i, v in enumerate(jaxpr.outvars)
+                            if isinstance(v, Literal)}
+
+                def outputs(*xs: Any) -> list:
+                    return [literals.get(i, o) for i, o in enumerate(run(*xs))]
+                new = trace_to_jaxpr(outputs, [v.aval for v in jaxpr.invars])
+                made[key] = new.jaxpr, new.consts
+        return made[key]
+    return wrap_function(make, thunk)
 
 
 def structural_zeros(closed: ClosedJaxpr) -> ClosedJaxpr:

@@ -161,12 +161,15 @@ def _chosen_by_derivative(eqn: JaxprEqn, outs: list[Mask], x: Any, out: Any) -> 
 def running_choice(nearest: Callable, far: float) -> ChosenRule:
     """`cummax` (`cummin`): a lane is chosen where it equals the running maximum at the nearest
     live output that reads it, since the running maximum only grows along the scan (JAX's
-    derivative shares a tie). Two cumulative ops, where the derivative would be a scan tree."""
+    derivative shares a tie). Two cumulative ops, where the derivative would be a scan tree.
+    A lane that no live output reads is not chosen, whatever it holds (an inf equals `far`)."""
     def chosen(eqn: JaxprEqn, outs: list[Mask], x: Any, out: Any) -> jax.Array:
         axis, reverse = eqn.params["axis"], eqn.params["reverse"]
         live = materialize(outs[0], out.shape)
         at_live = lax.select_n(live, lax.full_like(out, far), out)
-        return lax.eq(x, nearest(at_live, axis=axis, reverse=not reverse))
+        read = lax.cummax(lax.convert_element_type(live, np.int32), axis=axis,
+                          reverse=not reverse) > 0
+        return lax.bitwise_and(read, lax.eq(x, nearest(at_live, axis=axis, reverse=not reverse)))
     return chosen
 
 

@@ -19,7 +19,7 @@ from ._constants import finite_with_derivatives, fold
 from ._free import FreeValues
 from ._liveness import Sweep
 from ._report import Site
-from ._rules import alignment, rule_for
+from ._rules import Guard, alignment, rule_for
 from ._symbolic import backward_mapping, forward_mapping, implies, move, sym_not
 from ._walk import demand
 
@@ -199,24 +199,25 @@ class DroppedValues:
             return implies(move(su, forward_mapping(align)), sv)
         return False
 
-    def guard_is_noop(self, eqn: JaxprEqn, k: int, safe: Mapping[int, float]) -> bool:
+    def guard_is_noop(self, eqn: JaxprEqn, k: int, guard: Guard) -> bool:
         """Whether operand k of `eqn` is known, in the lanes its guard would replace, to be a
         value at which `eqn` and its first derivatives are finite."""
         known = self.get(eqn.invars[k])
-        if known is None or (not known[1] and not self.reads_dropped(eqn, k)):
+        if known is None or (not known[1] and not self.reads_dropped(eqn, k)) or \
+                self._may_overflow_through(eqn, k, guard):
             return False
-        point = []
-        for j, a in enumerate(eqn.invars):  # the others: known, else their safe value, else 1
-            other = known if j == k else self.get(a)
-            if other is not None and (j == k or other[1]):
-                point.append(np.asarray(other[0]))
-            else:
-                point.append(np.asarray(safe.get(j, 1.0), dtype_of(a)))
-        return finite_with_derivatives(eqn, point)
+        return finite_with_derivatives(eqn, self._point(eqn, k, np.asarray(known[0]), guard.safe))
 
     # -- one guard at the start of a chain ----------------------------------------------------
 
-    def move_chain_guards(self, eqn: JaxprEqn, k: int, safe: Mapping[int, float]) -> bool:
+    def _may_overflow_through(self, eqn: JaxprEqn, k: int, guard: Guard) -> bool:
+        """Whether another operand whose finite values alone can overflow `eqn` (a power's
+        exponent) is not a known constant: a check at one point says nothing of the others."""
+        return any(j != k and j < len(eqn.invars) and not (
+            (known := self.get(eqn.invars[j])) is not None and known[1])
+            for j in guard.overflows_through)
+
+    def move_chain_guards(self, eqn: JaxprEqn, k: int, guard: Guard) -> bool:
         """Whether the guards that start operand k's dropped chain can take another safe value at
         which every equation of the chain, and `eqn`, are finite with their derivatives; if so,
         they take it and `eqn` needs no guard of its own.
@@ -227,24 +228,18 @@ class DroppedValues:
         step, leaves XLA free to rewrite across the chain (`log(x ** 1.5)` to `1.5 * log(x)`),
         so live lanes keep the original program's last bit.
         """
+        if self._may_overflow_through(eqn, k, guard):
+            return False
         chain = self._chain(eqn.invars[k])
         if chain is None:
             return False
+        safe = guard.safe
         order, roots = chain
         for candidate in CHAIN_SAFE_VALUES:
             values = self._evaluate_chain(order, roots, candidate)
             if values is None:
                 continue
-            point = []
-            for j, a in enumerate(eqn.invars):
-                other = self.get(a) if j != k else None
-                if j == k:
-                    point.append(values[a])
-                elif other is not None and other[1]:
-                    point.append(np.asarray(other[0]))
-                else:
-                    point.append(np.asarray(safe.get(j, 1.0), dtype_of(a)))
-            if not finite_with_derivatives(eqn, point):
+            if not finite_with_derivatives(eqn, self._point(eqn, k, values[eqn.invars[k]], safe)):
                 continue
             for i, j in roots:
                 self.sites[i].replace[j] = candidate
@@ -253,6 +248,20 @@ class DroppedValues:
                 self.memo.pop(self.eqns[i].outvars[0], None)
             return True
         return False
+
+    def _point(self, eqn: JaxprEqn, k: int, value: Any, safe: Mapping[int, float]) -> list:
+        """`eqn`'s operands with operand k at `value`, the others at their known constant, else
+        their safe value, else 1."""
+        point = []
+        for j, a in enumerate(eqn.invars):
+            other = self.get(a) if j != k else None
+            if j == k:
+                point.append(value)
+            elif other is not None and other[1]:
+                point.append(np.asarray(other[0]))
+            else:
+                point.append(np.asarray(safe.get(j, 1.0), dtype_of(a)))
+        return point
 
     def _chain(self, u: Any) -> tuple[list[int], list[tuple[int, int]]] | None:
         """The elementwise equations that compute `u`'s dropped value from guarded operands and

@@ -195,11 +195,7 @@ class _Emitter:
                                          lax.full_like(operand, value), operand)
                 if key is not None:
                     made[key] = (in_masks[k], invals[k])
-        for k in site.cut:
-            live = in_masks[k]
-            if live is not None:
-                invals[k] = lax.select_n(selecting(live, np.shape(invals[k])),
-                                         lax.stop_gradient(invals[k]), invals[k])
+        _cut(site, invals, in_masks)
 
     def _guard_free(self, site: Site, invals: list) -> Any:
         """Replace the `free` operands by their safe value in the output lanes that carry no
@@ -265,3 +261,48 @@ class _Emitter:
         jaxpr = self.plan.closed.jaxpr
         return [self.safe[v] if isinstance(v, Var) and v in self.safe else self.orig[v]
                 for v in jaxpr.outvars]
+
+
+def _cut(site: Site, invals: list, in_masks: list) -> None:
+    """Cut the site's `cut` operands from differentiation in their dropped lanes (a custom rule's
+    call: their dropped lanes hold a live lane's values where the call broadcasts a smaller
+    operand over them, `_live_donors`)."""
+    donors = _live_donors(site, invals, in_masks)
+    for k in site.cut:
+        live = in_masks[k]
+        if live is not None:
+            invals[k] = lax.select_n(selecting(live, np.shape(invals[k])),
+                                     donors.get(k, lax.stop_gradient(invals[k])), invals[k])
+    for k, donor in donors.items():
+        if k not in site.cut:
+            invals[k] = lax.select_n(selecting(in_masks[k], np.shape(invals[k])), donor,
+                                     invals[k])
+
+
+def _live_donors(site: Site, invals: list, in_masks: list) -> dict[int, Any]:
+    """For a custom rule's call that broadcasts a smaller operand over the ones it cuts (the
+    scalar `a` of `logaddexp(a, x)`, `mu` of `poisson.logpmf(k, mu)`): the full-size operands'
+    values at one lane live in all of them, under `stop_gradient`, for their dropped lanes. The
+    smaller operand feeds live lanes, so it is not cut, and takes the rule's derivative from
+    every lane: in a dropped lane, that derivative is then the rule's at a point the program
+    evaluates live, not at what the lane held (a NaN, a 0 under a `log`)."""
+    eqn = site.eqn
+    if not site.cut or not rule_for(eqn.primitive).custom_rule:
+        return {}
+    shape = max((shape_of(eqn.invars[k]) for k in site.cut), key=lambda s: int(np.prod(s)))
+    size = int(np.prod(shape))
+    if not any(is_float(v) and int(np.prod(shape_of(v))) < size for v in eqn.invars):
+        return {}
+    full = [k for k, v in enumerate(eqn.invars)
+            if shape_of(v) == shape and in_masks[k] is not None]
+    live = all_of([materialize(in_masks[k], shape) for k in full])
+    if live is None:
+        return {}
+    first = lax.argmax(lax.reshape(lax.convert_element_type(live, np.int32), (size,)), 0,
+                       np.int32)
+    donors = {}
+    for k in full:
+        lane = lax.dynamic_index_in_dim(lax.reshape(invals[k], (size,)), first, keepdims=False)
+        donors[k] = lax.stop_gradient(lax.broadcast_in_dim(lane, shape, ()))
+    return donors
+

@@ -234,9 +234,22 @@ class FreeValues:
         # derivatives in the operands that pass a tangent only: a literal exponent has none
         # (`(1 - e) ** 2.` at a negative base: its derivative in the exponent is NaN)
         passing = [k for k, u in enumerate(eqn.invars) if isinstance(u, Var) and is_float(u)]
-        wrt = passing[0] if len(passing) == 1 else None
-        return points is not None and all(finite_with_derivatives(eqn, p, wrt=wrt)
-                                          for p in points)
+        if points is None:
+            return False
+        if not passing:
+            return all(finite_with_derivatives(eqn, p) for p in points)
+        # to a higher order in each operand (forward over forward differentiates each
+        # derivative again): `0. ** 2.` is finite with its first two derivatives, not its third
+        return all(finite_with_derivatives(eqn, p, order=FREE_LANE_ORDER, wrt=k)
+                   for p in points for k in passing)
+
+
+FREE_LANE_ORDER = 3
+"""The derivative order to which a NaN-prone equation must be finite at the values its operands
+hold where its output carries no derivative, for those lanes to need no forward-mode guard
+(a power of 0 with a whole exponent y is finite to order y and singular at order y + 1): to
+the third, as the bounds of the hand-guarded code (`_by_hand.py`), Hessians and one more.
+`jnp.sqrt(jnp.maximum(x, 1e-12))`'s fourth derivative overflows float32 at 1e-12."""
 
 
 def _combined(eqn: JaxprEqn, rule: PrimitiveRule, classes: list, helds: list[Held]) -> Held:

@@ -540,6 +540,16 @@ def scatter_add_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> li
     return [TRUE] * len(eqn.invars)
 
 
+def as_twin(primitive: Any, rule: Callable) -> Callable:
+    """`rule` read off the linear `primitive` bound with the same parameters: a scatter that
+    multiplies or keeps the larger (or smaller) value reads its operand and its updates where a
+    scatter-add would (every update kept in range is live, one that loses too: conservative),
+    and drops the updates it sends out of range."""
+    def twin_rule(eqn: JaxprEqn, *args: Any) -> Any:
+        return rule(eqn.replace(primitive=primitive), *args)
+    return twin_rule
+
+
 def _all_in_range(eqn: JaxprEqn, indices: Any) -> bool:
     """Whether the scatter-add keeps every update: ones scattered into zeros sum to their
     count."""

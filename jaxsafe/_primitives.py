@@ -78,6 +78,7 @@ from ._liveness_rules import (
     CONVOLUTION,
     WINDOW_SUM,
     aligned_syms,
+    as_twin,
     batched_alignment,
     batched_masks,
     batched_syms,
@@ -214,7 +215,10 @@ register_elementwise(prims.rem_p, guard=Guard({1: 1.0}, finite_at_singularities=
 # x ** y: singular at 0 for y < 1, NaN below; a whole y too, past its order: JAX's derivative
 # y * x ** (y - 1) selects 0 where y == 0, and the untaken x ** -1 is inf at x = 0 (the third
 # reverse-mode derivative of x ** 2. at 0 is NaN)
-register_elementwise(prims.pow_p, guard=ONE, ranged_operand=0, range=ranges.power_range)
+# a constant base in the domain still overflows for a large exponent (`10. ** n`): the base's
+# guard, 1, makes it finite whatever the exponent
+register_elementwise(prims.pow_p, guard=Guard({0: 1.0}, overflows_through=frozenset({1})),
+                     ranged_operand=0, range=ranges.power_range)
 register_elementwise(prims.integer_pow_p,
                      guard=Guard({0: 1.0}, _negative_exponent, finite_at_singularities=False),
                      bound=bounds.even_power, range=ranges.even_power_range)
@@ -280,6 +284,18 @@ register_elementwise(prims.sharding_constraint_p, linear=True, bound=bounds.move
 # operand lane is live where any output lane is (the default), no mask crosses.
 register(*PRIVATE_RESHARDS, linear=True)
 register(*PRIVATE_PLATFORM_INDEX, zero_derivative=True)
+# No liveness facts, but finite for finite operands (a primitive without a row may make NaN or
+# inf: `CONSERVATIVE`): picks and updates of finite values, random numbers, decompositions and
+# integer arithmetic. `bitcast_convert_type` keeps the default: integer bits make any float.
+register(prims.select_and_gather_add_p, prims.select_and_scatter_add_p,
+         prims.select_and_scatter_p, prims.approx_top_k_p, prims.argmax_p, prims.argmin_p,
+         prims.rng_uniform_p, prims.random_gamma_p, prims.random_bits_p, prims.random_seed_p,
+         prims.random_fold_in_p, prims.random_split_p, prims.rng_bit_generator_p,
+         prims.threefry2x32_p, prims.hessenberg_p, prims.schur_p, prims.tridiagonal_p,
+         prims.reduce_and_p, prims.reduce_or_p, prims.reduce_xor_p, prims.clz_p,
+         prims.population_count_p, lax.mulhi_p, prims.shift_left_p,
+         prims.shift_right_arithmetic_p, prims.shift_right_logical_p, prims.create_token_p,
+         prims.after_all_p)
 register_elementwise(prims.tanh_p, prims.logistic_p, prims.sin_p, prims.cos_p, prims.atan_p,
                      prims.asinh_p, prims.erf_p, prims.erfc_p, prims.bessel_i0e_p,
                      prims.bessel_i1e_p)
@@ -356,6 +372,11 @@ register_movement(prims.scatter_p, masks=by_transpose_masks, drops=_always, carr
 # the transpose), and dropped where its index is out of range (`out_of_range_drops`)
 register(prims.scatter_add_p, masks=by_transpose_masks, static=scatter_add_syms,
          drops=out_of_range_drops, linear=True)
+# `x.at[i].subtract/multiply/min/max(u)`, `segment_prod/min/max`: read as the scatter-add with
+# the same parameters (`as_twin`); finite for finite operands
+register(lax.scatter_sub_p, prims.scatter_mul_p, prims.scatter_min_p, prims.scatter_max_p,
+         masks=as_twin(prims.scatter_add_p, by_transpose_masks),
+         static=as_twin(prims.scatter_add_p, scatter_add_syms), drops=out_of_range_drops)
 
 # --------------------------------------------------------------------------- reductions
 register_reduction(prims.reduce_sum_p, linear=True, scalar_move=summed_scalar,
@@ -439,7 +460,7 @@ register(prims.remat_p, masks=opaque_call_masks, kinds=opaque_call_kinds,
 register(prims.custom_jvp_call_p, masks=custom_rule_masks, kinds=custom_rule_kinds,
          custom_rule=True)
 register(prims.custom_vjp_call_p, masks=custom_rule_masks, kinds=custom_rule_kinds,
-         custom_rule=True, backward_param="bwd")
+         custom_rule=True, backward_param="bwd", forward_param="fwd_jaxpr_thunk")
 register(prims.cond_p, masks=cond_masks, kinds=cond_kinds, nested_params=("branches",),
          masked_body=CondBody(), body_inputs=cond_body_inputs)
 register(prims.scan_p, masks=scan_masks, kinds=scan_kinds, nested_params=("jaxpr",),

@@ -37,7 +37,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero as NoTangent  # custom_jvp's, not ad.Zero
 
 from ._atoms import SMALL_CONSTANT, dtype_of, is_float, is_nonfinite_literal, shape_of
-from ._backward import guarded_backward
+from ._backward import guarded_backward, guarded_forward
 from ._bounds import of_program
 from ._collector import fewer_collections
 from ._compat import (
@@ -88,11 +88,13 @@ def rewrite_with_report(closed: ClosedJaxpr, finite_invars: Sequence[bool] | Non
 
 
 def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps, finite_invars: Sequence[bool] | None = None,
-             bad_cotangents: Sequence[bool] | None = None) -> tuple[ClosedJaxpr, Report]:
-    """A body's arguments come from the program around it: possibly non-finite."""
+             bad_cotangents: Sequence[bool] | None = None, in_body: bool = False
+             ) -> tuple[ClosedJaxpr, Report]:
+    """A body's arguments come from the program around it: possibly non-finite. `in_body`:
+    `closed` is the body of an equation (see `guard_backward_rules`)."""
     flat = dce(take_constant_selections(inline_scalar_constants(flatten(closed))))
     plan = plan_program(flat, [Kind.LIVE] * len(flat.jaxpr.outvars), sweeps, finite_invars,
-                        bad_cotangents)
+                        bad_cotangents, in_body)
     plan.report.original = flat
     if not plan.report.changed:
         return closed, plan.report
@@ -152,7 +154,7 @@ def values_of(original: ClosedJaxpr, rewritten: Callable[[], ClosedJaxpr]) -> Ca
 
 def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
                  finite_invars: Sequence[bool] | None = None,
-                 bad_cotangents: Sequence[bool] | None = None) -> Plan:
+                 bad_cotangents: Sequence[bool] | None = None, in_body: bool = False) -> Plan:
     """The planning passes on a flattened program. `out_kinds`: the static liveness of its
     outputs (all LIVE at the top; MAYBE for a body the program around it drops in places).
     `finite_invars`: the arguments promised finite (None: none is). `bad_cotangents`: the
@@ -173,7 +175,7 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
         outputs = bad_cotangents or [False] * len(closed.jaxpr.outvars)
         bad = nonfinite_cotangents(closed, sweep, anywhere, outputs, bounds)
     nested = rewrite_nested_bodies(closed, sweep, report, sweeps, anywhere, bad)
-    nested.update(guard_backward_rules(closed, sweep, report, anywhere, nested))
+    nested.update(guard_backward_rules(closed, sweep, report, anywhere, nested, in_body))
     sites = place_guards(closed, sweep, seeds, report, bounds)
     masked = plan_masked_bodies(closed, sweep, report, sweeps, anywhere, bad)
     decisions = plan_decisions(closed, sweep, sites, masked, report, bad, bounds)
@@ -225,7 +227,7 @@ def rewrite_nested_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
 
 
 def guard_backward_rules(closed: ClosedJaxpr, sweep: Sweep, report: Report, nonfinite: Set,
-                         nested: dict[int, dict]) -> dict[int, dict]:
+                         nested: dict[int, dict], in_body: bool = False) -> dict[int, dict]:
     """The backward-rule pass: equation index -> its parameters with the user's backward
     function wrapped by the structural-zero pass (`_backward.py`), for the custom_vjp calls
     whose body can make NaN or inf, or drops lanes of a value that may hold them: JAX calls
@@ -243,6 +245,10 @@ def guard_backward_rules(closed: ClosedJaxpr, sweep: Sweep, report: Report, nonf
             continue
         params: dict[str, object] = {**eqn.params, **nested.get(i, {})}
         params[param] = guarded_backward(params[param], _rewrite_backward)
+        forward = rule_for(eqn.primitive).forward_param
+        if forward is not None:
+            params[forward] = guarded_forward(
+                params[forward], _rewritten_program if in_body else _rewritten_when_differentiated)
         out[i] = params
         report.backward_rules.append(eqn)
     return out
@@ -267,6 +273,22 @@ def _rewrite_backward(closed: ClosedJaxpr) -> Callable:
                                   for c in (*closed.consts, *rewritten.consts)):
         return partial(eval_jaxpr, rewritten.jaxpr, rewritten.consts)
     return values_of(closed, lambda: rewritten)
+
+
+def _rewritten_when_differentiated(closed: ClosedJaxpr) -> Callable:
+    """A custom_vjp's forward program: its values, and its rewrite's derivatives, rewritten only
+    when a derivative of the derivative asks (a first derivative evaluates it, no more)."""
+    return values_of(closed, functools.cache(lambda: rewrite_with_report(closed)[0]))
+
+
+def _rewritten_program(closed: ClosedJaxpr) -> Callable:
+    """A custom_vjp's forward program inside a body, as its rewrite, values included: JAX
+    partially evaluates a differentiated body as a program, which replaces `values_of`'s
+    custom_jvp by the original program it runs, so a derivative of the derivative (reverse over
+    reverse) would differentiate the original. The guards change dropped lanes only (as on the
+    replayed path, `_api`)."""
+    rewritten = rewrite_with_report(closed)[0]
+    return partial(eval_jaxpr, rewritten.jaxpr, rewritten.consts)
 
 
 def _finite_body_inputs(eqn: JaxprEqn, nonfinite: Set) -> dict[int, list[bool]]:
@@ -297,14 +319,15 @@ def _rewrite_param(eqn: JaxprEqn, value: object, report: Report, sweeps: Sweeps,
                      for branch in value)
     if isinstance(value, Jaxpr):
         new, sub = _rewrite(ClosedJaxpr(value, ()), sweeps, finite.get(id(value)),
-                            cotangents.get(id(value)))
+                            cotangents.get(id(value)), in_body=True)
         if sub.changed and new.consts:
             report.skipped.append((eqn, "unchanged: its rewritten body needs constants"))
             return value
         _record_nested(eqn, ClosedJaxpr(value, ()), new, sub, report)
         return new.jaxpr
     assert isinstance(value, ClosedJaxpr), (eqn.primitive, type(value))
-    new, sub = _rewrite(value, sweeps, finite.get(id(value.jaxpr)), cotangents.get(id(value.jaxpr)))
+    new, sub = _rewrite(value, sweeps, finite.get(id(value.jaxpr)), cotangents.get(id(value.jaxpr)),
+                        in_body=True)
     _record_nested(eqn, value, new, sub, report)
     return new
 
@@ -343,7 +366,7 @@ def plan_masked_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
 
     def plan_body(body: ClosedJaxpr, out_kinds: list[Kind]) -> Plan | None:
         plan = plan_program(flatten(body), out_kinds, sweeps, finite.get(id(body.jaxpr)),
-                            cotangents.get(id(body.jaxpr)))
+                            cotangents.get(id(body.jaxpr)), in_body=True)
         if plan.report.changed:
             return plan
         if plan.report.skipped:

@@ -215,6 +215,10 @@ class Guard:
     primitive whose derivative is inf or NaN only where its value is too (`exp`'s overflow, `log`
     at 0, a pole): a live lane that carries no derivative needs no forward-mode guard there
     (`_free.py`), since the forward value itself shows the singularity."""
+    overflows_through: frozenset[int] = frozenset()
+    """Operands outside `safe` whose finite values alone can overflow the result (a power's
+    exponent: `10. ** n` at n = 100): with one of them not a literal, the primitive is NaN-prone
+    even where every operand in `safe` is a literal inside the domain."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,6 +389,12 @@ class PrimitiveRule:
     when it transposes the program: wrapped so that the structural-zero pass runs on the
     program it makes (`_backward.py`)."""
 
+    forward_param: str | None = None
+    """The parameter holding the thunk that makes a custom_vjp's forward program, which JAX
+    evaluates when it differentiates the call (and a derivative of that derivative, reverse
+    over reverse, differentiates as plain code): wrapped so that its derivative is its
+    rewrite's (`_backward.guarded_forward`)."""
+
     makes_nonfinite: bool = False
     """May make NaN or inf from finite operands, with no guard known (a library's linear solve on
     a singular operator): its outputs may be non-finite, as an unknown primitive's."""
@@ -405,8 +415,10 @@ class PrimitiveRule:
 
 RULES: dict[Primitive, PrimitiveRule] = {}
 
-CONSERVATIVE = PrimitiveRule()
-"""The default for JAX's own primitives without a row (the generic `reduce_window`, ...)."""
+CONSERVATIVE = PrimitiveRule(makes_nonfinite=True)
+"""The default for JAX's own primitives without a row (the generic `reduce_window`, ...): every
+lane live, and outputs that may be non-finite (`bitcast_convert_type` makes any float from
+integer bits; a generic reduction's body may divide)."""
 
 UNKNOWN = PrimitiveRule(known=False)
 """The default for any other primitive."""

@@ -175,6 +175,9 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
         # (`cholesky`), and no safe value is known for it: cut those lanes from
         # differentiation instead.
         why = "custom derivative rule" if rule.custom_rule else "singular derivative"
+        sizes = [int(np.prod(shape_of(v))) for v in eqn.invars if is_float(v)]
+        if rule.custom_rule and sizes and min(sizes) < max(sizes):
+            why += "; a live lane's values there, for the smaller operand it broadcasts"
         for k in range(len(eqn.invars)):
             if diff[k] and k not in replace and guarded[k]:
                 cut.add(k)
@@ -311,11 +314,11 @@ def _value_guards(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool], guarded:
             diff[k] or isinstance(eqn.invars[k], Literal) and is_float(eqn.invars[k]))
         if not hazard_operand or not guarded[k]:
             continue
-        if dropped.guard_is_noop(eqn, k, guard.safe):
+        if dropped.guard_is_noop(eqn, k, guard):
             continue  # e.g. div(_, exp(guarded x)): exp(0) = 1 there already
         if operand_in_domain(eqn, k, bounds, tainted):
             continue  # rsqrt(mean(d ** 2) + 1e-5), (1 - where(d < 1, d, 0)) ** 2.5, exp(-r)
-        if dropped.move_chain_guards(eqn, k, guard.safe):
+        if dropped.move_chain_guards(eqn, k, guard):
             continue  # e.g. igamma(_, abs(guarded x) ** 1.5): the guard of x takes 1, not 0
         replace[k], reasons[k] = value, "table"
     return replace, reasons

@@ -88,13 +88,15 @@ def nan_prone(eqn: JaxprEqn) -> bool:
     """Whether `eqn` may make inf or NaN (or such a derivative) from finite operands: its guard
     applies (`integer_pow` only with a negative exponent) to a floating-point result, and not
     every operand its guard would replace is a literal inside the domain (`x / 3.`, every
-    `jnp.mean`)."""
+    `jnp.mean`), or an operand that can overflow it is not a literal (`10. ** n`)."""
     guard = guard_for(eqn)
     if guard is None or not any(is_float(o) for o in eqn.outvars):
         return False  # integers hold no NaN: `jnp.remainder(i, 2)` on indices
     if not rule_for(eqn.primitive).elementwise or len(eqn.outvars) != 1 or \
             any(k >= len(eqn.invars) or not isinstance(eqn.invars[k], Literal)
-                for k in guard.safe):
+                for k in guard.safe) or \
+            any(k < len(eqn.invars) and not isinstance(eqn.invars[k], Literal)
+                for k in guard.overflows_through):
         return True
     point = [np.asarray(literal_value(v)) if isinstance(v, Literal)
              else np.asarray(1, dtype_of(v)) for v in eqn.invars]

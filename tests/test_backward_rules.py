@@ -251,3 +251,45 @@ def test_library_programs_have_no_unknown_primitive():
 
 def _unknowns(report):
     return list(report.unknown) + [e for _, sub in report.nested for e in _unknowns(sub)]
+
+
+def writing_its_derivative(x):
+    """A rule whose derivative is written by hand, with its own `where` (no structural zero)."""
+    @jax.custom_vjp
+    def f(x):
+        return leaky(x)
+
+    f.defvjp(lambda x: (leaky(x), x),
+             lambda x, g: (jnp.where(x > 0, 0.5 / jnp.sqrt(x), 1.) * g,))
+    return f(x)
+
+
+@SLOW
+@pytest.mark.parametrize("where", ["top", "scan", "rule written by hand"])
+def test_reverse_over_reverse_through_a_rule_in_a_loss_not_linear_in_it(where):
+    """A derivative of the derivative differentiates the rule's forward program (the value it
+    returns is read again by the loss: `f(x) ** 2`, `f(x) * x`) and its backward program; both
+    leak as plain code (a `where` in each) unless rewritten, at the top of the program and in a
+    loop's body, whose differentiation JAX evaluates partially as a program."""
+    rule = {"top": retracing(leaky), "scan": retracing(leaky),
+            "rule written by hand": writing_its_derivative}[where]
+    ref = retracing(hand)
+
+    def loss_of_square(f):
+        if where == "scan":
+            return lambda x: jax.lax.scan(lambda c, v: (c + f(v) ** 2 + f(v) * v, None),
+                                          0., x)[0]
+        return lambda x: jnp.sum(f(x) ** 2 * W + f(x) * x)
+
+    loss = loss_of_square(rule)
+    want = jax.hessian(loss_of_square(ref))(X)
+    assert not np.isfinite(np.asarray(jax.jacrev(jax.grad(loss))(X))).all()  # plain JAX leaks
+    for second in (jax.jacrev(jax.grad(jaxsafe.nan_safe(loss))),
+                   jax.jit(jax.jacrev(jax.jacrev(jaxsafe.nan_safe(loss)))),
+                   jax.hessian(jaxsafe.nan_safe(loss))):
+        got = second(X)
+        assert_finite(got)
+        assert_close(got, want)
+    np.testing.assert_array_equal(jaxsafe.nan_safe(loss)(X), jax.jit(loss)(X))
+    value, _ = jax.value_and_grad(jaxsafe.nan_safe(loss))(X)
+    np.testing.assert_array_equal(value, jax.jit(loss)(X))

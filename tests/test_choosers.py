@@ -223,3 +223,32 @@ def test_a_running_maximum_of_dropped_rows_keeps_their_infinities_for_a_product(
             got = jax.jit(order(nan_safe(f), argnums))(x, w)
             assert_finite(got)
             assert_close(got, jax.jit(order(hand, argnums))(x, w))
+
+
+@pytest.mark.parametrize("running", [lax.cummax, lax.cummin], ids=["cummax", "cummin"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_running_extreme_reads_no_lane_after_its_last_live_output(running, reverse):
+    """Lanes after the last live output of a `cummax` (before the first, reversed) are read by
+    no live output: dropped, whatever they hold, an inf equal to the running maximum of
+    nothing included (`1 / 0`, or an inf argument)."""
+    keep = jnp.array([True, True, False, False])
+    keep = keep[::-1] if reverse else keep
+    sign = 1. if running is lax.cummax else -1.
+
+    def f(x, d):
+        y = running(sign / x + d, reverse=reverse)
+        return jnp.sum(jnp.where(keep, y * y, 0.))
+
+    def hand(x, d):
+        y = running(sign / jnp.where(keep, x, 1.) + jnp.where(keep, d, 0.), reverse=reverse)
+        return jnp.sum(jnp.where(keep, y * y, 0.))
+
+    x = jnp.array([2., 4., 0., 0.5])
+    d = jnp.array([0., 1., 0., jnp.inf])
+    x, d = (x[::-1], d[::-1]) if reverse else (x, d)
+    assert not np.isfinite(jax.grad(f)(x, d)).all()  # the leak is real
+    assert_bitwise(nan_safe(f)(x, d), jax.jit(f)(x, d))
+    for order in (jax.grad, jax.jacfwd, jax.hessian):
+        got = order(nan_safe(f), (0, 1))(x, d)
+        assert_finite(got)
+        assert_close(got, order(hand, (0, 1))(x, d))

@@ -110,6 +110,21 @@ ROWS: list[Drop] = [
          lambda x, h: jnp.where(jnp.array([True, False]), jax.ops.segment_sum(
              h(x), jnp.array([0, 1, 0, 0]), num_segments=2), 0.).sum(),
          lambda x: _idx(x) != 1),
+    # the other scatters are read as a scatter-add: an update sent out of range is dropped
+    # (`segment_max`'s padding id), every other update is live (a loser of max too)
+    Drop("scatter_sub-out-of-range", lax.scatter_sub_p,
+         lambda x, h: jnp.zeros(2, x.dtype).at[jnp.array([0, 2, 1, 1])].subtract(h(x)).sum(),
+         lambda x: _idx(x) != 1),
+    Drop("scatter_mul-out-of-range", P.scatter_mul_p,
+         lambda x, h: jnp.ones(2, x.dtype).at[jnp.array([0, 2, 1, 3])].multiply(
+             h(x), unique_indices=True).sum(),
+         lambda x: _idx(x) % 2 == 0),
+    Drop("scatter_max-out-of-range", P.scatter_max_p,
+         lambda x, h: jax.ops.segment_max(h(x), jnp.array([0, 2, 1, 1]), num_segments=2).sum(),
+         lambda x: _idx(x) != 1),
+    Drop("scatter_min-out-of-range", P.scatter_min_p,
+         lambda x, h: jax.ops.segment_min(-h(x), jnp.array([0, 2, 1, 1]), num_segments=2).sum(),
+         lambda x: _idx(x) != 1),
     # chooser reductions
     Drop("reduce_max", P.reduce_max_p, lambda x, h: jnp.max(h(x)), lambda x: h(x) == h(x).max()),
     Drop("reduce_min", P.reduce_min_p, lambda x, h: jnp.min(-h(x)), lambda x: h(x) == h(x).max()),

@@ -254,3 +254,30 @@ def test_the_forward_mode_guard_in_half_precision(dtype):
     assert np.isnan(np.asarray(jax.jacfwd(f)(x), np.float32)).any()
     np.testing.assert_array_equal(np.asarray(jax.jacfwd(nan_safe(f))(x), np.float32),
                                   np.asarray(jax.jacfwd(hand)(x), np.float32))
+
+
+@pytest.mark.parametrize("name,f,hand", [
+    ("padding ** 1.5",
+     lambda x: jnp.sum(jnp.pad(x, (1, 0)) ** 1.5),
+     lambda x: jnp.sum(jnp.pad(x, (1, 0), constant_values=1.) ** 1.5) - 1.),
+    ("max(x, 0) ** 1.5",
+     lambda x: jnp.sum(jnp.maximum(x, 0.) ** 1.5),
+     lambda x: jnp.sum(jnp.where(x > 0, jnp.where(x > 0, x, 1.) ** 1.5, 0.))),
+    ("where(x > 0, x, 0) ** 2.",
+     lambda x: jnp.sum(jnp.where(x > 0, x, 0.) ** 2.),
+     lambda x: jnp.sum(jnp.where(x > 0, jnp.where(x > 0, x, 1.) ** 2., 0.))),
+])
+def test_a_power_of_a_held_zero_is_guarded_for_forward_over_forward(name, f, hand):
+    """`0. ** 1.5` is finite with its first derivative, not its second; `0. ** 2.` with its
+    first two, not its third (JAX differentiates `y * x ** (y - 1)` again): forward over
+    forward differentiates the lanes that carry no derivative to each order, as reverse mode's
+    guards do not reach them."""
+    x = jnp.array([0.25 if name.startswith("padding") else -2., 0.5, 4.])  # x > 0 under pad
+    third = lambda g: jax.jacfwd(jax.jacfwd(jax.jacfwd(g)))  # noqa: E731
+    assert not np.isfinite(np.asarray(third(f)(x))).all()  # plain JAX's NaN
+    for order in (jax.jacfwd, lambda g: jax.jacfwd(jax.jacfwd(g)), third,
+                  jax.hessian, lambda g: jax.jacrev(jax.jacrev(g))):
+        got = order(nan_safe(f))(x)
+        assert_finite(got)
+        assert_close(got, order(hand)(x), rtol=1e-5)
+    assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))

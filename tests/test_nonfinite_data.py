@@ -9,6 +9,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import jax.scipy.special as sp
+import jax.scipy.stats as stats
 import numpy as np
 import pytest
 from helpers import assert_bitwise, assert_close, assert_finite, structure
@@ -531,3 +533,83 @@ def test_a_constant_mask_gives_a_guard_whatever_its_shape():
         got = jax.jit(order(jaxsafe.nan_safe(f), 1))(x, w)
         assert_finite(got)
         assert_close(got, jax.jit(order(hand, 1))(x, w))
+
+
+def test_integer_bits_cast_to_floats_may_be_non_finite():
+    """`bitcast_convert_type` of integers makes any float (here inf): a value guard, as for
+    the same floats passed as an argument, not the finiteness of the integers."""
+    bits = jnp.array([0x3f800000, 0x7f800000, 0x7fc00000], jnp.uint32)  # 1., inf, NaN
+    valid = jnp.array([True, False, False])
+
+    def f(w, b):
+        return jnp.where(valid, w * lax.bitcast_convert_type(b, jnp.float32), 0.).sum()
+
+    def hand(w, b):
+        d = lax.bitcast_convert_type(b, jnp.float32)
+        return jnp.where(valid, w * jnp.where(valid, d, 0.), 0.).sum()
+
+    assert np.isnan(jax.grad(f)(2., bits))  # the leak is real
+    assert_bitwise(jaxsafe.nan_safe(f)(2., bits), jax.jit(f)(2., bits))
+    for order in (jax.grad, jax.hessian):
+        assert_close(order(jaxsafe.nan_safe(f))(2., bits), order(hand)(2., bits))
+    assert_close(jax.grad(jaxsafe.nan_safe(f))(2., bits), 1.)
+
+
+@pytest.mark.parametrize("finite_args", [False, True])
+def test_a_constant_base_raised_to_a_large_exponent_overflows_in_the_dropped_lanes(finite_args):
+    """`10. ** n` is finite at n = 1, the point a guard check looks at, and inf at n = 100: the
+    exponent is not a literal, so the power is NaN-prone (its base takes 1 in dropped lanes),
+    as `exp(n * log(10))` is."""
+    def f(w, n):
+        return jnp.where(n < 10, w * 10. ** n, 0.).sum()
+
+    def hand(w, n):
+        return jnp.where(n < 10, w * 10. ** jnp.where(n < 10, n, 0.), 0.).sum()
+
+    w, n = 1.5, jnp.array([1., 2., 100., -100.])
+    safe = jaxsafe.nan_safe(f, finite_args=finite_args)
+    assert np.isnan(jax.grad(f, argnums=(0, 1))(w, n)[0])  # the leak is real
+    assert_bitwise(safe(w, n), jax.jit(f)(w, n))
+    for argnums in (0, 1):
+        got = jax.grad(safe, argnums)(w, n)
+        assert_finite(got)
+        assert_close(got, jax.grad(hand, argnums)(w, n))
+    assert_close(jax.hessian(safe, 1)(w, n), jax.hessian(hand, 1)(w, n))
+    assert_close(jax.grad(jaxsafe.nan_safe(f), 0)(w, n.astype(jnp.int32)),
+                 jax.grad(hand, 0)(w, n.astype(jnp.int32)))
+
+
+_LL = jnp.array([[-1., nan, -3.], [-0.5, -2., inf]])
+_LIVE = jnp.array([[True, False, True], [True, True, False]])
+_K = jnp.array([[2., nan, 0.], [5., 1., -1.]])  # counts; NaN (missing) and -1 masked out
+_U = jnp.array([[0., .3, .7], [1., .5, .2]])  # beta's boundary lanes masked out
+_OK = (_U > 0) & (_U < 1)
+
+
+@pytest.mark.parametrize("name,f,mask,data,param", [
+    ("logaddexp", jnp.logaddexp, _LIVE, _LL, -1.2),
+    ("xlogy", lambda a, x: sp.xlogy(a, x), _OK, _U, 0.7),
+    ("poisson.logpmf", lambda mu, k: stats.poisson.logpmf(k, mu), _LIVE, _K, 1.5),
+    ("beta.logpdf", lambda a, u: stats.beta.logpdf(u, a, 3.), _OK, _U, 2.5),
+])
+@pytest.mark.parametrize("param_shape", [(), (2, 1)])
+def test_a_shared_parameter_of_a_custom_rule_over_masked_data(name, f, mask, data, param,
+                                                              param_shape):
+    """A custom_jvp function that broadcasts its parameter over the data (`logaddexp(lw, ll)`,
+    `poisson.logpmf(k, mu)`, `xlogy(a, x)`): the parameter feeds live lanes, so it cannot be
+    cut, and takes the rule's derivative from every lane. The dropped lanes of the data are
+    evaluated at a live lane's values instead of their own (a NaN, a 0 under a `log`).
+    Reference: the double where on the data, at a live lane's value (any point where the rule's
+    derivative is finite gives the dropped lanes' zero share)."""
+    p0 = jnp.full(param_shape, param) + (0. if param_shape != (2, 1) else jnp.array([[0.], [.3]]))
+    safe_data = jnp.where(mask, data, data.reshape(-1)[jnp.argmax(mask.reshape(-1))])
+
+    def loss(p, d):
+        return jnp.sum(jnp.where(mask, f(p, d), 0.))
+
+    assert not np.isfinite(np.asarray(jax.grad(loss)(p0, data))).all()  # the leak is real
+    assert_bitwise(jaxsafe.nan_safe(loss)(p0, data), jax.jit(loss)(p0, data))
+    for order in (jax.grad, jax.hessian):
+        got = order(jaxsafe.nan_safe(loss))(p0, data)
+        assert_finite(got)
+        assert_close(got, order(loss)(p0, safe_data), rtol=1e-5)
