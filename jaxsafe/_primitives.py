@@ -138,6 +138,7 @@ from ._taint import (
     cond_body_inputs,
     direct_body_inputs,
     every_operand,
+    exponent_set_by,
     scan_body_inputs,
     while_body_inputs,
 )
@@ -286,7 +287,10 @@ register(*PRIVATE_RESHARDS, linear=True)
 register(*PRIVATE_PLATFORM_INDEX, zero_derivative=True)
 # No liveness facts, but finite for finite operands (a primitive without a row may make NaN or
 # inf: `CONSERVATIVE`): picks and updates of finite values, random numbers, decompositions and
-# integer arithmetic. `bitcast_convert_type` keeps the default: integer bits make any float.
+# integer arithmetic. `bitcast_convert_type`: integer bits make any float, unless a constant
+# sets the exponent (`jax.random.uniform`)
+register(prims.bitcast_convert_type_p, makes_nonfinite=True,
+         finite_when=exponent_set_by(prims.or_p, prims.shift_right_logical_p))
 register(prims.select_and_gather_add_p, prims.select_and_scatter_add_p,
          prims.select_and_scatter_p, prims.approx_top_k_p, prims.argmax_p, prims.argmin_p,
          prims.rng_uniform_p, prims.random_gamma_p, prims.random_bits_p, prims.random_seed_p,

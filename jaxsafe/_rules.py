@@ -398,6 +398,10 @@ class PrimitiveRule:
     makes_nonfinite: bool = False
     """May make NaN or inf from finite operands, with no guard known (a library's linear solve on
     a singular operator): its outputs may be non-finite, as an unknown primitive's."""
+    finite_when: Callable[[JaxprEqn, Any], bool] | None = None
+    """For a primitive that `makes_nonfinite`: a proof, from the equation and the program's
+    `Bounds` (its producers and constants), that this one does not (a bitcast of integer bits
+    whose exponent field is set: `jax.random.uniform`)."""
     cut_when_dropped: bool = False
     """Its derivative is singular at some finite operands (a matrix that is not positive definite,
     repeated eigenvalues) and no one safe value per lane is known (a safe matrix is not a lane's

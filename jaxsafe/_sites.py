@@ -334,7 +334,10 @@ def _taints_outputs(eqn: JaxprEqn, rule: PrimitiveRule, tainted: set, site: Site
            and not selected_only_where_finite(eqn, k, producer_of, bounds, tainted)
            for k, v in enumerate(eqn.invars)):
         return True
-    if not rule.known or rule.makes_nonfinite or any(
-            isinstance(v, Literal) and literal_taints(eqn, v) for v in eqn.invars):
+    if not rule.known or any(isinstance(v, Literal) and literal_taints(eqn, v)
+                             for v in eqn.invars):
+        return True
+    if rule.makes_nonfinite and not (rule.finite_when is not None and
+                                     rule.finite_when(eqn, bounds)):
         return True
     return rule.has_body and any(contains_hazard(s) for s in sub_jaxprs(eqn))

@@ -263,9 +263,44 @@ def _proven_finite(eqn: JaxprEqn, bounds_of: Callable[[], Bounds]) -> bool:
     distance and `exp(-alpha * (r - sigma))` of a distance r >= 0 (their ranges' ends are
     finite)."""
     rule = rule_for(eqn.primitive)
-    checks = ((rule.decreasing, value_finite_above_bound),
-              (rule.range is not None, value_finite_in_range))
+    checks: list[tuple[bool, Callable[[JaxprEqn, Any], bool]]] = [
+        (rule.decreasing, value_finite_above_bound),
+        (rule.range is not None, value_finite_in_range)]
+    if rule.finite_when is not None:
+        checks.append((True, rule.finite_when))
     return any(applies and check(eqn, bounds_of()) for applies, check in checks)
+
+
+def exponent_set_by(or_primitive: Any, shift_primitive: Any) -> Callable[[JaxprEqn, Bounds], bool]:
+    """`bitcast_convert_type` to a float of `or(shift_right_logical(bits, k), c)`: the shift
+    clears the sign and exponent bits (k at least their count), and the constant `c` sets an
+    exponent that is not all ones, so every lane is finite (`jax.random.uniform`'s [1, 2))."""
+    def finite(eqn: JaxprEqn, bounds: Bounds) -> bool:
+        out = eqn.outvars[0]
+        if not is_float(out) or not isinstance(eqn.invars[0], Var):
+            return False
+        info = np.finfo(dtype_of(out))
+        width = np.dtype(dtype_of(out)).itemsize * 8
+        joined = _produced_by(eqn.invars[0], or_primitive, bounds)
+        if joined is None or np.dtype(dtype_of(eqn.invars[0])).itemsize * 8 != width:
+            return False
+        for shifted, constant in (joined.invars, joined.invars[::-1]):
+            c, shift = bounds.constant_of(constant), _produced_by(shifted, shift_primitive, bounds)
+            k = None if shift is None else bounds.constant_of(shift.invars[1])
+            if c is None or k is None or np.size(c) != 1 or np.size(k) != 1:
+                continue
+            exponent = (int(np.asarray(c).reshape(())) >> info.nmant) & ((1 << info.nexp) - 1)
+            if int(np.asarray(k).reshape(())) >= 1 + info.nexp and \
+                    exponent != (1 << info.nexp) - 1:
+                return True
+        return False
+    return finite
+
+
+def _produced_by(atom: Any, primitive: Any, bounds: Bounds) -> JaxprEqn | None:
+    i = bounds.producer.get(atom) if isinstance(atom, Var) else None
+    eqn = None if i is None else bounds.eqns[i]
+    return eqn if eqn is not None and eqn.primitive is primitive else None
 
 
 def outputs_nonfinite(closed: ClosedJaxpr, inputs: Sequence[bool]) -> list[bool]:

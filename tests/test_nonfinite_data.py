@@ -613,3 +613,26 @@ def test_a_shared_parameter_of_a_custom_rule_over_masked_data(name, f, mask, dat
         got = order(jaxsafe.nan_safe(loss))(p0, data)
         assert_finite(got)
         assert_close(got, order(loss)(p0, safe_data), rtol=1e-5)
+
+
+def test_uniform_random_bits_are_finite_and_other_set_exponents_are_checked():
+    """`jax.random.uniform` bitcasts `(bits >> 9) | 0x3F800000`: the constant sets the exponent
+    (floats in [1, 2)), so noise under a `where` needs no guard with finite arguments; a constant
+    whose exponent field is all ones (inf and NaN) does."""
+    key = jax.random.PRNGKey(0)
+    x = jnp.array([1., 2., 3.])
+
+    def noisy(x, key):
+        return jnp.where(x > 1, x * jax.random.uniform(key, x.shape), 0.).sum()
+
+    assert structure(jaxsafe.make_jaxpr(noisy, finite_args=True)(x, key)) == \
+        structure(jax.make_jaxpr(noisy)(x, key))
+
+    def set_to_inf(w, bits):
+        d = lax.bitcast_convert_type(lax.shift_right_logical(bits, jnp.uint32(9))
+                                     | jnp.uint32(0x7F800000), jnp.float32)
+        return jnp.where(jnp.array([True, False, False]), w * d, 0.).sum()
+
+    bits = jnp.array([0, 0, 1 << 20], jnp.uint32)  # 1 << 20 >> 9 = 2048: a NaN's mantissa
+    assert np.isnan(jax.grad(set_to_inf)(2., bits))  # inf and NaN in the dropped lanes
+    assert_close(jax.grad(jaxsafe.nan_safe(set_to_inf))(2., bits), np.inf)  # the live lane's inf
