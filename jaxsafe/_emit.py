@@ -291,7 +291,8 @@ def _live_donors(site: Site, invals: list, in_masks: list) -> dict[int, Any]:
         return {}
     shape = max((shape_of(eqn.invars[k]) for k in site.cut), key=lambda s: int(np.prod(s)))
     size = int(np.prod(shape))
-    if not any(is_float(v) and int(np.prod(shape_of(v))) < size for v in eqn.invars):
+    if not any(isinstance(v, Var) and is_float(v) and int(np.prod(shape_of(v))) < size
+               for v in eqn.invars):  # a literal takes no derivative
         return {}
     full = [k for k, v in enumerate(eqn.invars)
             if shape_of(v) == shape and in_masks[k] is not None]
