@@ -297,9 +297,10 @@ register(prims.select_and_gather_add_p, prims.select_and_scatter_add_p,
          prims.random_fold_in_p, prims.random_split_p, prims.rng_bit_generator_p,
          prims.threefry2x32_p, prims.hessenberg_p, prims.schur_p, prims.tridiagonal_p,
          prims.reduce_and_p, prims.reduce_or_p, prims.reduce_xor_p, prims.clz_p,
-         prims.population_count_p, lax.mulhi_p, prims.shift_left_p,
-         prims.shift_right_arithmetic_p, prims.shift_right_logical_p, prims.create_token_p,
-         prims.after_all_p)
+         prims.population_count_p, prims.shift_left_p, prims.shift_right_arithmetic_p,
+         prims.shift_right_logical_p, prims.create_token_p, prims.after_all_p)
+if hasattr(lax, "mulhi_p"):  # JAX 0.10 on
+    register(lax.mulhi_p)
 register_elementwise(prims.tanh_p, prims.logistic_p, prims.sin_p, prims.cos_p, prims.atan_p,
                      prims.asinh_p, prims.erf_p, prims.erfc_p, prims.bessel_i0e_p,
                      prims.bessel_i1e_p)
