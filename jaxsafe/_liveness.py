@@ -155,6 +155,8 @@ class Sweeps:
 
     def __init__(self) -> None:
         self._sweeps: dict[tuple, Sweep] = {}
+        # the backward rules whose call had a hazard before DCE (`_rewrite.rules_with_hazards`)
+        self.hazardous_rules: dict[int, object] = {}
 
     def get(self, jaxpr: Jaxpr, out_kinds: Sequence[Kind], structural: bool,
             consts: Mapping[Var, Any] | None = None) -> Sweep:

@@ -22,8 +22,17 @@ def sub_jaxprs(eqn: JaxprEqn) -> list[ClosedJaxpr]:
             if isinstance(item, ClosedJaxpr):
                 out.append(item)
             elif isinstance(item, Jaxpr):
-                out.append(ClosedJaxpr(item, ()))
+                out.append(_closed(item))
     return out
+
+
+def _closed(jaxpr: Jaxpr) -> ClosedJaxpr:
+    """An open body as a closed one to read its equations; its constants, whose values the
+    equation does not hold (lineax's `linear_solve` keeps such a body), read as arguments."""
+    if jaxpr.constvars:
+        jaxpr = jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars],
+                              debug_info=jaxpr.debug_info._replace(arg_names=None))
+    return ClosedJaxpr(jaxpr, ())
 
 
 def any_equation(closed: ClosedJaxpr, test: Callable[[JaxprEqn], bool]) -> bool:

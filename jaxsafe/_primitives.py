@@ -465,7 +465,8 @@ register(prims.remat_p, masks=opaque_call_masks, kinds=opaque_call_kinds,
 register(prims.custom_jvp_call_p, masks=custom_rule_masks, kinds=custom_rule_kinds,
          custom_rule=True)
 register(prims.custom_vjp_call_p, masks=custom_rule_masks, kinds=custom_rule_kinds,
-         custom_rule=True, backward_param="bwd", forward_param="fwd_jaxpr_thunk")
+         custom_rule=True, backward_param="bwd", forward_param="fwd_jaxpr_thunk",
+         identity_param="out_trees")
 register(prims.cond_p, masks=cond_masks, kinds=cond_kinds, nested_params=("branches",),
          masked_body=CondBody(), body_inputs=cond_body_inputs)
 register(prims.scan_p, masks=scan_masks, kinds=scan_kinds, nested_params=("jaxpr",),

@@ -92,7 +92,10 @@ def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps, finite_invars: Sequence[bool] 
              ) -> tuple[ClosedJaxpr, Report]:
     """A body's arguments come from the program around it: possibly non-finite. `in_body`:
     `closed` is the body of an equation (see `guard_backward_rules`)."""
-    flat = dce(take_constant_selections(inline_scalar_constants(flatten(closed))))
+    flat = take_constant_selections(inline_scalar_constants(flatten(closed)))
+    if not in_body:
+        sweeps.hazardous_rules = rules_with_hazards(flat)
+    flat = dce(flat)
     plan = plan_program(flat, [Kind.LIVE] * len(flat.jaxpr.outvars), sweeps, finite_invars,
                         bad_cotangents, in_body)
     plan.report.original = flat
@@ -239,7 +242,8 @@ def guard_backward_rules(closed: ClosedJaxpr, sweep: Sweep, report: Report, nonf
         if param is None or all(sweep.kind(o) == Kind.DEAD for o in eqn.outvars):
             continue
         bodies = sub_jaxprs(eqn)
-        if not (any(contains_hazard(sub) for sub in bodies) or (
+        if not (any(contains_hazard(sub) for sub in bodies)
+                or _identity(eqn) in sweep.sweeps.hazardous_rules or (
                 any(isinstance(v, Var) and v in nonfinite for v in eqn.invars)
                 and any(_contains_drop(sub) for sub in bodies))):
             continue
@@ -252,6 +256,29 @@ def guard_backward_rules(closed: ClosedJaxpr, sweep: Sweep, report: Report, nonf
         out[i] = params
         report.backward_rules.append(eqn)
     return out
+
+
+def rules_with_hazards(closed: ClosedJaxpr) -> dict[int, object]:
+    """The calls with a backward rule, at any depth, whose body can make NaN or inf before dead
+    code is removed, by their identity (`PrimitiveRule.identity_param`: `id` -> the object,
+    kept alive): JAX's DCE removes a call's unread outputs from its body but not from its rule,
+    which still differentiates them, on a zero cotangent (`f(x)[1]` of a rule whose `f(x)[0]`
+    takes a `where`)."""
+    found: dict[int, object] = {}
+    stack = [closed]
+    while stack:
+        for eqn in stack.pop().jaxpr.eqns:
+            bodies = sub_jaxprs(eqn)
+            key = _identity(eqn)
+            if key is not None and any(contains_hazard(sub) for sub in bodies):
+                found[key] = eqn.params[rule_for(eqn.primitive).identity_param]
+            stack.extend(bodies)
+    return found
+
+
+def _identity(eqn: JaxprEqn) -> int | None:
+    param = rule_for(eqn.primitive).identity_param
+    return None if param is None else id(eqn.params[param])
 
 
 def _contains_drop(closed: ClosedJaxpr) -> bool:

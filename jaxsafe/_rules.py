@@ -389,6 +389,11 @@ class PrimitiveRule:
     when it transposes the program: wrapped so that the structural-zero pass runs on the
     program it makes (`_backward.py`)."""
 
+    identity_param: str | None = None
+    """A parameter that JAX's DCE keeps, the same object, when it removes the call's unread
+    outputs from its body (custom_vjp's `out_trees`): how the backward-rule pass finds the call
+    again after DCE (`_rewrite.rules_with_hazards`)."""
+
     forward_param: str | None = None
     """The parameter holding the thunk that makes a custom_vjp's forward program, which JAX
     evaluates when it differentiates the call (and a derivative of that derivative, reverse

@@ -293,3 +293,40 @@ def test_reverse_over_reverse_through_a_rule_in_a_loss_not_linear_in_it(where):
     np.testing.assert_array_equal(jaxsafe.nan_safe(loss)(X), jax.jit(loss)(X))
     value, _ = jax.value_and_grad(jaxsafe.nan_safe(loss))(X)
     np.testing.assert_array_equal(value, jax.jit(loss)(X))
+
+
+def two_outputs_hazard_in_the_first():
+    """A rule with two outputs whose backward differentiates the first (a leaking `where`) on
+    whatever cotangent it is handed: zero when the program reads only the second."""
+    @jax.custom_vjp
+    def f(x):
+        return leaky(x), 2. * x
+
+    def bwd(x, g):
+        g_first, g_second = g
+        return (jax.vjp(leaky, x)[1](g_first)[0] + 2. * g_second,)
+
+    f.defvjp(lambda x: (f(x), x), bwd)
+    return f
+
+
+@pytest.mark.parametrize("where", ["top", "scan", "jit in cond"])
+def test_a_rule_whose_hazard_is_in_an_output_the_program_does_not_read(where):
+    """JAX's DCE removes the unread output from the call's body (no hazard is left there) but
+    not from its backward rule, which differentiates it on a zero cotangent."""
+    f = two_outputs_hazard_in_the_first()
+    second = {"top": lambda x: f(x)[1],
+              "scan": lambda x: jax.lax.scan(lambda c, _: (c, f(c)[1]), x, None, length=2)[1][1],
+              "jit in cond": lambda x: jax.lax.cond(x[0] < 0, jax.jit(lambda x: f(x)[1]),
+                                                     lambda x: x, x)}[where]
+
+    def loss(x):
+        return jnp.sum(second(x) * W)
+
+    def without_the_unread_output(x):
+        return jnp.sum(2. * x * W)
+
+    assert np.isnan(np.asarray(jax.grad(loss)(X))).any()  # plain JAX leaks
+    got = jax.grad(jaxsafe.nan_safe(loss))(X)
+    np.testing.assert_array_equal(got, jax.grad(without_the_unread_output)(X))
+    np.testing.assert_array_equal(jaxsafe.nan_safe(loss)(X), jax.jit(loss)(X))
