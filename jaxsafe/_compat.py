@@ -190,6 +190,12 @@ PRIVATE_LINEAR_COLLECTIVES = (
 PRIVATE_OTHER_COLLECTIVES = _private_primitives("jax._src.lax.parallel", "pmin_p")
 # the value itself, placed anew under `Explicit` mesh axes
 PRIVATE_RESHARDS = _private_primitives("jax._src.pjit", "reshard_p")
+# a typed PRNG key made from (`random_wrap`: `jax.random.normal(jax.random.PRNGKey(0), ...)`
+# with the raw key an argument) and turned back into its uint32 data (`random_unwrap`): in
+# jax._src.prng up to JAX 0.9, jax._src.random.prng from 0.10
+PRIVATE_KEY_WRAPS = (_private_primitives("jax._src.prng", "random_wrap_p", "random_unwrap_p")
+                     or _private_primitives("jax._src.random.prng", "random_wrap_p",
+                                            "random_unwrap_p"))
 # the index of the platform a `lax.platform_dependent` cond runs on (`jnp.diagonal` of a matrix
 # picks a TPU branch by it): an integer, no derivative
 PRIVATE_PLATFORM_INDEX = _private_primitives("jax._src.lax.control_flow", "platform_index_p")

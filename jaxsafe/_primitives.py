@@ -53,6 +53,7 @@ from ._choosers import (
     window_reads,
 )
 from ._compat import (
+    PRIVATE_KEY_WRAPS,
     PRIVATE_LINEAR_COLLECTIVES,
     PRIVATE_OTHER_COLLECTIVES,
     PRIVATE_PLATFORM_INDEX,
@@ -301,6 +302,7 @@ register(prims.select_and_gather_add_p, prims.select_and_scatter_add_p,
          prims.shift_right_logical_p, prims.create_token_p, prims.after_all_p)
 if hasattr(lax, "mulhi_p"):  # JAX 0.10 on
     register(lax.mulhi_p)
+register(*PRIVATE_KEY_WRAPS)  # key data <-> typed key: no float, nothing made non-finite
 register_elementwise(prims.tanh_p, prims.logistic_p, prims.sin_p, prims.cos_p, prims.atan_p,
                      prims.asinh_p, prims.erf_p, prims.erfc_p, prims.bessel_i0e_p,
                      prims.bessel_i1e_p)

@@ -615,6 +615,20 @@ def test_a_shared_parameter_of_a_custom_rule_over_masked_data(name, f, mask, dat
         assert_close(got, order(loss)(p0, safe_data), rtol=1e-5)
 
 
+def test_a_raw_key_argument_is_no_unknown_primitive():
+    """`jax.random.*` on a raw uint32 key wraps it into a typed key (`random_wrap`, a JAX
+    primitive that jax.extend does not list): a row of its own, not reported unknown."""
+    def noisy(x, key):
+        return jnp.where(x > 1, x * jax.random.uniform(key, x.shape), 0.).sum()
+
+    x, key = jnp.array([1., 2., 3.]), jax.random.PRNGKey(0)
+    assert "random_wrap" in str(jax.make_jaxpr(noisy)(x, key))
+    text = str(jaxsafe.explain(noisy)(x, key))
+    assert "unknown primitive" not in text, text
+    text = str(jaxsafe.explain(lambda k: jax.random.key_data(jax.random.wrap_key_data(k)))(key))
+    assert "unknown primitive" not in text, text
+
+
 def test_uniform_random_bits_are_finite_and_other_set_exponents_are_checked():
     """`jax.random.uniform` bitcasts `(bits >> 9) | 0x3F800000`: the constant sets the exponent
     (floats in [1, 2)), so noise under a `where` needs no guard with finite arguments; a constant
