@@ -262,6 +262,20 @@ def convolution_pairs(eqn: JaxprEqn) -> tuple[dict[int, int], frozenset[int]]:
     return pairs, frozenset({dims.out_spec[1]})
 
 
+def convolution_alignment(eqn: JaxprEqn, k: int) -> list[int | None]:
+    """The input's axes that run along the output's lane for lane (`convolution_pairs`: the
+    batch, the untouched spatial axes) and the kernel's output features (without batch groups):
+    a `where` per image drops an image's lanes with no reduction over what it reads."""
+    dims = eqn.params["dimension_numbers"]
+    align: list[int | None] = [None] * len(shape_of(eqn.invars[k]))
+    if k == 0:
+        for out_axis, lhs_axis in convolution_pairs(eqn)[0].items():
+            align[lhs_axis] = out_axis
+    elif eqn.params["batch_group_count"] == 1:
+        align[dims.rhs_spec[0]] = dims.out_spec[1]
+    return align
+
+
 _WINDOW_TAPS_CHECKED = 1 << 20
 """Windows times taps of one axis beyond which the lanes read are not listed (a moment of NumPy
 per equation below it); the masks are then the derivative's, at run time."""
@@ -445,27 +459,32 @@ def gather_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sy
             to_operand[o] = dn.operand_batching_dims[dn.start_indices_batching_dims.index(i)]
     if not out_syms[0]:
         return [FALSE] * len(eqn.invars)
-    return [_kept_along(out_syms[0], to_operand, op_shape)] + \
+    # the lanes picked along the other axes differ from one batch to the next (a row's label
+    # in `take_along_axis`): the unknown runs along the batching axes too
+    return [_kept_along(out_syms[0], to_operand, op_shape, varying=dn.operand_batching_dims)] + \
         [opaque() for _ in eqn.invars[1:]]
 
 
 def _kept_along(out: Sym, to_operand: dict[int, int], op_shape: Sequence[int],
-                dropping: Sequence[int] | None = None) -> Sym:
+                dropping: Sequence[int] | None = None, static: bool = False,
+                varying: Sequence[int] = ()) -> Sym:
     """An operand's formula from its output's, through a movement that keeps the lanes of the
     output axes in `to_operand` in place along those operand axes: a formula along them
     carries over; along the other axes lanes move (an unknown for what ran along them). Along
     the axes of `dropping`, each on its own (a slice keeps an interval of each axis: the lanes
     it keeps are their product), some lanes may be cut off: an unknown per axis, so that one
     along a batch axis reaches a batched decomposition (`chol[1:, 0, 0]` never reads matrix
-    0). Without `dropping`, one unknown over every other axis (a gather picks lanes anywhere)."""
+    0). Without `dropping`, one unknown over every other axis (a gather picks lanes anywhere).
+    `static`: what is cut off depends on shapes only (a `slice`, a `pad`). `varying`: axes kept
+    in place along which what is picked on the other axes changes (a gather's batching axes)."""
     sym = move(out, to_operand)
     if dropping is None:
-        rest = [d for d in range(len(op_shape)) if d not in to_operand.values()
+        rest = [d for d in range(len(op_shape)) if (d not in to_operand.values() or d in varying)
                 and op_shape[d] != 1]
         return sym_and_literal(sym, unknown(rest)) if rest else sym
     for d in dropping:
         if op_shape[d] != 1:
-            sym = sym_and_literal(sym, unknown([d]))
+            sym = sym_and_literal(sym, unknown([d], static))
     return sym
 
 
@@ -474,18 +493,19 @@ AxesRule = Callable[[JaxprEqn], tuple[list[bool], list[int]]]
 lanes off."""
 
 
-def _whole_axes_syms(axes: AxesRule) -> StaticRule:
+def _whole_axes_syms(axes: AxesRule, by_shape: bool = False) -> StaticRule:
     """Static liveness of a slice-like movement (`slice`, `dynamic_slice`, `pad`, `rev`) whose
     output axis d runs along operand axis d, lane for lane where it takes the axis whole: a
     `where` per matrix on `chol[:, 1, 1]` drops whole matrices of `chol` (`batched_syms`), as it
-    does on `chol` itself. Other operands (indices, the padding value): unknown."""
+    does on `chol` itself. Other operands (indices, the padding value): unknown. `by_shape`: the
+    lanes cut off are known from the parameters (not a `dynamic_slice`'s index)."""
     def static(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
         if not out_syms[0]:
             return [FALSE] * len(eqn.invars)
         whole, dropping = axes(eqn)
         to_operand = {d: d for d, w in enumerate(whole) if w}
-        return [_kept_along(out_syms[0], to_operand, shape_of(eqn.invars[0]), dropping)] + \
-            [opaque() for _ in eqn.invars[1:]]
+        return [_kept_along(out_syms[0], to_operand, shape_of(eqn.invars[0]), dropping,
+                            by_shape)] + [opaque() for _ in eqn.invars[1:]]
     return static
 
 
@@ -514,10 +534,10 @@ def _rev_axes(eqn: JaxprEqn) -> tuple[list[bool], list[int]]:
     return [d not in eqn.params["dimensions"] for d in range(len(shape_of(eqn.invars[0])))], []
 
 
-slice_syms = _whole_axes_syms(_slice_axes)
+slice_syms = _whole_axes_syms(_slice_axes, by_shape=True)
 dynamic_slice_syms = _whole_axes_syms(_dynamic_slice_axes)
-pad_syms = _whole_axes_syms(_pad_axes)
-rev_syms = _whole_axes_syms(_rev_axes)
+pad_syms = _whole_axes_syms(_pad_axes, by_shape=True)
+rev_syms = _whole_axes_syms(_rev_axes, by_shape=True)
 
 
 def out_of_range_drops(eqn: JaxprEqn) -> bool:

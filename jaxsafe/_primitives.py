@@ -92,6 +92,7 @@ from ._liveness_rules import (
     concatenate_masks,
     cond_kinds,
     cond_masks,
+    convolution_alignment,
     cumulative_masks,
     custom_rule_kinds,
     custom_rule_masks,
@@ -426,7 +427,8 @@ register(prims.dot_general_p, masks=dot_general_masks, align=dot_general_alignme
 register(prims.reduce_window_sum_p, masks=windowed_masks(WINDOW_SUM),
          drops=window_drops(WINDOW_SUM), linear=True, foldable=True)
 register(prims.conv_general_dilated_p, masks=windowed_masks(CONVOLUTION),
-         drops=window_drops(CONVOLUTION), foldable=True, derivative_reads=BILINEAR)
+         align=convolution_alignment, drops=window_drops(CONVOLUTION), foldable=True,
+         derivative_reads=BILINEAR)
 # an FFT transforms its trailing `fft_lengths` axes as one; the leading axes are a batch (no
 # static rule: a mask the static pass cannot name is decided at run time, not taken as live as
 # linear algebra's `batched_syms` takes it)

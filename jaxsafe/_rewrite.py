@@ -123,8 +123,11 @@ def values_of(original: ClosedJaxpr, rewritten: Callable[[], ClosedJaxpr]) -> Ca
     bit of e.g. igamma) and it costs exactly what `f` costs, the rewrite included: `rewritten`
     is asked for only when the rule is traced. Under differentiation the rule runs the rewritten
     program once, for the values and the tangents together. The rewritten program's constants
-    are concrete (the original's are: see `_api._Traced`), so the rule closes over them.
+    are concrete (the original's are: see `_api._Traced`), so the rule closes over them. A
+    program with a `custom_vjp` call in it (no forward mode) takes `_reverse_only`.
     """
+    if any_equation(original, lambda e: rule_for(e.primitive).backward_param is not None):
+        return _reverse_only(original, rewritten)
     @jax.custom_jvp
     def run(orig_consts, *args):
         return eval_jaxpr(original.jaxpr, orig_consts, *args)
@@ -153,6 +156,27 @@ def values_of(original: ClosedJaxpr, rewritten: Callable[[], ClosedJaxpr]) -> Ca
 
     run.defjvp(run_jvp, symbolic_zeros=True)
     return functools.partial(run, list(original.consts))
+
+
+def _reverse_only(original: ClosedJaxpr, rewritten: Callable[[], ClosedJaxpr]) -> Callable:
+    """`values_of` for a program with a `custom_vjp` call in it, which has no forward mode: a
+    custom_vjp, so that JAX never runs the rewritten program's forward mode (a custom_jvp's rule
+    does, and under `vmap` JAX batches that forward mode, where a custom_vjp call raises:
+    `grad(vmap(nan_safe(f)))`). The values are the original program's; the derivatives, the
+    rewritten program's pullback, and its derivatives (`jax.hessian`) those of that pullback."""
+    @jax.custom_vjp
+    def run(*args):
+        return eval_jaxpr(original.jaxpr, original.consts, *args)
+
+    def run_fwd(*args):
+        program = rewritten()
+        return jax.vjp(partial(eval_jaxpr, program.jaxpr, program.consts), *args)
+
+    def run_bwd(pullback, cotangents):
+        return tuple(pullback(cotangents))
+
+    run.defvjp(run_fwd, run_bwd)
+    return run
 
 
 def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,

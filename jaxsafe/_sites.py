@@ -16,8 +16,8 @@ An equation is guarded when its output has dropped lanes (static liveness says M
   row, a masked key's column), or the liveness the guard reads is computed anyway, for a guard
   placed before it (`_PaidMasks`: a NaN-prone value cut before a pooling whose results a
   convolution reads), or computed from constants alone (a `where` on a constant array, which
-  XLA folds): the guard then costs one `select_n`. Otherwise (a weight that only a ReLU
-  drops, row by row) it is left, and reported;
+  XLA folds; what a `slice` or a `pad` cuts off, `jnp.arange(n) < k`): the guard then costs one
+  `select_n`. Otherwise (a weight that only a ReLU drops, row by row) it is left, and reported;
 - or it calls a custom derivative rule whose body is NaN-prone: its dropped input lanes are cut
   from differentiation (`select_n(live, stop_gradient(x), x)`), since no safe value is known for
   the user's rule.
@@ -57,7 +57,7 @@ from ._liveness import Sweep, kind_of_sym
 from ._nested import sub_jaxprs
 from ._report import Report, Site, note_failure
 from ._rules import Kind, PrimitiveRule, alignment, guard_for, rule_for
-from ._symbolic import backward_mapping, runs_only_along
+from ._symbolic import backward_mapping, made_of, runs_only_along
 from ._taint import contains_hazard, literal_taints, selected_only_where_finite
 
 
@@ -132,9 +132,8 @@ class _PaidMasks:
         v = eqn.invars[k]
         if isinstance(v, Literal) or len(eqn.outvars) != 1:
             return False
-        return v in self.demanded or all(
-            isinstance(key, Var) and key in self.fixed
-            for term in self.sweep.sym(eqn.outvars[0]) for key, _, _ in term)
+        return v in self.demanded or made_of(
+            self.sweep.sym(eqn.outvars[0]), lambda key: isinstance(key, Var) and key in self.fixed)
 
 
 def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set,
@@ -230,10 +229,9 @@ def _without_tangent(closed: ClosedJaxpr) -> set:
     jaxpr = closed.jaxpr
     fixed = {v for v, c in zip(jaxpr.constvars, closed.consts, strict=True)
              if not isinstance(c, Tracer)}
-    if fixed:
-        for eqn in jaxpr.eqns:
-            if all(isinstance(v, Literal) or v in fixed for v in eqn.invars):
-                fixed.update(eqn.outvars)
+    for eqn in jaxpr.eqns:  # an `iota` too: `jnp.arange(n) < k`
+        if not eqn.effects and all(isinstance(v, Literal) or v in fixed for v in eqn.invars):
+            fixed.update(eqn.outvars)
     return fixed
 
 

@@ -36,19 +36,42 @@ class Unknown:
     conjunction, in the frame of the value it came from, and `embed`: the axes of that value it
     runs along). Where both meet again in one value's mask (a row's `logsumexp` and the lanes a
     gather picks from it), each lane of the conjunction implies the OR over its row: the term is
-    absorbed (`_simplify`)."""
-    __slots__ = ("reduced", "embed")
+    absorbed (`_simplify`).
 
-    def __init__(self, reduced: frozenset | None = None, embed: tuple | None = None):
-        self.reduced, self.embed = reduced, embed
+    `static`: the mask depends on shapes only (what a `slice` or a `pad` keeps); `parts`: the
+    literals an OR over axes collapsed into it. A mask made of static ones and of predicates
+    computed from constants costs nothing at run time (XLA folds it)."""
+    __slots__ = ("reduced", "embed", "static", "parts")
+
+    def __init__(self, reduced: frozenset | None = None, embed: tuple | None = None,
+                 static: bool = False, parts: frozenset | None = None):
+        self.reduced, self.embed, self.static, self.parts = reduced, embed, static, parts
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"?{id(self) % 10000}"
 
 
-def unknown(axes: Iterable[int] | None) -> Lit:
-    """A fresh unknown mask over `axes` of a value (None: every axis)."""
-    return (Unknown(), True, None if axes is None else tuple(sorted(set(axes))))
+def unknown(axes: Iterable[int] | None, static: bool = False) -> Lit:
+    """A fresh unknown mask over `axes` of a value (None: every axis); `static`: it depends on
+    shapes only."""
+    return (Unknown(static=static), True, None if axes is None else tuple(sorted(set(axes))))
+
+
+def made_of(sym: Sym, constant: Callable[[object], bool]) -> bool:
+    """Whether every literal of `sym` is a static mask, a key `constant` accepts, or an OR over
+    axes of such literals (iterative)."""
+    pending = [lit for term in sym for lit in term]
+    while pending:
+        key = pending.pop()[0]
+        if isinstance(key, Unknown):
+            if key.static:
+                continue
+            if key.parts is None:
+                return False
+            pending.extend(key.parts)
+        elif not constant(key):
+            return False
+    return True
 
 
 def opaque() -> Sym:
@@ -207,8 +230,8 @@ def move(sym: Sym, mapping: dict[int, int]) -> Sym:
             axes = tuple(sorted(touched))
             source = tuple(sorted(inverse[a] for a in axes)) if len(inverse) == len(mapping) \
                 else None  # two axes onto one: no frame to name it in
-            kept.append((Unknown(frozenset(gone) if source is not None else None, source),
-                         True, axes))
+            kept.append((Unknown(frozenset(gone) if source is not None else None, source,
+                                 parts=frozenset(gone)), True, axes))
         terms.add(frozenset(kept))
     return _simplify(terms)
 

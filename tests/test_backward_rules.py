@@ -330,3 +330,36 @@ def test_a_rule_whose_hazard_is_in_an_output_the_program_does_not_read(where):
     got = jax.grad(jaxsafe.nan_safe(loss))(X)
     np.testing.assert_array_equal(got, jax.grad(without_the_unread_output)(X))
     np.testing.assert_array_equal(jaxsafe.nan_safe(loss)(X), jax.jit(loss)(X))
+
+
+def test_grad_of_vmap_of_a_program_with_a_custom_vjp():
+    """Under `vmap`, JAX batches the forward mode a custom_jvp's rule runs, where a custom_vjp
+    call raises: a program with one is differentiated through a custom_vjp of its own
+    (`_rewrite._reverse_only`), in either order of `grad` and `vmap`, jitted or not."""
+    @jax.custom_vjp
+    def root(x):
+        return jnp.sqrt(x)
+
+    root.defvjp(lambda x: (jnp.sqrt(x), jnp.sqrt(x)), lambda y, g: (g / (2 * y),))
+
+    def f(x):
+        return jnp.where(x > 0, root(x), 0.)
+
+    def hand_fix(x):
+        return jnp.where(x > 0, root(jnp.where(x > 0, x, 1.)), 0.)
+
+    def double(x):  # nothing to guard
+        return root(x * x + 1.) * x
+
+    def summed(g):
+        return lambda xs: jnp.sum(jax.vmap(g)(xs) * W)
+
+    safe, safe_double = jaxsafe.nan_safe(f), jaxsafe.nan_safe(double)
+    assert np.isnan(np.asarray(jax.grad(summed(f))(X))).any()  # plain JAX
+    want = jax.grad(summed(hand_fix))(X)
+    for got in (jax.grad(summed(safe))(X), jax.jit(jax.grad(summed(safe)))(X),
+                jax.vmap(jax.grad(safe))(X) * W, jax.grad(summed(jax.jit(safe)))(X)):
+        np.testing.assert_array_equal(got, want)
+    assert_close(jax.grad(summed(safe_double))(X), jax.grad(summed(double))(X), rtol=1e-6)
+    assert_close(jax.vmap(jax.hessian(safe))(X), jax.vmap(jax.hessian(hand_fix))(X))
+    np.testing.assert_array_equal(jax.vmap(safe)(X), jax.jit(jax.vmap(f))(X))

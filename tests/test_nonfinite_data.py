@@ -650,3 +650,65 @@ def test_uniform_random_bits_are_finite_and_other_set_exponents_are_checked():
     bits = jnp.array([0, 0, 1 << 20], jnp.uint32)  # 1 << 20 >> 9 = 2048: a NaN's mantissa
     assert np.isnan(jax.grad(set_to_inf)(2., bits))  # inf and NaN in the dropped lanes
     assert_close(jax.grad(jaxsafe.nan_safe(set_to_inf))(2., bits), np.inf)  # the live lane's inf
+
+
+CONV_DN = ("NCH", "OIH", "NCH")
+
+
+def _conv(x, w):
+    return lax.conv_general_dilated(x, w, (1,), "VALID", dimension_numbers=CONV_DN)
+
+
+def test_an_image_a_where_drops_after_a_convolution_takes_no_part():
+    """A NaN image that a `where` per image drops after a convolution: its lanes run along the
+    output's batch axis (no reduction), so they are guarded; the kernel's gradient is that of
+    the batch without the image."""
+    x = jnp.stack([jnp.arange(1., 8.)[None], jnp.full((1, 7), nan)])
+    w = jnp.array([[[1., -1.]]])
+    valid = jnp.array([True, False])
+
+    def loss(x, w):
+        return jnp.sum(jnp.where(valid[:, None, None], _conv(x, w), 0.) ** 2)
+
+    assert np.isnan(np.asarray(jax.grad(loss, 1)(x, w))).all()  # plain JAX
+    got = jax.grad(jaxsafe.nan_safe(loss), 1)(x, w)
+    np.testing.assert_array_equal(got, jax.grad(lambda x, w: jnp.sum(_conv(x, w) ** 2), 1)(
+        x[:1], w))
+    np.testing.assert_array_equal(jaxsafe.nan_safe(loss)(x, w), jax.jit(loss)(x, w))
+
+
+@pytest.mark.parametrize("drop", ["slice", "arange"])
+def test_lanes_a_static_crop_drops_after_a_lane_mixing_op_take_no_part(drop):
+    """A crop (a slice, or a `where` on `jnp.arange(n) < k`) after a convolution or a matmul:
+    its mask is computed from shapes and constants (XLA folds it), so the non-finite padding
+    the dropped outputs read is guarded at the cost of a `select_n`."""
+    keep = {"slice": lambda y, k: y[..., :k],
+            "arange": lambda y, k: jnp.where(jnp.arange(y.shape[-1]) < k, y, 0.)}[drop]
+    x = jnp.array([[[1., 2., 3., 4., 5., nan, 7.]]])
+    w = jnp.array([[[1., -1.]]])
+    conv = lambda x, w: jnp.sum(keep(_conv(x, w), 2) ** 2)
+    removed = lambda x, w: jnp.sum(_conv(x[..., :3], w) ** 2)
+    assert np.isnan(np.asarray(jax.grad(conv, 1)(x, w))).all()  # plain JAX
+    np.testing.assert_array_equal(jax.grad(jaxsafe.nan_safe(conv), 1)(x, w),
+                                  jax.grad(removed, 1)(x, w))
+
+    a = jnp.array([[1., 2.], [3., 4.], [nan, 1.], [inf, 0.]])  # rows 2, 3: padding
+    b = jnp.array([[1., -1., 0.5], [2., 0., 1.]])
+    matmul = lambda a, b: jnp.sum(keep((a @ b).T, 2).T[:, 1:] ** 2)
+    assert np.isnan(np.asarray(jax.grad(matmul, 1)(a, b))).any()
+    want = jnp.zeros_like(b).at[:, 1:].set(
+        jax.grad(lambda a, b: jnp.sum((a[:2] @ b) ** 2), 1)(a, b[:, 1:]))
+    np.testing.assert_array_equal(jax.grad(jaxsafe.nan_safe(matmul), 1)(a, b), want)
+    np.testing.assert_array_equal(jaxsafe.nan_safe(matmul)(a, b), jax.jit(matmul)(a, b))
+
+
+def test_causal_linear_attention_shifted_by_a_slice_ignores_the_padded_key():
+    """`(tril(q @ k.T) @ v)[:-1]` with a NaN key in the last position: no kept output reads it."""
+    q = jax.random.normal(jax.random.PRNGKey(0), (4, 2))
+    k = jax.random.normal(jax.random.PRNGKey(1), (4, 2)).at[3].set(nan)
+    v = jax.random.normal(jax.random.PRNGKey(2), (4, 2))
+    attn = lambda q, k, v: jnp.sum((jnp.tril(q @ k.T) @ v)[:-1] ** 2)
+    removed = lambda q, k, v: jnp.sum((jnp.tril(q[:-1] @ k[:-1].T) @ v[:-1]) ** 2)
+    assert np.isnan(np.asarray(jax.grad(attn)(q, k, v))).all()  # plain JAX
+    got = jax.grad(jaxsafe.nan_safe(attn))(q, k, v)
+    assert_close(got, jax.grad(removed)(q, k, v), rtol=1e-6)  # row 3 reads nothing: 0
