@@ -23,6 +23,7 @@ import numpy as np
 from ._atoms import dtype_of
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._constants import domain_holds_above, domain_holds_below, domain_holds_between, fold
+from ._maxima import largest_term
 from ._ranges import Range, Ranges
 from ._rules import BoundRule, PrimitiveRule, rule_for
 from ._walk import demand
@@ -213,7 +214,12 @@ class Bounds:
         bounds: list[Bound] = []
         for u, c in zip(eqn.invars, consts, strict=True):
             bounds.append(constant_bound(c) if c is not None else (yield u))
-        return rule(eqn, bounds, consts)
+        lower = rule(eqn, bounds, consts)
+        if rule_for(eqn.primitive).sums and bounds[0] is not None and bounds[0] >= 0:
+            largest = largest_term(eqn, self.producer, self.eqns)  # `sum(exp(x - max(x)))`
+            if largest is not None and (lower is None or largest > lower):
+                return largest
+        return lower
 
 
 def of_program(closed: ClosedJaxpr, producer: dict | None = None) -> Bounds:

@@ -201,6 +201,7 @@ ZERO = Guard({0: 0.0})  # overflow, inverse trig: the middle of the domain
 # carries no derivative shows it in the forward value and takes no forward-mode guard
 POLE_AT_ONE = Guard({0: 1.0}, finite_at_singularities=False)
 POLE_AT_ZERO = Guard({0: 0.0}, finite_at_singularities=False)
+ZEROTH = frozenset({0})  # `PrimitiveRule.at_least`: the output is at least operand 0
 
 # --------------------------------------------------------------------------- elementwise
 # NaN-prone (the guard table): each listed operand takes the safe value in dropped lanes.
@@ -253,7 +254,7 @@ register_elementwise(prims.regularized_incomplete_beta_p,
 register_elementwise(prims.add_p, linear=True, bound=bounds.of_all(max),
                      preimage=bounds.sum_preimage, range=ranges.sum_range)
 register_elementwise(prims.sub_p, linear=True, preimage=bounds.difference_preimage,
-                     range=ranges.difference_range, diagonal=difference_diagonal)
+                     range=ranges.difference_range, diagonal=difference_diagonal, difference=True)
 register_elementwise(prims.neg_p, linear=True, range=ranges.negated_range)
 register_elementwise(prims.add_jaxvals_p, prims.real_p, prims.imag_p, prims.complex_p,
                      prims.conj_p, linear=True)
@@ -269,7 +270,7 @@ register_elementwise(prims.convert_element_type_p, linear=True, bound=bounds.con
                      preimage=bounds.same_preimage, range=ranges.converted_range)
 register_elementwise(prims.reduce_precision_p, linear=True,
                      bound=bounds.non_negative_if_bounded)
-register_elementwise(prims.copy_p, linear=True, bound=bounds.moved,
+register_elementwise(prims.copy_p, linear=True, bound=bounds.moved, at_least=ZEROTH,
                      preimage=bounds.same_preimage, range=ranges.same_range)
 # `checkpoint_name`: the value itself, tagged for a remat policy (a drop after it reaches the
 # value before it: without this row, `where(m, checkpoint_name(log(x)), 0.)` went unguarded)
@@ -310,7 +311,7 @@ register_elementwise(prims.tanh_p, prims.logistic_p, prims.sin_p, prims.cos_p, p
 register_elementwise(prims.nextafter_p, no_derivative=frozenset({0, 1}))
 # zero derivative: operands are read for their value only
 register_elementwise(prims.stop_gradient_p, zero_derivative=True, linear=True,
-                     bound=bounds.moved)
+                     bound=bounds.moved, at_least=ZEROTH)
 transpose_to_zero_where_missing(prims.stop_gradient_p)  # jax-ml/jax#22011, under vmap of a cond
 register_elementwise(prims.sign_p, prims.floor_p, prims.ceil_p, prims.round_p,
                      zero_derivative=True)
@@ -331,7 +332,7 @@ register_selection(prims.select_n_p, masks=select_masks, static=select_syms,
 register_selection(prims.max_p, masks=winner_masks, static=selected_syms, carries=WINNER,
                    selection=Selection(by_predicate=False, wins=max_wins, larger_wins=True),
                    chooser=Chooser(by_wins), identity=-np.inf, bound=bounds.of_all(max),
-                   range=ranges.max_range)
+                   range=ranges.max_range, at_least=frozenset({0, 1}))
 register_selection(prims.min_p, masks=winner_masks, static=selected_syms, carries=WINNER,
                    selection=Selection(by_predicate=False, wins=min_wins, larger_wins=False),
                    chooser=Chooser(by_wins), identity=np.inf, range=ranges.min_range)
@@ -356,14 +357,14 @@ register_movement(prims.transpose_p, masks=transpose_masks, align=transpose_alig
                   carries=MOVED)
 register_movement(prims.reshape_p, masks=reshape_masks, align=reshape_alignment,
                   static=aligned_syms, scalar_move=reshaped_scalar, bound=bounds.moved,
-                  range=ranges.same_range, carries=MOVED)
+                  range=ranges.same_range, carries=MOVED, at_least=ZEROTH)
 register_movement(prims.squeeze_p, masks=squeeze_masks, align=reshape_alignment,
                   static=aligned_syms, scalar_move=same_scalar, bound=bounds.moved,
-                  range=ranges.same_range, carries=MOVED)
+                  range=ranges.same_range, carries=MOVED, at_least=ZEROTH)
 register_movement(prims.broadcast_in_dim_p, masks=broadcast_in_dim_masks,
                   align=broadcast_in_dim_alignment, static=aligned_syms, broadcast=True,
                   scalar_move=same_scalar, bound=bounds.moved, range=ranges.same_range,
-                  diagonal=broadcast_diagonal)
+                  diagonal=broadcast_diagonal, at_least=ZEROTH)
 register_movement(prims.concatenate_p, masks=concatenate_masks, carries=MOVED)
 if hasattr(lax, "split_p"):
     register(lax.split_p, masks=split_masks, foldable=True)
@@ -389,7 +390,7 @@ register(lax.scatter_sub_p, prims.scatter_mul_p, prims.scatter_min_p, prims.scat
 # --------------------------------------------------------------------------- reductions
 register_reduction(prims.reduce_sum_p, linear=True, scalar_move=summed_scalar,
                    bound=bounds.non_negative_if_bounded, range=ranges.non_negative_sum_range,
-                   diagonal=reduced_diagonal, carries=SUMMED)
+                   diagonal=reduced_diagonal, carries=SUMMED, sums=True)
 # an index along one axis (`eye` compares two): no operand, no derivative
 register(prims.iota_p, iota_axis=lambda eqn: eqn.params["dimension"], foldable=True)
 # --------------------------------------------------------------------------- choosers
@@ -399,7 +400,8 @@ RUNNING_FILL = Chooser(by_fill, keeps_dropped_values=False, guarded_results=Fals
 for prim, identity in ((prims.reduce_max_p, -np.inf), (prims.reduce_min_p, np.inf)):
     register_reduction(prim, masks=comparison_masks(row_reads), static=selected_syms,
                        drops=_always, chooser=FILL, identity=identity,
-                       scalar_move=chosen_scalar, diagonal=reduced_diagonal)
+                       scalar_move=chosen_scalar, diagonal=reduced_diagonal,
+                       at_least=ZEROTH if identity < 0 else frozenset())
 # a running maximum only grows: its choice is two cumulative ops, not a scan tree's derivative
 register(prims.cummax_p, masks=comparison_masks(reads_as(prims.cumsum_p),
                                                 running_choice(lax.cummin, np.inf)),

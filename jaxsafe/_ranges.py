@@ -25,6 +25,7 @@ import numpy as np
 from ._atoms import dtype_of, is_float, shape_of
 from ._compat import JaxprEqn, Literal, Var
 from ._constants import fold
+from ._maxima import maximum_of
 from ._rules import rule_for
 from ._walk import demand
 
@@ -309,7 +310,13 @@ class Ranges:
         ranges: list[Range] = []
         for u, c in zip(eqn.invars, consts, strict=True):
             ranges.append(constant_range(c) if c is not None else (yield u))
-        return rule.range(eqn, ranges, consts)
+        found = rule.range(eqn, ranges, consts)
+        if rule.difference and maximum_of(eqn.invars[1], eqn.invars[0], self.producer,
+                                           self.eqns) is not None:
+            # `x - max(x)`: at most 0
+            lo = -np.inf if found is None else found[0]
+            return (lo, 0.0) if lo <= 0 else found
+        return found
 
     def _selected(self, eqn: JaxprEqn) -> Generator[Any, Range, Range]:
         """`select_n`: the hull of its cases, each narrowed by the comparison that takes it."""

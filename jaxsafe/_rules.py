@@ -400,6 +400,16 @@ class PrimitiveRule:
     over reverse, differentiates as plain code): wrapped so that its derivative is its
     rewrite's (`_backward.guarded_forward`)."""
 
+    at_least: frozenset[int] = frozenset()
+    """Operands the output is at least, lane by lane along the alignment (`reduce_max`, `max`;
+    a value moved unchanged: `broadcast_in_dim`, `stop_gradient`): `x - stop_gradient(max(x))`
+    is at most 0 (`_ranges.below_its_maximum`)."""
+    difference: bool = False
+    """Operand 0 minus operand 1 (`sub`): at most 0 where operand 1 is at least operand 0."""
+    sums: bool = False
+    """Adds operand 0's lanes over its reduced axes (`reduce_sum`): at least its largest term
+    where no term is negative (`_maxima.largest_term`)."""
+
     makes_nonfinite: bool = False
     """May make NaN or inf from finite operands, with no guard known (a library's linear solve on
     a singular operator): its outputs may be non-finite, as an unknown primitive's."""

@@ -856,3 +856,51 @@ def test_a_clip_under_an_exp_that_may_overflow_is_still_re_decided():
     got = np.asarray(jax.grad(jaxsafe.nan_safe(f, finite_args=True))(x))
     assert got[2] == 0.0
     assert_close(got[:2], np.asarray(jax.grad(f)(x))[:2])
+
+
+LOGITS = jax.random.normal(jax.random.PRNGKey(3), (4, 5)) * 3.0
+LABELS = jnp.array([0, 2, 4, 1])
+
+CROSS_ENTROPIES = {
+    "take_along_axis": lambda x: -jnp.take_along_axis(jax.nn.log_softmax(x), LABELS[:, None],
+                                                      1).sum(),
+    "one_hot": lambda x: -(jax.nn.log_softmax(x) * jax.nn.one_hot(LABELS, 5)).sum(),
+    "index": lambda x: -jax.nn.log_softmax(x)[jnp.arange(4), LABELS].sum(),
+    "first class": lambda x: -jax.nn.log_softmax(x)[:, 0].sum(),
+}
+
+
+@pytest.mark.parametrize("name", list(CROSS_ENTROPIES))
+def test_a_softmax_whose_lanes_are_picked_needs_no_guard_with_finite_arguments(name):
+    """`exp(x - stop_gradient(max(x)))` is at most 1 and its sum over the row at least 1 (the
+    row's largest lane gives exp(0)), for finite `x` (`_maxima.py`): picking a class from a
+    softmax leaves `exp` and `log` nothing to guard. Derivatives: JAX's."""
+    f = CROSS_ENTROPIES[name]
+    assert str(jaxsafe.explain(f, finite_args=True)(LOGITS)) == \
+        "nothing to guard: the program runs unchanged"
+    safe = jaxsafe.nan_safe(f, finite_args=True)
+    np.testing.assert_array_equal(safe(LOGITS), jax.jit(f)(LOGITS))
+    assert_close(jax.grad(safe)(LOGITS), jax.grad(f)(LOGITS))
+    assert_close(jax.hessian(safe)(LOGITS), jax.hessian(f)(LOGITS), atol=1e-6)
+
+
+@pytest.mark.parametrize("shift", ["another value's maximum", "a maximum along another axis",
+                                   "a maximum with a constant", "a sum along another axis"])
+def test_a_shift_by_what_is_not_the_maximum_keeps_the_guard(shift):
+    """Only `x` less its own maximum, along the axes the sum runs over, is bounded: `y`'s
+    maximum, a maximum broadcast along the wrong axis, `max(m, 0.)` (at least the maximum, not
+    equal to it: the sum may be below 1) and a sum along another axis are not."""
+    y = LOGITS[::-1] + 50.0
+
+    def f(x):
+        m = {"another value's maximum": jnp.max(y, axis=1, keepdims=True),
+             "a maximum along another axis": jnp.max(x, axis=0, keepdims=True),
+             "a maximum with a constant": jnp.maximum(jnp.max(x, axis=1, keepdims=True), 0.),
+             "a sum along another axis": jnp.max(x, axis=1, keepdims=True)}[shift]
+        e = jnp.exp(x - lax.stop_gradient(m))
+        axis = 0 if shift == "a sum along another axis" else 1
+        picked = LABELS[:, None] == jnp.arange(5)[None]
+        return jnp.where(picked, jnp.log(e.sum(axis, keepdims=True)), 0.).sum()
+
+    explained = str(jaxsafe.explain(f, finite_args=True)(LOGITS))
+    assert "guarded" in explained, explained
