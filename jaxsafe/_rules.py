@@ -403,7 +403,7 @@ class PrimitiveRule:
     at_least: frozenset[int] = frozenset()
     """Operands the output is at least, lane by lane along the alignment (`reduce_max`, `max`;
     a value moved unchanged: `broadcast_in_dim`, `stop_gradient`): `x - stop_gradient(max(x))`
-    is at most 0 (`_ranges.below_its_maximum`)."""
+    is at most 0 (`_maxima.maximum_of`)."""
     difference: bool = False
     """Operand 0 minus operand 1 (`sub`): at most 0 where operand 1 is at least operand 0."""
     sums: bool = False
