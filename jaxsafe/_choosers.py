@@ -219,14 +219,26 @@ def window_reads(window_sum: Any) -> ReadsRule:
     return reads
 
 
-def window_choice(eqn: JaxprEqn, outs: list[Mask], x: Any, out: Any) -> jax.Array:
+def window_choice(reads: ReadsRule) -> ChosenRule:
     """A pooling whose windows tile the operand: in each live window, the first lane (in
     row-major window order) equal to the window's result, the lane JAX's derivative
     (`select_and_scatter_add`, keeping the earlier lane on a tie) hands it to. Elementwise
-    work, where the derivative would be a select-and-scatter; other windows: the derivative."""
-    window = _tiling(eqn)
-    if window is None:
+    work, where the derivative would be a select-and-scatter; other windows: the derivative.
+    Dilated windows, whose reverse-mode derivative JAX does not implement (their forward mode
+    selects, it does not multiply): every lane a live window `reads` counts as chosen."""
+    def chosen(eqn: JaxprEqn, outs: list[Mask], x: Any, out: Any) -> jax.Array:
+        window = _tiling(eqn)
+        if window is not None:
+            return _tiled_choice(eqn, outs, x, out, window)
+        p = eqn.params
+        if any(d != 1 for d in (*p["base_dilation"], *p["window_dilation"])):
+            return reads(eqn, materialize(outs[0], np.shape(out)), x)
         return _chosen_by_derivative(eqn, outs, x, out)
+    return chosen
+
+
+def _tiled_choice(eqn: JaxprEqn, outs: list[Mask], x: Any, out: Any,
+                  window: tuple[int, ...]) -> jax.Array:
     counts = out.shape
     xt = _tiled(x, counts, window)
     shape = xt.shape

@@ -409,9 +409,10 @@ register(prims.cummax_p, masks=comparison_masks(reads_as(prims.cumsum_p),
 register(prims.cummin_p, masks=comparison_masks(reads_as(prims.cumsum_p),
                                                 running_choice(lax.cummax, -np.inf)),
          drops=_always, chooser=RUNNING_FILL, identity=np.inf, foldable=True)
+POOLED_READS = window_reads(prims.reduce_window_sum_p)
 for prim, identity in ((prims.reduce_window_max_p, -np.inf), (prims.reduce_window_min_p, np.inf)):
-    register(prim, masks=comparison_masks(window_reads(prims.reduce_window_sum_p),
-                                          window_choice), drops=_always,
+    register(prim, masks=comparison_masks(POOLED_READS, window_choice(POOLED_READS)),
+             drops=_always,
              chooser=Chooser(by_fill, keeps_dropped_values=False, picks=True,
                                      guarded_results=False),
              identity=identity, foldable=True)

@@ -202,6 +202,28 @@ def test_a_pooling_whose_windows_are_dropped_in_part_cuts_the_output_too():
         assert_close(got, jax.jit(order(loss_h))(X_LIVE))
 
 
+@pytest.mark.parametrize("reduce", [lax.max, lax.min])
+def test_a_dilated_pooling_runs_in_forward_mode(reduce):
+    """Dilated windows: JAX has no reverse-mode derivative for them (nor for nan_safe), but
+    forward mode works, and so it must under nan_safe (it raised: the choice was read off the
+    reverse-mode derivative). Lanes no window reads (1 and 4) are dropped: their sqrt of 0 and
+    of -1 take no part, and the derivatives are plain JAX's, first and second order."""
+    init = -jnp.inf if reduce is lax.max else jnp.inf
+
+    def f(x):
+        pooled = lax.reduce_window(jnp.sqrt(x), init, reduce, (2,), (3,), "VALID",
+                                   window_dilation=(2,))
+        return jnp.sum(pooled)
+
+    x = jnp.array([1., 0., 4., 9., -1., 16.])
+    assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+    for order in (jax.jacfwd, lambda g: jax.jacfwd(jax.jacfwd(g))):
+        got = jax.jit(order(nan_safe(f)))(x)
+        assert_close(got, jax.jit(order(f))(x))
+    first = jax.jacfwd(nan_safe(f))(x)
+    assert first[1] == 0. and first[4] == 0.
+
+
 def test_a_running_maximum_of_dropped_rows_keeps_their_infinities_for_a_product():
     """`cummax` is emitted again on the original values, and its dropped lanes hold them: a
     row of -inf (an argument) that a `where` drops is still -inf after it, so the matmul that
