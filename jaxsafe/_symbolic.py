@@ -32,20 +32,25 @@ MAX_TERMS = 16
 class Unknown:
     """A mask nobody can name: equal only to itself.
 
-    One made by `move` for the literals an OR over axes collapsed knows them (`reduced`: that
-    conjunction, in the frame of the value it came from, and `embed`: the axes of that value it
+    One made by `move` knows the literals an OR over axes collapsed into it (`parts`) and, where
+    it can name it, the frame of the value they came from (`embed`: the axes of that value it
     runs along). Where both meet again in one value's mask (a row's `logsumexp` and the lanes a
     gather picks from it), each lane of the conjunction implies the OR over its row: the term is
-    absorbed (`_simplify`).
+    absorbed (`_simplify`, through `reduced`).
 
-    `static`: the mask depends on shapes only (what a `slice` or a `pad` keeps); `parts`: the
-    literals an OR over axes collapsed into it. A mask made of static ones and of predicates
-    computed from constants costs nothing at run time (XLA folds it)."""
-    __slots__ = ("reduced", "embed", "static", "parts")
+    `static`: the mask depends on shapes only (what a `slice` or a `pad` keeps). A mask made of
+    static ones and of predicates computed from constants costs nothing at run time (it is
+    computed when jaxsafe traces, `_masks.at_trace_time`)."""
+    __slots__ = ("parts", "embed", "static")
 
-    def __init__(self, reduced: frozenset | None = None, embed: tuple | None = None,
-                 static: bool = False, parts: frozenset | None = None):
-        self.reduced, self.embed, self.static, self.parts = reduced, embed, static, parts
+    def __init__(self, parts: frozenset | None = None, embed: tuple | None = None,
+                 static: bool = False):
+        self.parts, self.embed, self.static = parts, embed, static
+
+    @property
+    def reduced(self) -> frozenset | None:
+        """The conjunction an OR collapsed, where its frame is known (else None)."""
+        return self.parts if self.embed is not None else None
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"?{id(self) % 10000}"
@@ -230,8 +235,7 @@ def move(sym: Sym, mapping: dict[int, int]) -> Sym:
             axes = tuple(sorted(touched))
             source = tuple(sorted(inverse[a] for a in axes)) if len(inverse) == len(mapping) \
                 else None  # two axes onto one: no frame to name it in
-            kept.append((Unknown(frozenset(gone) if source is not None else None, source,
-                                 parts=frozenset(gone)), True, axes))
+            kept.append((Unknown(frozenset(gone), source), True, axes))
         terms.add(frozenset(kept))
     return _simplify(terms)
 
