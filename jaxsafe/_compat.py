@@ -248,6 +248,12 @@ take_current_trace = _extend_core("take_current_trace")
 _concrete_or_error = _extend_core("concrete_or_error")
 ConcretizationTypeError = jax.errors.ConcretizationTypeError
 
+# `eager_constant_folding`: the state `jax.ensure_compile_time_eval` turns on (a staging trace
+# evaluates an operation whose operands are all concrete). The mask pass computes a mask that
+# depends on shapes only at trace time, and must turn it off again to read the program's own
+# values, which XLA computes (bit for bit as the program does): no public spelling turns it off.
+from jax._src.config import eager_constant_folding as eager_constant_folding  # noqa: E402
+
 
 def concrete_value(x: Any) -> Any:
     """The concrete value of `x` (itself unless a tracer; a JVP tracer's primal), or raise

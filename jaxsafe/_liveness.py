@@ -36,7 +36,18 @@ from ._carries import Carry, carry_classes, carrying_lanes
 from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, bind_eqn
 from ._constants import small_constant
 from ._free import FreeValues
-from ._masks import any_of, broadcast, reduce_any, register_broadcast, scoped_memo, zeros
+from ._masks import (
+    TOO_LARGE,
+    any_of,
+    at_trace_time,
+    broadcast,
+    emitted,
+    reduce_any,
+    register_broadcast,
+    scoped_memo,
+    staged,
+    zeros,
+)
 from ._report import note_failure
 from ._rules import Kind, Mask, alignment, rule_for
 from ._symbolic import FALSE, TRUE, Sym, opaque, sym_or
@@ -117,16 +128,20 @@ def kind_of_sym(sym: Sym) -> Kind:
 
 
 def read(env: Any, atom: Any) -> Any:
-    return literal_value(atom) if isinstance(atom, Literal) else env[atom]
+    if isinstance(atom, Literal):
+        return literal_value(atom)
+    with staged():  # an original value is the program's, whatever the masks' region
+        return env[atom]
 
 
 def evaluate(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> dict:
     """The original value of every variable of `jaxpr` (emitted on the current trace)."""
     env: dict = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
-    for eqn in jaxpr.eqns:
-        env.update(zip(eqn.outvars, bind_eqn(eqn, [read(env, v) for v in eqn.invars]),
-                       strict=True))
+    with staged():
+        for eqn in jaxpr.eqns:
+            env.update(zip(eqn.outvars, bind_eqn(eqn, [read(env, v) for v in eqn.invars]),
+                           strict=True))
     return env
 
 
@@ -373,7 +388,7 @@ class Sweep:
             chain.append(eqn)
             atom = eqn.invars[0]
         for eqn in reversed(chain):  # the innermost first: its core composes into the next
-            register_broadcast(env[eqn.outvars[0]], env[eqn.invars[0]],
+            register_broadcast(read(env, eqn.outvars[0]), read(env, eqn.invars[0]),
                                eqn.params["broadcast_dimensions"])
 
     def masks(self, env: Any, out_masks: Sequence[Mask]) -> RuntimeMasks:
@@ -390,16 +405,44 @@ class RuntimeMasks:
     with the rules of the table.
     """
 
-    def __init__(self, sweep: Sweep, env: Any, out_masks: Sequence[Mask]):
-        self.sweep, self.env = sweep, env
+    def __init__(self, sweep: Sweep, env: Any, out_masks: Sequence[Mask],
+                 early: bool = True):
+        self.sweep, self.env, self.out_masks, self.early = sweep, env, out_masks, early
         self.given: dict[Var, list[Mask]] = {}
         for v, m in zip(sweep.jaxpr.outvars, out_masks, strict=True):
             if not isinstance(v, Literal):
                 self.given.setdefault(v, []).append(m)
         self.memo: dict[Var, Mask] = {}
         self.eqn_masks: dict[int, list[Mask]] = {}
+        self._staged: RuntimeMasks | None = None
 
     def __call__(self, v: Any) -> Mask:
+        with at_trace_time(self.early) as outermost:
+            mask = self._demand(v)
+        if not outermost:
+            return mask
+        out = emitted(mask)
+        return self._all_staged()(v) if out is TOO_LARGE else out
+
+    def operand_masks(self, i: int) -> list[Mask]:
+        """The masks equation `i`'s operands receive from it, computed once (a guard site and
+        a chooser emitted again both read them)."""
+        with at_trace_time(self.early) as outermost:
+            for o in self.sweep.jaxpr.eqns[i].outvars:
+                self._demand(o)  # settled first
+            masks = self._operand_masks(i)
+        if not outermost:
+            return masks
+        out = [emitted(m) for m in masks]
+        return self._all_staged().operand_masks(i) if any(m is TOO_LARGE for m in out) else out
+
+    def _all_staged(self) -> RuntimeMasks:
+        """The same masks, every one staged: for one too large to emit as a constant."""
+        if self._staged is None:
+            self._staged = RuntimeMasks(self.sweep, self.env, self.out_masks, early=False)
+        return self._staged
+
+    def _demand(self, v: Any) -> Mask:
         if self.sweep.kind(v) == Kind.MAYBE and v not in self.memo:
             for u in self._region(v):  # consumers' outputs first
                 contribs = list(self.given.get(u, ()))
@@ -422,13 +465,6 @@ class RuntimeMasks:
         region = sweep.maybe_after([v], self.memo)
         region.sort(key=lambda u: sweep.producer.get(u, -1), reverse=True)
         return region
-
-    def operand_masks(self, i: int) -> list[Mask]:
-        """The masks equation `i`'s operands receive from it, computed once (a guard site and
-        a chooser emitted again both read them)."""
-        for o in self.sweep.jaxpr.eqns[i].outvars:
-            self(o)  # settled first
-        return self._operand_masks(i)
 
     def _operand_masks(self, i: int) -> list[Mask]:
         if i not in self.eqn_masks:

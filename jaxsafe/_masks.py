@@ -13,6 +13,10 @@ alone. Within one trace (`mask_scope`) this module remembers each mask that is a
 - `within(mask, upper)` records that a mask is a subset of another (a gather's lanes lie in the
   rows it reads from), so `any_of` drops it where the bound is already in the union.
 
+Masks that depend on shapes only (a crop's, a pad's, the windows a convolution reads for them) are
+computed at trace time (`at_trace_time`) and reach the program as small constants (`emitted`):
+staged, XLA would compute them at every run or fold them at compile time, slowly when large.
+
 A broadcast in the original program is registered too (`register_broadcast`): a `jnp.where`
 predicate of shape (b, 1, q, 1) that the program broadcasts to (b, h, q, k) is a (b, q) core. XLA
 then compiles a few small boolean fusions instead of one per op at the full shape.
@@ -36,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ._compat import Tracer, eager_constant_folding
 from ._walk import demand
 
 Mask = jax.Array | None
@@ -58,12 +63,13 @@ _SCOPE = threading.local()
 
 @contextlib.contextmanager
 def mask_scope():
-    saved = getattr(_SCOPE, "table", None)
-    _SCOPE.table = {}
+    saved = getattr(_SCOPE, "table", None), getattr(_SCOPE, "early", False)
+    _SCOPE.table, _SCOPE.early = {}, False
     try:
-        yield
+        with eager_constant_folding(False):  # a nested emission stages its program
+            yield
     finally:
-        _SCOPE.table = saved
+        _SCOPE.table, _SCOPE.early = saved
 
 
 def _table() -> dict | None:
@@ -458,3 +464,95 @@ def fit(mask: Mask, shape) -> Mask:
     mask = reduce_any(mask, range(lead))
     size_one = tuple(d for d, n in enumerate(shape) if n == 1 and _shape(mask)[d] != 1)
     return reduce_any(mask, size_one, keepdims=True)
+
+
+# --------------------------------------------------------------------------- trace time
+
+STATIC_CORE_LIMIT = 1 << 16
+"""The most lanes a mask known at trace time is emitted with as a constant (its core, or the
+sides of a box); a larger one is staged as before."""
+
+
+@contextlib.contextmanager
+def at_trace_time(enabled: bool = True) -> Generator[bool, None, None]:
+    """A region where a mask operation whose operands are all concrete runs now, at trace time
+    (`jax.ensure_compile_time_eval`), and any other is staged as usual. Values of the original
+    program are read `staged()`, never folded here: only exact mask algebra (booleans, and
+    counts of 0/1 lanes) runs early. Yields whether this is the outermost region, whose caller
+    passes its results through `emitted`."""
+    if not enabled or _table() is None or getattr(_SCOPE, "early", False) or \
+            getattr(_SCOPE, "all_staged", False):
+        yield False
+        return
+    _SCOPE.early = True
+    try:
+        with jax.transfer_guard("allow"), jax.ensure_compile_time_eval():
+            yield True
+    finally:
+        _SCOPE.early = False
+
+
+@contextlib.contextmanager
+def all_staged() -> Generator[None, None, None]:
+    """Every mask staged, none computed at trace time: for a body that can hold no constants
+    (`remat`'s, `shard_map`'s open jaxpr), bodies within it included."""
+    saved = getattr(_SCOPE, "all_staged", False)
+    _SCOPE.all_staged = True
+    try:
+        yield
+    finally:
+        _SCOPE.all_staged = saved
+
+
+@contextlib.contextmanager
+def staged() -> Generator[None, None, None]:
+    """Inside `at_trace_time`: bind as the program does, staged (an original value, a body's
+    values for its masks): XLA computes them, bit for bit as in the program."""
+    with eager_constant_folding(False):
+        yield
+
+
+def emitted(mask: Mask) -> Any:
+    """A mask made in `at_trace_time`, as the staged program reads it: a tracer as it is; a
+    concrete one as its smallest core (the axes it varies along), a constant, broadcast by the
+    program; a box as its sides; `TOO_LARGE` when neither fits `STATIC_CORE_LIMIT` (the caller
+    stages it)."""
+    if mask is None or isinstance(mask, Tracer):
+        return mask
+    table = _table()
+    memo = table.setdefault(("emitted",), {}) if table is not None else {}
+    hit = memo.get(id(mask))
+    if hit is not None and hit[1] is mask:
+        return hit[0]
+    out = _emitted(mask)
+    memo[id(mask)] = (out, mask)
+    return out
+
+
+TOO_LARGE = object()
+"""What `emitted` returns for a concrete mask too large to emit as a constant."""
+
+
+def _emitted(mask: Any) -> Any:
+    shape = _shape(mask)
+    core, axes = factor(mask)
+    core = np.asarray(core)
+    if core.size == 0 or core.all():
+        return None  # every lane live (or no lane)
+    if not core.any():
+        return zeros(shape)
+    varying = [d for d in range(core.ndim)
+               if not np.array_equal(core, np.take(core, [0] * core.shape[d], axis=d))]
+    core = core[tuple(slice(None) if d in varying else 0 for d in range(core.ndim))]
+    axes = tuple(axes[d] for d in varying)
+    if core.size <= STATIC_CORE_LIMIT:
+        return broadcast_mask(core, shape, axes)
+    others = [tuple(e for e in range(core.ndim) if e != d) for d in range(core.ndim)]
+    sides = [core.any(axis=o) for o in others]
+    box = np.ones(core.shape, bool)
+    for d, side in enumerate(sides):
+        box &= np.expand_dims(side, others[d])
+    if sum(side.size for side in sides) <= STATIC_CORE_LIMIT and np.array_equal(box, core):
+        return all_of([broadcast_mask(side, shape, (a,)) for side, a in zip(sides, axes,
+                                                                               strict=True)])
+    return TOO_LARGE

@@ -57,6 +57,7 @@ from ._emit import emit
 from ._explain import drops_from
 from ._flatten import flatten, inline_scalar_constants, take_constant_selections
 from ._liveness import Sweep, Sweeps
+from ._masks import all_staged
 from ._nested import any_equation, sub_jaxprs
 from ._plan import Plan
 from ._report import AnalysisFailedWarning, Report, failure_text, note_failure, strict
@@ -369,8 +370,9 @@ def _rewrite_param(eqn: JaxprEqn, value: object, report: Report, sweeps: Sweeps,
         return tuple(_rewrite_param(eqn, branch, report, sweeps, finite, cotangents)
                      for branch in value)
     if isinstance(value, Jaxpr):
-        new, sub = _rewrite(ClosedJaxpr(value, ()), sweeps, finite.get(id(value)),
-                            cotangents.get(id(value)), in_body=True)
+        with all_staged():  # no mask as a constant (`_masks.at_trace_time`)
+            new, sub = _rewrite(ClosedJaxpr(value, ()), sweeps, finite.get(id(value)),
+                                cotangents.get(id(value)), in_body=True)
         if sub.changed and new.consts:
             report.skipped.append((eqn, "unchanged: its rewritten body needs constants"))
             return value

@@ -94,7 +94,7 @@ def test_the_text_quotes_the_line_and_marks_the_call():
     marker = lines[quoted + 1]
     column = lines[quoted].index("jnp.log(x)")
     assert marker[column:column + len("jnp.log(x)")] == "^" * len("jnp.log(x)")
-    assert lines[-1] == "1 guard; equations: 3 before, 7 after"
+    assert lines[-1] == "1 guard; equations: 3 before, 5 after"
 
 
 def test_a_hand_written_double_where_has_no_guards():

@@ -233,3 +233,120 @@ def test_row_masks_of_attention_stay_at_row_size():
     g = jax.grad(nan_safe(loss))(x, keep)
     assert_finite(g)
     assert_close(g, jax.grad(loss)(x, keep, hand=True), rtol=1e-4, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- masks at trace time
+
+def _names(closed) -> list[str]:
+    return [e.primitive.name for e in closed.jaxpr.eqns]
+
+
+def _conv(x, w):
+    return lax.conv_general_dilated(x, w, (1,), "VALID", dimension_numbers=("NCH", "OIH", "NCH"))
+
+
+def test_a_crops_mask_is_a_constant_of_the_program():
+    """A crop's mask depends on shapes only: computed at trace time, the program reads it as a
+    small constant, with nothing left to compute it (before: a convolution over the mask at
+    every run, a pad and reductions that XLA folded at compile time)."""
+    x = jnp.array([[[1., 2., 3., 4., 5., np.nan, 7.]]])
+    w = jnp.array([[[1., -1.]]])
+    conv = lambda x, w: jnp.sum(jnp.sqrt(_conv(x, w)[..., :2] ** 2 + 1.))  # noqa: E731
+    removed = lambda x, w: jnp.sum(jnp.sqrt(_conv(x[..., :3], w) ** 2 + 1.))  # noqa: E731
+    rewritten = jaxsafe.make_jaxpr(conv)(x, w)
+    assert _names(rewritten).count("conv_general_dilated") == 1
+    assert "pad" not in _names(rewritten) and "reduce_or" not in _names(rewritten)
+    assert [np.shape(c) for c in rewritten.consts] == [(7,)]  # the input lanes read
+    np.testing.assert_array_equal(jax.grad(nan_safe(conv), 1)(x, w), jax.grad(removed, 1)(x, w))
+    np.testing.assert_array_equal(nan_safe(conv)(x, w), jax.jit(conv)(x, w))
+
+    a = jnp.array([[1., 2.], [3., 4.], [np.nan, 1.], [np.inf, 0.]])
+    b = jnp.array([[1., -1., 0.5], [2., 0., 1.]])
+    matmul = lambda a, b: jnp.sum(jnp.log((a @ b)[:2, 1:] ** 2 + 1.))  # noqa: E731
+    rewritten = jaxsafe.make_jaxpr(matmul)(a, b)
+    assert "pad" not in _names(rewritten) and "reduce_or" not in _names(rewritten)
+    assert sorted(np.shape(c) for c in rewritten.consts) == [(3,), (4,)]  # one per side
+    want = jnp.zeros_like(b).at[:, 1:].set(
+        jax.grad(lambda a, b: jnp.sum(jnp.log((a[:2] @ b) ** 2 + 1.)), 1)(a, b[:, 1:]))
+    np.testing.assert_array_equal(jax.grad(nan_safe(matmul), 1)(a, b), want)
+
+
+def test_a_large_box_is_emitted_as_its_sides():
+    """A crop of a large value: its mask's core is the whole value (over `STATIC_CORE_LIMIT`
+    lanes), but a box is the AND of its sides, and those are emitted."""
+    n = 300
+    assert n * n > M.STATIC_CORE_LIMIT
+    x = jnp.ones((n, n)).at[0, 0].set(-1.).at[5, n - 1].set(-2.)
+    f = lambda x: jnp.sum(jnp.sqrt(x)[1:, :-1])  # noqa: E731
+    rewritten = jaxsafe.make_jaxpr(f)(x)
+    assert sorted(np.shape(c) for c in rewritten.consts) == [(n,), (n,)]
+    assert "pad" not in _names(rewritten)
+    want = jnp.zeros((n, n)).at[1:, :-1].set(0.5 / jnp.sqrt(x[1:, :-1]))
+    np.testing.assert_array_equal(jax.jit(jax.grad(nan_safe(f)))(x), want)
+    assert np.isnan(jax.grad(f)(x)[0, 0])  # plain JAX
+
+
+def test_a_large_mask_that_is_no_box_is_staged():
+    """Two blocks of a large value: over the limit and not a box, the mask is computed by the
+    program, as XLA would (no large constant in the program)."""
+    n = 400
+    x = jnp.ones((n, n)).at[0, n - 1].set(-1.).at[n - 1, 0].set(-2.)
+    h = n // 2
+
+    def f(x):
+        y = jnp.sqrt(x)
+        return jnp.sum(y[:h, :h]) + jnp.sum(y[h:, h:])
+
+    rewritten = jaxsafe.make_jaxpr(f)(x)
+    assert all(np.size(c) <= M.STATIC_CORE_LIMIT for c in rewritten.consts)
+    assert "pad" in _names(rewritten)
+    blocks = np.zeros((n, n), bool)
+    blocks[:h, :h] = blocks[h:, h:] = True
+    want = jnp.where(blocks, 0.5 / jnp.sqrt(jnp.where(blocks, x, 1.)), 0.)
+    np.testing.assert_array_equal(jax.jit(jax.grad(nan_safe(f)))(x), want)
+
+
+def test_a_crop_and_a_predicate_on_the_programs_own_constant():
+    """A mask made of a crop (at trace time) and of a predicate on a constant the program
+    derives (`exp` of a grid, read as the program computes it, by XLA): the forward value is bit
+    for bit `jax.jit`'s, the lanes either drops take no part."""
+    def f(x):
+        grid = jnp.exp(jnp.linspace(0., 1., x.shape[0]))
+        return jnp.sum(jnp.where(grid > 1.5, jnp.sqrt(x), 0.)[:-1])
+
+    x = jnp.linspace(-1., 1., 8)
+    rewritten = jaxsafe.make_jaxpr(f)(x)
+    assert "exp" in _names(rewritten)
+    np.testing.assert_array_equal(nan_safe(f)(x), jax.jit(f)(x))
+    live = (jnp.exp(jnp.linspace(0., 1., 8)) > 1.5) & (jnp.arange(8) < 7)
+    want = jnp.where(live, 0.5 / jnp.sqrt(jnp.where(live, x, 1.)), 0.)
+    assert_close(jax.grad(nan_safe(f))(x), want)
+    assert np.isnan(jax.grad(f)(x)).any()  # plain JAX
+
+
+def test_masks_at_trace_time_under_a_transfer_guard():
+    """A user's `jax.transfer_guard("disallow")` does not reach the masks jaxsafe computes at
+    trace time (they start from host scalars)."""
+    x = jnp.ones((4, 4)).at[0, 0].set(-1.)
+    f = lambda x: jnp.sum(jnp.sqrt(x)[1:, :-1])  # noqa: E731
+    with jax.transfer_guard("disallow"):
+        g = jax.jit(jax.grad(nan_safe(f)))(x)
+    np.testing.assert_array_equal(g, jnp.zeros((4, 4)).at[1:, :-1].set(0.5))
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "jit", "cond", "scan"])
+def test_a_crop_inside_a_body(wrap):
+    """A crop inside a body: a `remat` body is an open jaxpr, which can hold no constant, so its
+    masks stay staged (before that, the rewritten body was refused and the NaN stayed); the
+    other bodies read theirs as constants."""
+    x = jnp.array([0., 4., 9., 16.])
+    crop = lambda x: jnp.sum(jnp.sqrt(x)[1:])  # noqa: E731
+    f = {"checkpoint": jax.checkpoint(crop),
+         "jit": jax.jit(crop),
+         "cond": lambda x: lax.cond(x[1] > 0, crop, lambda x: 0. * x[0], x),
+         "scan": lambda x: lax.scan(lambda c, _: (c + crop(x), None), 0., None, length=1)[0],
+         }[wrap]
+    want = jnp.array([0., 0.25, 1 / 6, 0.125])
+    assert np.isnan(jax.grad(f)(x)[0])  # plain JAX
+    assert_close(jax.grad(nan_safe(f))(x), want)
+    assert jaxsafe.explain(f)(x).skipped == []
