@@ -170,8 +170,9 @@ class Sweeps:
 
     def __init__(self) -> None:
         self._sweeps: dict[tuple, Sweep] = {}
-        # the backward rules whose call had a hazard before DCE (`_rewrite.rules_with_hazards`)
-        self.hazardous_rules: dict[int, object] = {}
+        # the backward rules whose call had a hazard before DCE (`_rewrite.rules_with_hazards`);
+        # None until a top-level rewrite has looked
+        self.hazardous_rules: dict[int, object] | None = None
 
     def get(self, jaxpr: Jaxpr, out_kinds: Sequence[Kind], structural: bool,
             consts: Mapping[Var, Any] | None = None) -> Sweep:

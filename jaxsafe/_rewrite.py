@@ -267,8 +267,7 @@ def guard_backward_rules(closed: ClosedJaxpr, sweep: Sweep, report: Report, nonf
         if param is None or all(sweep.kind(o) == Kind.DEAD for o in eqn.outvars):
             continue
         bodies = sub_jaxprs(eqn)
-        if not (any(contains_hazard(sub) for sub in bodies)
-                or _identity(eqn) in sweep.sweeps.hazardous_rules or (
+        if not (_has_hazard(eqn, bodies, sweep.sweeps.hazardous_rules) or (
                 any(isinstance(v, Var) and v in nonfinite for v in eqn.invars)
                 and any(_contains_drop(sub) for sub in bodies))):
             continue
@@ -299,6 +298,17 @@ def rules_with_hazards(closed: ClosedJaxpr) -> dict[int, object]:
                 found[key] = eqn.params[rule_for(eqn.primitive).identity_param]
             stack.extend(bodies)
     return found
+
+
+def _has_hazard(eqn: JaxprEqn, bodies: Sequence[ClosedJaxpr],
+                hazardous: dict[int, object] | None) -> bool:
+    """Whether a call's body could make NaN or inf before DCE: looked up in the top-level
+    walk's answer (`rules_with_hazards`, which saw every depth), asked of the body where no
+    such walk ran."""
+    key = _identity(eqn)
+    if hazardous is not None and key is not None:
+        return key in hazardous
+    return any(contains_hazard(sub) for sub in bodies)
 
 
 def _identity(eqn: JaxprEqn) -> int | None:
