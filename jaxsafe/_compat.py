@@ -68,11 +68,18 @@ primitives = jex.primitives
 
 
 def dce(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """Drop equations whose results are unused (effects are kept)."""
+    """Drop equations whose results are unused (effects are kept), and constants nothing reads
+    (a mask computed at trace time leaves some: JAX lifts a value it folds into the trace)."""
     jaxpr = closed.jaxpr
     new_jaxpr, used_inputs = dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
     assert all(used_inputs)
-    return ClosedJaxpr(new_jaxpr, closed.consts)
+    read = {v for eqn in new_jaxpr.eqns for v in eqn.invars if isinstance(v, Var)}
+    read.update(v for v in new_jaxpr.outvars if isinstance(v, Var))
+    kept = [k for k, v in enumerate(new_jaxpr.constvars) if v in read]
+    if len(kept) == len(new_jaxpr.constvars):
+        return ClosedJaxpr(new_jaxpr, closed.consts)
+    new_jaxpr = new_jaxpr.replace(constvars=[new_jaxpr.constvars[k] for k in kept])
+    return ClosedJaxpr(new_jaxpr, [closed.consts[k] for k in kept])
 
 
 def source_summary(eqn: JaxprEqn) -> str:

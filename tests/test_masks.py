@@ -350,3 +350,18 @@ def test_a_crop_inside_a_body(wrap):
     assert np.isnan(jax.grad(f)(x)[0])  # plain JAX
     assert_close(jax.grad(nan_safe(f))(x), want)
     assert jaxsafe.explain(f)(x).skipped == []
+
+
+def test_a_mask_known_true_at_trace_time_adds_nothing():
+    """`x.at[i].mul(2.)` may drop operand lanes for all the static pass knows (a product with
+    the updates); its mask, computed at trace time, is true in every lane: the program has the
+    original's equations (traced again), with no constant left behind by the masks'
+    computation."""
+    x = jnp.array([1., 4., 0., 9.])
+    for f in (lambda x: jnp.sum(jnp.sqrt(x).at[1].mul(2.)),
+              lambda x: jnp.sum(jnp.sqrt(x).at[jnp.array([0, 2])].min(5.))):
+        rewritten, original = jaxsafe.make_jaxpr(f, finite_args=True)(x), jax.make_jaxpr(f)(x)
+        assert sorted(e.primitive.name for e in rewritten.jaxpr.eqns) == \
+            sorted(e.primitive.name for e in original.jaxpr.eqns)
+        assert len(rewritten.consts) == len(original.consts)
+        np.testing.assert_array_equal(jax.grad(nan_safe(f))(x), jax.grad(f)(x))
