@@ -5,8 +5,9 @@ primitives), `jax.extend.source_info_util` (the user's source lines on re-emitte
 `jax.interpreters.partial_eval.dce_jaxpr` (JAX's dead-code pass), `jax.extend.linear_util` and
 `jax.interpreters.ad.Zero` (how JAX binds a custom_vjp's backward rule) and `jax.core` (`Tracer`,
 `eval_jaxpr`, some of whose neighbours JAX 0.11 removes). The few `jax._src` names that have
-no public spelling (`shard_map`'s primitive and the context its body is traced in) are imported
-here too, each with why. They are all spelled here, so that a JAX upgrade breaks in this file only.
+no public spelling (`shard_map`'s primitive and the context its body is traced in, the state
+`jax.ensure_compile_time_eval` turns on) are imported here too, each with why. They are all
+spelled here, so that a JAX upgrade breaks in this file only.
 """
 
 from __future__ import annotations
