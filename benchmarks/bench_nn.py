@@ -1,4 +1,4 @@
-"""jaxsafe.nn against jax.nn: softmax and attention, forward and forward+backward, under jit.
+"""jaxsafe.nn against jax.nn: softmaxes, logsumexp, attention; forward and backward, under jit.
 
 `workloads(quick)` lists the cases for the benchmark harness; run this file to time them alone:
 
@@ -14,6 +14,7 @@ jaxsafe.nn exists for (jax.nn gives NaN there for softmax, uniform attention for
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -55,14 +56,22 @@ def _softmax_cases(quick: bool) -> list[dict]:
     ct = jax.random.normal(kc, shape, jnp.float32)
     mask = _row_mask(km, shape)
     cases = []
-    for label, where in (("softmax", None), ("softmax where=mask", mask)):
-        def cand(x, where=where):
-            return jaxsafe.nn.softmax(x, axis=-1, where=where)
+    pairs = (("softmax", jaxsafe.nn.softmax, jax.nn.softmax),
+             ("log_softmax", jaxsafe.nn.log_softmax, jax.nn.log_softmax),
+             ("logsumexp", jaxsafe.nn.logsumexp, jax.nn.logsumexp))
+    for (name, ours, theirs), (masked, where) in itertools.product(
+            pairs, (("", None), (" where=mask", mask))):
+        label = name + masked
 
-        def ref(x, where=where):
-            return jax.nn.softmax(x, axis=-1, where=where)
+        def cand(x, where=where, ours=ours):
+            return ours(x, axis=-1, where=where)
+
+        def ref(x, where=where, theirs=theirs):
+            return theirs(x, axis=-1, where=where)
+        out_shape = shape[:-1] if name == "logsumexp" else shape
         for mode, wrap, args in (("forward", _forward, (x,)),
-                                 ("forward+backward", _forward_backward, (x, ct))):
+                                 ("forward+backward", _forward_backward,
+                                  (x, ct[..., 0] if out_shape != shape else ct))):
             cases.append({"name": label, "mode": mode, "shapes": "x".join(map(str, shape)),
                               "candidate": (wrap(cand), args), "reference": (wrap(ref), args)})
     return cases

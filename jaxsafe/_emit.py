@@ -26,7 +26,15 @@ from jax import lax
 from ._atoms import is_float, literal_value, shape_of
 from ._compat import Literal, Var, bind_eqn
 from ._liveness import LazyOperands, RuntimeMasks
-from ._masks import all_of, broadcast, mask_scope, materialize, not_mask, selecting
+from ._masks import (
+    all_of,
+    broadcast,
+    mask_scope,
+    materialize,
+    not_mask,
+    of_predicates,
+    selecting,
+)
 from ._plan import Plan
 from ._report import Site, note_failure
 from ._rules import Kind, Mask, rule_for
@@ -172,10 +180,15 @@ class _Emitter:
     def _guard(self, i: int, site: Site, invals: list) -> None:
         """Replace the site's operands by their safe value (or cut them) in dropped lanes."""
         eqn = site.eqn
-        in_masks = self.operand_masks(i)
+        # a coarse guard reads predicates only: no demand of the exact masks
+        exact = site.cut or any(k not in site.coarse for k in site.replace)
+        in_masks = self.operand_masks(i) if exact else [None] * len(eqn.invars)
         made: dict[tuple, tuple] = {}  # one guard for one operand read twice (`x * x`)
         for k, value in site.replace.items():
             live, operand = in_masks[k], invals[k]
+            if k in site.coarse:
+                live = of_predicates(site.coarse[k], self.orig.__getitem__,
+                                     shape_of(eqn.invars[k]))
             key = (eqn.invars[k], value) if isinstance(eqn.invars[k], Var) else None
             if key in made and made[key][0] is live:
                 invals[k] = made[key][1]

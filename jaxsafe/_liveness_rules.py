@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +46,7 @@ from ._masks import (
     within,
     zeros,
 )
-from ._nested import call_jaxpr
+from ._nested import any_equation, call_jaxpr
 from ._rules import AlignRule, Context, Kind, Mask, MaskRule, StaticRule, rule_for
 from ._symbolic import (
     FALSE,
@@ -742,15 +742,46 @@ def reduction_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     return [m] + [fit(out, shape_of(v)) for v in eqn.invars[1:]]
 
 
-def reduction_alignment(eqn: JaxprEqn, k: int) -> list[int | None] | None:
-    if k != 0:
-        return None
-    ins = shape_of(eqn.invars[0])
-    kept = [d for d in range(len(ins)) if d not in eqn.params["axes"]]
-    align: list[int | None] = [None] * len(ins)
+def _kept_alignment(rank: int, reduced: Sequence[int]) -> list[int | None]:
+    """A reduction's operand axes: a kept axis runs along the next output axis, a reduced one
+    along none."""
+    kept = [d for d in range(rank) if d not in reduced]
+    align: list[int | None] = [None] * rank
     for j, d in enumerate(kept):
         align[d] = j
     return align
+
+
+def reduction_alignment(eqn: JaxprEqn, k: int) -> list[int | None] | None:
+    if k != 0:
+        return None
+    return _kept_alignment(len(shape_of(eqn.invars[0])), eqn.params["axes"])
+
+
+def reduce_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                 ctx: Context) -> list[Mask]:
+    """The generic `lax.reduce` of n operands with n initial values: a lane of a reduced row is
+    live if any of the row's results is (its computation may mix the operands: `argmax` as a
+    pair reduction), and an initial value is live if any result lane is."""
+    n = len(eqn.outvars)
+    out = any_of(outs)
+    if out is None:
+        return [None] * len(eqn.invars)
+    dims = tuple(eqn.params["dimensions"])
+    in_shape = shape_of(eqn.invars[0])
+    kept = tuple(d for d in range(len(in_shape)) if d not in dims)
+    row = broadcast_mask(out, in_shape, kept)
+    return [row] * n + [fit(out, shape_of(v)) for v in eqn.invars[n:]]
+
+
+def reduce_alignment(eqn: JaxprEqn, k: int) -> list[int | None] | None:
+    """A one-operand `lax.reduce`: the operand runs along the output on its kept axes, the
+    initial value (a scalar) along none."""
+    if len(eqn.invars) != 2:
+        return None
+    if k == 1:
+        return []
+    return _kept_alignment(len(shape_of(eqn.invars[0])), eqn.params["dimensions"])
 
 
 def cumulative_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
@@ -938,6 +969,41 @@ def custom_rule_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> lis
         return [Kind.LIVE] * len(body)
     read = ctx.inner_kinds(call_jaxpr(eqn), [Kind.LIVE] * len(out_kinds), True)
     return [b if r == Kind.LIVE else Kind.MAYBE for b, r in zip(body, read, strict=True)]
+
+
+def _lane_to_lane(eqn: JaxprEqn, rank: int) -> bool:
+    """Whether `eqn` maps lanes to lanes of one rank (operands of rank 0 broadcast; size-1 axes
+    too), makes a constant from literals alone, or is a call that is inlined (its body is read
+    in turn)."""
+    rule = rule_for(eqn.primitive)
+    if rule.inline or all(isinstance(v, Literal) for v in eqn.invars):
+        return True
+    if not (rule.elementwise or rule.selection is not None) or len(eqn.outvars) != 1:
+        return False
+    return len(shape_of(eqn.outvars[0])) == rank and \
+        all(len(shape_of(v)) in (0, rank) for v in eqn.invars)
+
+
+def custom_rule_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
+    """A custom rule whose primal body is lane to lane (`jax.nn.relu`, `logaddexp`, a clamp
+    with its own derivative): each operand has the output's formula along its axes, as the
+    run-time rule (`custom_rule_masks`) gives it when the body reads every operand. Otherwise
+    None: the kinds, every lane of a live operand as one unknown."""
+    if len(eqn.outvars) != 1:
+        return None
+    rank = len(shape_of(eqn.outvars[0]))
+    body = call_jaxpr(eqn)
+    if any_equation(body, lambda e: not _lane_to_lane(e, rank)):
+        return None
+    if any(len(shape_of(v)) not in (0, rank) for v in eqn.invars):
+        return None
+    read = ctx.inner_kinds(body, [Kind.LIVE], True)
+    if any(k != Kind.LIVE for k in read):
+        return None
+    out = out_syms[0]
+    return [FALSE if isinstance(v, Literal) else
+            move(out, backward_mapping(cast(list, same_rank_alignment(eqn, k))))
+            for k, v in enumerate(eqn.invars)]
 
 
 def cond_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],

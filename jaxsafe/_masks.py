@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import jax
@@ -302,6 +302,26 @@ def not_mask(mask) -> jax.Array:
         if table is not None:
             table[key] = (flipped, core)
     return broadcast_mask(flipped, _shape(mask), axes)
+
+
+def of_predicates(sym: Any, value_of: Callable[[Any], Any], shape) -> Mask:
+    """The mask of a formula made of the program's predicates alone (`_symbolic.named_along`),
+    over a value of `shape`; `value_of(key)` gives a predicate's value. A literal's key axes
+    that embed nowhere have size 1."""
+    terms = []
+    for term in sym:
+        lits = []
+        for key, positive, embed in term:
+            value = value_of(key)
+            kept = [j for j, e in enumerate(embed) if e is not None]
+            core = lax.reshape(value, tuple(np.shape(value)[j] for j in kept))
+            order = sorted(range(len(kept)), key=lambda j: embed[kept[j]])
+            if order != list(range(len(kept))):
+                core = lax.transpose(core, order)
+            m = broadcast_mask(core, shape, sorted(embed[j] for j in kept))
+            lits.append(m if positive else not_mask(m))
+        terms.append(all_of(lits))
+    return any_of(terms)
 
 
 def reduce_any(mask, axes: Sequence[int], keepdims: bool = False) -> jax.Array:

@@ -96,6 +96,7 @@ from ._liveness_rules import (
     cumulative_masks,
     custom_rule_kinds,
     custom_rule_masks,
+    custom_rule_syms,
     dot_general_alignment,
     dot_general_masks,
     dynamic_slice_syms,
@@ -111,6 +112,8 @@ from ._liveness_rules import (
     pad_syms,
     paired_masks,
     paired_syms,
+    reduce_alignment,
+    reduce_masks,
     reduction_alignment,
     reduction_masks,
     reshape_alignment,
@@ -137,6 +140,7 @@ from ._liveness_rules import (
 from ._rules import Carries, Chooser, Guard, Selection, Zeros, register, update
 from ._taint import (
     compared_with_nonfinite,
+    computation_selects,
     cond_body_inputs,
     direct_body_inputs,
     every_operand,
@@ -421,6 +425,10 @@ register(prims.sort_p, masks=sort_masks, drops=_always, chooser=Chooser(by_permu
 register(prims.top_k_p, masks=support_masks, drops=_always, chooser=Chooser(by_top_k),
          linear=True, foldable=True)
 register_reduction(prims.reduce_prod_p)
+# the generic `lax.reduce` (a softmax's row max with a finite start): row by row, as the named
+# reductions; finite for finite operands when its computation only picks (`lax.max`)
+register(prims.reduce_p, masks=reduce_masks, align=reduce_alignment, static=aligned_syms,
+         foldable=True, makes_nonfinite=True, finite_when=computation_selects)
 register(prims.cumsum_p, masks=cumulative_masks, linear=True, foldable=True)
 register(prims.cumprod_p, prims.cumlogsumexp_p,
          masks=cumulative_masks, foldable=True)
@@ -470,8 +478,10 @@ register(prims.jit_p, prims.closed_call_p, masks=call_masks, kinds=call_kinds, i
 register(prims.remat_p, masks=opaque_call_masks, kinds=opaque_call_kinds,
          nested_params=("jaxpr",), masked_body=RematBody(), body_inputs=direct_body_inputs)
 register(prims.custom_jvp_call_p, masks=custom_rule_masks, kinds=custom_rule_kinds,
+         static=custom_rule_syms,
          custom_rule=True)
 register(prims.custom_vjp_call_p, masks=custom_rule_masks, kinds=custom_rule_kinds,
+         static=custom_rule_syms,
          custom_rule=True, backward_param="bwd", forward_param="fwd_jaxpr_thunk",
          identity_param="out_trees")
 register(prims.cond_p, masks=cond_masks, kinds=cond_kinds, nested_params=("branches",),

@@ -30,6 +30,10 @@ class Site:
     cut_output: bool = False
     """Its output's dropped lanes are cut too (a cut before a pooling some of whose results are
     dropped: forward mode's `0 * inf` tangent in a dropped lane would reach them)."""
+    coarse: dict = dataclasses.field(default_factory=dict)
+    """Operands of `replace` guarded where a coarser mask drops them (`_symbolic.named_along`:
+    the rows the program's predicates drop), not in every dropped lane: their exact mask would
+    need a run-time reduction. Operand -> that mask's formula, over the operand's axes."""
 
 
 @dataclasses.dataclass(eq=False)

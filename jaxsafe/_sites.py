@@ -56,8 +56,8 @@ from ._free import FreeValues
 from ._liveness import Sweep, kind_of_sym
 from ._nested import sub_jaxprs
 from ._report import Report, Site, note_failure
-from ._rules import Kind, PrimitiveRule, alignment, guard_for, rule_for
-from ._symbolic import backward_mapping, made_of, runs_only_along
+from ._rules import Guard, Kind, PrimitiveRule, alignment, guard_for, rule_for
+from ._symbolic import TRUE, Sym, backward_mapping, made_of, move, named_along, runs_only_along
 from ._taint import contains_hazard, literal_taints, selected_only_where_finite
 
 
@@ -160,12 +160,9 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
     body_guards_itself = rule.masked_body is not None and any(
         k == Kind.MAYBE and is_float(o) for k, o in zip(out_kinds, eqn.outvars, strict=True))
     # a cut (below) stops every derivative in dropped lanes: no value guard needed beside it
-    nonfinite = [] if body_guards_itself or rule.cut_when_dropped else _nonfinite_operands(
-        eqn, rule, tangents, guarded, tainted, sweep, report, dropped, paid)
-    for k in nonfinite:
-        if k not in replace and k not in cut:
-            safe = guard.safe.get(k, 0.0) if guard is not None else 0.0
-            replace[k], reasons[k] = safe, "may be non-finite"
+    nonfinite, coarse = ([], {}) if body_guards_itself or rule.cut_when_dropped else \
+        _nonfinite_operands(eqn, rule, tangents, guarded, tainted, sweep, report, dropped, paid)
+    coarse = _guard_nonfinite(nonfinite, coarse, guard, replace, reasons, cut)
     if rule.custom_rule and (
             any(_may_be_nonfinite(eqn, v, tainted) for v in eqn.invars)
             or any(contains_hazard(sub) for sub in sub_jaxprs(eqn))) or rule.cut_when_dropped:
@@ -183,7 +180,25 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
                 reasons[k] = why
     if not replace and not cut and not free:
         return None
-    return Site(eqn, replace, reasons, frozenset(cut), free, free_cut, cut_output)
+    return Site(eqn, replace, reasons, frozenset(cut), free, free_cut, cut_output, coarse)
+
+
+def _guard_nonfinite(nonfinite: list[int], coarse: dict[int, Sym], guard: Guard | None,
+                     replace: dict[int, float], reasons: dict[int, str],
+                     cut: set[int]) -> dict[int, Sym]:
+    """Add the operands that may be non-finite to `replace` (the table's safe value, else 0),
+    unless guarded or cut already; the coarse masks of those added."""
+    added = {}
+    for k in nonfinite:
+        if k in replace or k in cut:
+            continue
+        replace[k] = guard.safe.get(k, 0.0) if guard is not None else 0.0
+        reasons[k] = "may be non-finite"
+        if k in coarse:
+            reasons[k] += ("; where the program's predicates drop it (its exact mask would need a "
+                           "run-time reduction)")
+            added[k] = coarse[k]
+    return added
 
 
 def _cut_before_a_picker(eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep,
@@ -238,15 +253,16 @@ def _without_tangent(closed: ClosedJaxpr) -> set:
 def _nonfinite_operands(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool],
                         guarded: list[bool], tainted: set, sweep: Sweep,
                         report: Report, dropped: DroppedValues,
-                        paid: _PaidMasks) -> list[int]:
+                        paid: _PaidMasks) -> tuple[list[int], dict[int, Sym]]:
     """Operands that may be non-finite in dropped lanes where the derivative of an operand that
     carries a tangent (`diff`) reads them (a zero cotangent times NaN), and that a guard can
-    reach cheaply."""
+    reach cheaply; and, of those, the ones guarded by a coarser mask (`Site.coarse`)."""
     if rule.linear or rule.zero_derivative or rule.custom_rule:  # a custom rule: cut instead
-        return []
+        return [], {}
     if rule.chooser is not None and rule.chooser.picks:
-        return []  # its derivative picks a lane, never weighs one: no `0 * inf` to meet
-    found = []
+        return [], {}  # its derivative picks a lane, never weighs one: no `0 * inf` to meet
+    found: list[int] = []
+    coarse: dict[int, Sym] = {}
     for k, v in enumerate(eqn.invars):
         if not guarded[k] or not _may_be_nonfinite(eqn, v, tainted):
             continue
@@ -259,11 +275,33 @@ def _nonfinite_operands(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool],
         if isinstance(v, Literal) and not (rule.elementwise and len(eqn.outvars) == 1):
             continue
         if not _guard_needs_no_reduction(eqn, k, sweep) and not paid.paid(eqn, k):
-            report.skipped.append((eqn, f"operand {k} unguarded: it may be non-finite, but a "
-                                        f"guard would need a run-time reduction of the liveness"))
-            continue
+            named = _named_by_predicates(eqn, k, rule, sweep)
+            if named is None:
+                report.skipped.append((eqn, f"operand {k} unguarded: it may be non-finite, but "
+                                            f"a guard would need a run-time reduction of the "
+                                            f"liveness"))
+                continue
+            coarse[k] = named
         found.append(k)
-    return found
+    return found, coarse
+
+
+def _named_by_predicates(eqn: JaxprEqn, k: int, rule: PrimitiveRule,
+                         sweep: Sweep) -> Sym | None:
+    """Operand k's dropped lanes as a coarser mask, where its exact one would need a run-time
+    reduction: the lanes the program's predicates drop along the axes the operand runs along
+    (a padded row that a `where` drops, after a ReLU, a label gather or a constant mask that
+    keep some of its lanes as well), moved to the operand's axes. None when they drop none.
+    Not for a lane-to-lane equation, whose guarded operand's values in dropped lanes are
+    read as the safe value's (`_dropped.py`)."""
+    align = alignment(eqn, k)
+    if align is None or rule.elementwise:
+        return None
+    along = backward_mapping(align)
+    named = named_along(sweep.sym(eqn.outvars[0]), along)
+    if named == TRUE:
+        return None
+    return move(named, along)
 
 
 def _finite_where_dropped(eqn: JaxprEqn, k: int, dropped: DroppedValues) -> bool:
@@ -325,9 +363,10 @@ def _value_guards(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool], guarded:
 def _taints_outputs(eqn: JaxprEqn, rule: PrimitiveRule, tainted: set, site: Site | None,
                     bounds: Bounds, producer_of: Callable[[Var], JaxprEqn | None]) -> bool:
     """Whether `eqn`'s outputs may be non-finite where no guard put it, after its guards."""
-    replaced = site.replace if site is not None else {}
+    # a coarse guard leaves some dropped lanes as they were
+    replaced = {k for k in site.replace if k not in site.coarse} if site is not None else set()
     if rule.chooser is not None and not rule.chooser.guarded_results:
-        replaced = {}  # emitted again, its dropped results are the original's (`by_fill`)
+        replaced = set()  # emitted again, its dropped results are the original's (`by_fill`)
     if any(isinstance(v, Var) and v in tainted and k not in replaced
            and not selected_only_where_finite(eqn, k, producer_of, bounds, tainted)
            for k, v in enumerate(eqn.invars)):

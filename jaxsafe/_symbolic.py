@@ -202,6 +202,23 @@ def runs_only_along(sym: Sym, axes: Iterable[int]) -> bool:
                for term in sym for _, _, embed in term)
 
 
+def named_along(sym: Sym, axes: Iterable[int]) -> Sym:
+    """A coarser mask (more lanes live) that runs along `axes` only and that the program's
+    predicates alone name: each term keeps its literals keyed by a predicate on those axes
+    and drops the rest (unknowns, literals on other axes). TRUE where a term keeps nothing."""
+    axes = set(axes)
+    terms = set()
+    for term in sym:
+        kept = frozenset(lit for lit in term
+                         if isinstance(lit[0], Var) and lit[2] is not None
+                         and all(e is None or e in axes for e in lit[2]))
+        if not kept:
+            return TRUE
+        terms.add(kept)
+    out = _simplify(terms)
+    return out if all(isinstance(lit[0], Var) for term in out for lit in term) else TRUE
+
+
 # --------------------------------------------------------------------------- moving masks
 
 _MISSING = object()

@@ -271,6 +271,14 @@ def _proven_finite(eqn: JaxprEqn, bounds_of: Callable[[], Bounds]) -> bool:
     return any(applies and check(eqn, bounds_of()) for applies, check in checks)
 
 
+def computation_selects(eqn: JaxprEqn, bounds: Bounds) -> bool:
+    """A generic reduction whose computation only picks among its operands (`lax.reduce` with
+    `lax.max`, the row max of a softmax): each result is an operand lane or an initial value,
+    finite where they are."""
+    return all(rule_for(e.primitive).selection is not None
+               for body in sub_jaxprs(eqn) for e in body.jaxpr.eqns)
+
+
 def exponent_set_by(or_primitive: Any, shift_primitive: Any) -> Callable[[JaxprEqn, Bounds], bool]:
     """`bitcast_convert_type` to a float of `or(shift_right_logical(bits, k), c)`: the shift
     clears the sign and exponent bits (k at least their count), and the constant `c` sets an

@@ -13,10 +13,13 @@ bits. No select, unlike the usual double `where`: XLA:CPU fuses these into the s
 jax.nn's (a select or compare splits them at some shapes), so the compiled programs cost the same
 (see `benchmarks/bench_nn.py`). NaN in a valid entry stays NaN.
 
-Derivatives are autodiff of this code, plus two small custom rules: the sum's `maximum` has
-derivative 1 (`_denominator`) and log_softmax cuts the `x_i` term of an empty row
-(`_scale_tangent`); `softmax` under `jax_softmax_custom_jvp` mirrors `jax.nn`'s rule. `grad`,
-`jacfwd`, `vmap`, `jit` and higher orders all compose.
+Derivatives are autodiff of this code, plus small custom rules: the sum's `maximum` has
+derivative 1 (`_denominator`), logsumexp's `log` of an empty sum has derivative 0
+(`_log_of_sum`), and log_softmax cuts the `x_i` term of an empty row (`_scale_tangent`);
+`softmax` under `jax_softmax_custom_jvp` mirrors `jax.nn`'s rule. `grad`, `jacfwd`, `vmap`,
+`jit` and higher orders all compose. Inside `jaxsafe.nan_safe` these functions are read lane by
+lane like `jax.nn`'s (their custom rules have lane-to-lane bodies), so padded rows dropped after
+them are guarded as they are after `jax.nn`'s.
 """
 
 from __future__ import annotations
@@ -88,14 +91,33 @@ def _denominator_jvp(primals, tangents):
 
 @jax.custom_jvp
 def _scale_tangent(x: Array, scale: Array) -> Array:
-    """The identity, with derivative `scale` (treated as a constant): no forward operation."""
-    return x
+    """The identity, with derivative `scale` (x's shape, treated as a constant).
+
+    A multiply, not a select on the row: XLA:CPU fuses it into jax.nn's backward (a select there
+    costs a fifth more memory traffic). The body reads `scale` in a select that never picks it,
+    which XLA removes: it shows `nan_safe`'s liveness analysis that the rule reads `scale` lane
+    by lane, as it does, so a row dropped after `log_softmax` stays dropped before it.
+    """
+    return lax.select(lax.full_like(x, False, dtype=bool), scale, x)
 
 
 @_scale_tangent.defjvp
 def _scale_tangent_jvp(primals, tangents):
     x, scale = primals
     return x, tangents[0] * lax.stop_gradient(scale)
+
+
+@jax.custom_jvp
+def _log_of_sum(total: Array) -> Array:
+    """`log(total)`, whose derivative is 0 (not `0 / 0`) where `total` is 0: an empty sum."""
+    return lax.log(total)
+
+
+@_log_of_sum.defjvp
+def _log_of_sum_jvp(primals, tangents):
+    total, = primals
+    safe = lax.select(total == 0, lax.full_like(total, 1), total)
+    return _log_of_sum(total), lax.div(tangents[0], safe)
 
 
 # -- softmax, log_softmax, logsumexp ---------------------------------------------------------
@@ -174,7 +196,7 @@ def log_softmax(x: ArrayLike, axis: Axis = -1, where: ArrayLike | None = None) -
         # the whole derivative of `x` (after jax.nn's fused multiply-adds, whose bits it keeps);
         # the sum it needs is the one below, computed twice in the program and merged by XLA.
         total = jnp.sum(jnp.exp(x_safe - shift), axis, where=where, keepdims=True)
-        x_safe = _scale_tangent(x_safe, jnp.minimum(total, 1))
+        x_safe = _scale_tangent(x_safe, jnp.broadcast_to(jnp.minimum(total, 1), x_safe.shape))
     shifted = x_safe - shift
     total = jnp.sum(jnp.exp(shifted), axis, where=where, keepdims=True)
     result = shifted - jnp.log(_denominator(total))
@@ -223,9 +245,10 @@ def logsumexp(a: ArrayLike, axis: Axis = None, b: ArrayLike | None = None,
     else:
         a_arr, = _promote_inexact(a)
     dims = tuple(range(a_arr.ndim)) if axis is None else _axis_tuple(axis)
-    amax = jnp.max(a_arr.real, axis=dims, keepdims=keepdims, where=where, initial=-jnp.inf)
-    empty = amax == -jnp.inf
-    amax = lax.stop_gradient(lax.select(jnp.isfinite(amax), amax, lax.full_like(amax, 0)))
+    amax = lax.stop_gradient(
+        jnp.max(a_arr.real, axis=dims, keepdims=keepdims, where=where, initial=-jnp.inf))
+    amax_raw = amax  # -inf on an empty reduction
+    amax = lax.select(jnp.isfinite(amax), amax, lax.full_like(amax, 0))
     pos_dims = tuple(d % a_arr.ndim for d in dims)  # valid: jnp.max has checked them
     amax_with_dims = amax if keepdims else lax.expand_dims(amax, pos_dims)
 
@@ -236,9 +259,11 @@ def logsumexp(a: ArrayLike, axis: Axis = None, b: ArrayLike | None = None,
     sign = lax.sign(sumexp)
     if return_sign or not jnp.issubdtype(a_arr.dtype, jnp.complexfloating):
         sumexp = abs(sumexp)
-    # The double where, on the reduced (row-sized) values: jax's logsumexp already selects there.
-    out = lax.add(lax.log(jnp.where(empty, 1, sumexp)), amax.astype(sumexp.dtype))
-    out = jnp.where(empty, -jnp.inf, out)
+    # An empty reduction sums to 0: log(0) + -inf is -inf, and `_log_of_sum` gives it a zero
+    # derivative. Elsewhere `amax_raw` is `amax` or a non-finite max that makes `out` what JAX's
+    # `log(sumexp) + 0` makes (inf, NaN). No select on the result: the liveness analysis of
+    # `nan_safe` follows the rows through it (a select on `empty` would hide them).
+    out = lax.add(_log_of_sum(sumexp), amax_raw.astype(sumexp.dtype))
 
     if return_sign:
         return out, sign

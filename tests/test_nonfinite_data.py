@@ -493,6 +493,110 @@ def test_nan_padding_rows_through_a_linear_layer_and_cross_entropy():
                      order(_cross_entropy_by_hand)(w, x, labels, valid), rtol=1e-5)
 
 
+def _log_softmax_by_lax_reduce(z):
+    """A log-softmax whose row max is a generic `lax.reduce` with `lax.max` from a finite start
+    (as `jaxsafe.nn` takes it): the reduction is read row by row."""
+    lowest = np.array(np.finfo(z.dtype).min, z.dtype)
+    row_max = lax.reduce(lax.stop_gradient(z), lowest, lax.max, (1,))[:, None]
+    shifted = z - row_max
+    return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=1, keepdims=True))
+
+
+CLASSES = np.array([[True, True, False]] * 2 + [[True, False, True]] * 2)
+NORMALIZERS = {
+    "jaxsafe.nn.log_softmax": lambda z: jaxsafe.nn.log_softmax(z, axis=-1),
+    "log of jaxsafe.nn.softmax": lambda z: jnp.log(jaxsafe.nn.softmax(z, axis=-1)),
+    "jaxsafe.nn.logsumexp": lambda z: z - jaxsafe.nn.logsumexp(z, axis=-1, keepdims=True),
+    "lax.reduce max": _log_softmax_by_lax_reduce,
+    # a constant mask along the row: the rows' liveness runs along the class axis too, and the
+    # guard of `x` takes the coarser mask the row predicate names (`Site.coarse`)
+    "jax.nn.log_softmax where=constant": lambda z: jax.nn.log_softmax(z, axis=-1, where=CLASSES),
+    "jaxsafe.nn.log_softmax where=constant":
+        lambda z: jaxsafe.nn.log_softmax(z, axis=-1, where=CLASSES),
+}
+
+
+@pytest.mark.parametrize("name", NORMALIZERS)
+def test_padded_rows_through_jaxsafe_nn_are_guarded_as_through_jax_nn(name):
+    """`jaxsafe.nn`'s functions inside `nan_safe` (contract 2): their custom rules have lane-to-
+    lane bodies (`_liveness_rules.custom_rule_syms`) and their row max is a generic reduction
+    (its row), so the NaN rows of `x` are guarded in `x` itself, as after `jax.nn.log_softmax`,
+    and every derivative is the hand fix's. Before, every entry of the gradient was NaN."""
+    normalize = NORMALIZERS[name]
+
+    def loss(w, x, labels, valid):
+        logp = normalize(x @ w)
+        nll = -jnp.take_along_axis(logp, labels[:, None], axis=1)[:, 0]
+        return jnp.sum(jnp.where(valid, nll, 0.))
+
+    def by_hand(w, x, labels, valid):
+        return loss(w, jnp.where(valid[:, None], x, 0.), labels, valid)
+
+    x = jnp.concatenate([jnp.arange(6.).reshape(2, 3) / 5, jnp.full((2, 3), nan)])
+    w = jnp.arange(9.).reshape(3, 3) / 10 - 0.3
+    labels, valid = jnp.array([0, 2, 1, 0]), jnp.array([True, True, False, False])
+    args = (w, x, labels, valid)
+    assert np.isnan(jax.grad(loss)(*args)).all()  # the bug
+    safe = jaxsafe.nan_safe(loss)
+    assert not safe.trace(*args)[1].conservative  # every primitive has its row
+    assert_bitwise(safe(*args), jax.jit(loss)(*args))
+    for order in (jax.grad, jax.hessian):
+        assert_close(order(safe)(*args), order(by_hand)(*args), rtol=1e-5)
+    assert_close(jax.grad(safe, 1)(*args), jax.grad(by_hand, 1)(*args), rtol=1e-5)
+
+
+@pytest.mark.parametrize("activation", [
+    jax.nn.relu, jax.nn.relu6, jax.nn.softplus, jax.nn.celu, jax.nn.elu, jnp.tanh,
+    lambda z: jnp.maximum(z, 0.)], ids=["relu", "relu6", "softplus", "celu", "elu", "tanh",
+                                        "maximum"])
+def test_an_activation_between_padded_rows_and_a_row_where(activation):
+    """`jax.nn.relu`, `relu6` and `softplus` are `custom_jvp` calls: their bodies are lane to
+    lane, so the rows a `where` drops after them are dropped before them. The lanes a `max` or
+    `min` keeps (ReLU as `jnp.maximum`, `celu`, `elu`) are decided at run time, so `x`'s exact
+    mask would need a reduction: its guard takes the coarser mask the row predicate names
+    (`Site.coarse`). Either way the NaN and inf rows of `x` are guarded in `x` itself (before,
+    `w1`'s gradient was NaN)."""
+    def loss(w1, w2, x):
+        h = activation(x @ w1)
+        return jnp.sum(jnp.where(VALID, (h @ w2)[:, 0] ** 2, 0.))
+
+    def by_hand(w1, w2, x):
+        return loss(w1, w2, jnp.where(VALID[:, None], x, 0.))
+
+    x = jnp.array([[1., 2.], [nan, nan], [.5, -1.], [inf, 0.]])
+    w1 = jnp.array([[.1, -.2, .3], [-.4, .5, .6]])
+    w2 = jnp.array([[.2, .1], [-.3, .4], [.5, -.6]])
+    assert np.isnan(jax.grad(loss)(w1, w2, x)).any()  # the bug
+    safe = jaxsafe.nan_safe(loss)
+    assert_bitwise(safe(w1, w2, x), jax.jit(loss)(w1, w2, x))
+    for argnums in (0, 1):
+        assert_close(jax.grad(safe, argnums)(w1, w2, x), jax.grad(by_hand, argnums)(w1, w2, x),
+                     rtol=1e-5)
+    assert_close(jax.hessian(safe)(w1, w2, x), jax.hessian(by_hand)(w1, w2, x), rtol=1e-5)
+
+
+def test_a_coarse_guard_reads_the_row_predicate_and_no_reduction():
+    """The guard of `x` before `maximum(x @ w1, 0)` takes the row predicate `valid` (its exact
+    mask, an OR over the ReLU's decisions along the row, would be a run-time reduction): the
+    rewritten program reduces nothing the original does not, and `explain` says which mask."""
+    def loss(w1, x, valid):
+        h = jnp.maximum(x @ w1, 0.)
+        return jnp.sum(jnp.where(valid, h.sum(axis=1) ** 2, 0.))
+
+    x = jnp.array([[1., 2.], [nan, nan], [.5, -1.]])
+    w1 = jnp.array([[.1, -.2, .3], [-.4, .5, .6]])
+    valid = jnp.array([True, False, True])
+    closed, report = jaxsafe.nan_safe(loss).trace(w1, x, valid)
+
+    def reductions(c):
+        return sorted(e.primitive.name for e in c.eqns if e.primitive.name.startswith("reduce"))
+    assert reductions(closed) == reductions(jax.make_jaxpr(loss)(w1, x, valid))
+    site, = [s for s in report.sites if s.eqn.primitive.name == "dot_general"]
+    assert list(site.coarse) == [0] and "predicates drop it" in site.reasons[0]
+    by_hand = jax.grad(lambda w, x, v: loss(w, jnp.where(v[:, None], x, 0.), v))
+    assert_close(jax.grad(jaxsafe.nan_safe(loss))(w1, x, valid), by_hand(w1, x, valid))
+
+
 def test_a_value_taken_only_below_a_finite_bound_is_finite_where_taken():
     """`jnp.where(t < 1., t, 0.)` of a value bounded below (`|x|`, a distance): NaN and +inf
     fail `t < 1.`, and -inf is below the bound, so what it takes is finite even from a NaN
