@@ -460,9 +460,17 @@ def gather_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sy
     if not out_syms[0]:
         return [FALSE] * len(eqn.invars)
     # the lanes picked along the other axes differ from one batch to the next (a row's label
-    # in `take_along_axis`): the unknown runs along the batching axes too
-    return [_kept_along(out_syms[0], to_operand, op_shape, varying=dn.operand_batching_dims)] + \
+    # in `take_along_axis`): the unknown runs along the batching axes too. Indices the program
+    # computes from literals pick the same lanes in every run: a static unknown.
+    return [_kept_along(out_syms[0], to_operand, op_shape, varying=dn.operand_batching_dims,
+                        static=_indices_known(eqn.invars[1:], ctx))] + \
         [opaque() for _ in eqn.invars[1:]]
+
+
+def _indices_known(indices: Sequence[Any], ctx: Context) -> bool:
+    """Whether `indices` (a gather's or scatter's, a dynamic slice's starts) are computed from
+    literals alone: the lanes the equation moves depend on shapes only."""
+    return all(ctx.constant(v) is not None for v in indices)
 
 
 def _kept_along(out: Sym, to_operand: dict[int, int], op_shape: Sequence[int],
@@ -481,7 +489,7 @@ def _kept_along(out: Sym, to_operand: dict[int, int], op_shape: Sequence[int],
     if dropping is None:
         rest = [d for d in range(len(op_shape)) if (d not in to_operand.values() or d in varying)
                 and op_shape[d] != 1]
-        return sym_and_literal(sym, unknown(rest)) if rest else sym
+        return sym_and_literal(sym, unknown(rest, static)) if rest else sym
     for d in dropping:
         if op_shape[d] != 1:
             sym = sym_and_literal(sym, unknown([d], static))
@@ -505,8 +513,41 @@ def _whole_axes_syms(axes: AxesRule, by_shape: bool = False) -> StaticRule:
         whole, dropping = axes(eqn)
         to_operand = {d: d for d, w in enumerate(whole) if w}
         return [_kept_along(out_syms[0], to_operand, shape_of(eqn.invars[0]), dropping,
-                            by_shape)] + [opaque() for _ in eqn.invars[1:]]
+                            by_shape or _indices_known(eqn.invars[1:], ctx))] + \
+            [opaque() for _ in eqn.invars[1:]]
     return static
+
+
+def dynamic_update_slice_syms(eqn: JaxprEqn, out_syms: Sequence[Sym],
+                              ctx: Context) -> list[Sym]:
+    """The operand is live where the output is and the update does not overwrite it (an
+    unknown over the axes the update does not cover whole); the update, where the output lanes
+    it lands on are (in place along the axes it covers whole). Starts computed from literals
+    (`x.at[0].set(u)` with a row `u`) make both unknowns static."""
+    out = out_syms[0]
+    if not out:
+        return [FALSE] * len(eqn.invars)
+    operand, update = shape_of(eqn.invars[0]), shape_of(eqn.invars[1])
+    whole = [u == n for u, n in zip(update, operand, strict=True)]
+    partial = [d for d, w in enumerate(whole) if not w and operand[d] != 1]
+    static = _indices_known(eqn.invars[2:], ctx)
+    kept = sym_and_literal(out, unknown(partial, static)) if partial else FALSE
+    return [kept, _kept_along(out, {d: d for d, w in enumerate(whole) if w}, update,
+                              [d for d, w in enumerate(whole) if not w], static)] + \
+        [opaque() for _ in eqn.invars[2:]]
+
+
+def scatter_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
+    """`x.at[i].set(u)`: the operand is live where the output is and no update overwrites it
+    (an unknown, static for indices computed from literals); the updates: an unknown."""
+    out = out_syms[0]
+    if not out:
+        return [FALSE] * len(eqn.invars)
+    shape = shape_of(eqn.invars[0])
+    axes = [d for d, n in enumerate(shape) if n != 1]
+    static = _indices_known(eqn.invars[1:2], ctx)
+    kept = sym_and_literal(out, unknown(axes, static)) if axes else out
+    return [kept] + [opaque() for _ in eqn.invars[1:]]
 
 
 def _slice_axes(eqn: JaxprEqn) -> tuple[list[bool], list[int]]:

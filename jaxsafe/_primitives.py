@@ -100,6 +100,7 @@ from ._liveness_rules import (
     dot_general_alignment,
     dot_general_masks,
     dynamic_slice_syms,
+    dynamic_update_slice_syms,
     elementwise_masks,
     gather_masks,
     gather_syms,
@@ -121,6 +122,7 @@ from ._liveness_rules import (
     rev_syms,
     same_rank_alignment,
     scatter_add_syms,
+    scatter_syms,
     select_masks,
     select_syms,
     selected_syms,
@@ -352,7 +354,7 @@ register_movement(prims.gather_p, masks=gather_masks, static=gather_syms, drops=
 register_movement(prims.dynamic_slice_p, masks=by_transpose_masks, static=dynamic_slice_syms,
                   drops=_always, carries=MOVED)
 register_movement(prims.dynamic_update_slice_p, masks=by_transpose_masks, drops=_always,
-                  carries=MOVED)
+                  static=dynamic_update_slice_syms, carries=MOVED)
 register_movement(prims.pad_p, masks=by_transpose_masks, static=pad_syms, drops=pad_drops,
                   carries=MOVED)
 register_movement(prims.rev_p, masks=by_transpose_masks, static=rev_syms, carries=MOVED)
@@ -380,7 +382,8 @@ if hasattr(lax, "unstack_p"):
 if hasattr(lax, "tile_p"):
     register_movement(lax.tile_p, masks=tile_masks, carries=MOVED)
 # an overwrite drops the operand lanes it writes (and updates that a duplicate index overwrites)
-register_movement(prims.scatter_p, masks=by_transpose_masks, drops=_always, carries=MOVED)
+register_movement(prims.scatter_p, masks=by_transpose_masks, static=scatter_syms,
+                  drops=_always, carries=MOVED)
 # an update lane is live where the output lane it adds to is (a gather of the output's mask:
 # the transpose), and dropped where its index is out of range (`out_of_range_drops`)
 register(prims.scatter_add_p, masks=by_transpose_masks, static=scatter_add_syms,

@@ -597,6 +597,40 @@ def test_a_coarse_guard_reads_the_row_predicate_and_no_reduction():
     assert_close(jax.grad(jaxsafe.nan_safe(loss))(w1, x, valid), by_hand(w1, x, valid))
 
 
+def _first_row_zeroed(x):
+    return jnp.where(jnp.arange(x.shape[0])[:, None] == 0, 0., x)
+
+
+OVERWRITES = {
+    "at[0].set": lambda z: z.at[0].set(0.),
+    "dynamic_update_slice": lambda z: lax.dynamic_update_slice(z, jnp.zeros((1, 3)), (0, 0)),
+    "dynamic_slice": lambda z: lax.dynamic_slice(z, (1, 0), (2, 3)),
+    "gather": lambda z: z[jnp.array([1, 2])],
+}
+
+
+@pytest.mark.parametrize("name", OVERWRITES)
+def test_a_row_overwritten_at_a_constant_index_is_guarded_before_a_matmul(name):
+    """`(x @ w).at[0].set(0.)` and `dynamic_update_slice` at starts the program computes from
+    literals overwrite lanes known from shapes alone, as a `slice` crops them: the mask of `x`'s
+    rows (an OR over the matmul's output row) is computed from constants, and XLA folds it, so
+    `x`'s NaN row is guarded (before, `w`'s gradient was NaN for the overwrites)."""
+    cut = OVERWRITES[name]
+
+    def loss(x, w):
+        return jnp.sum(cut(x @ w) ** 2)
+
+    def by_hand(x, w):
+        return loss(_first_row_zeroed(x), w)
+
+    x = jnp.array([[nan, nan], [1., 2.], [.5, -1.]])
+    w = jnp.array([[.1, .2, .3], [-.4, .5, .6]])
+    safe = jaxsafe.nan_safe(loss)
+    assert_bitwise(safe(x, w), jax.jit(loss)(x, w))
+    assert_close(jax.grad(safe, 1)(x, w), jax.grad(by_hand, 1)(x, w))
+    assert_close(jax.hessian(safe, 1)(x, w), jax.hessian(by_hand, 1)(x, w))
+
+
 def test_a_value_taken_only_below_a_finite_bound_is_finite_where_taken():
     """`jnp.where(t < 1., t, 0.)` of a value bounded below (`|x|`, a distance): NaN and +inf
     fail `t < 1.`, and -inf is below the bound, so what it takes is finite even from a NaN
