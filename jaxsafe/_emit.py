@@ -40,12 +40,15 @@ from ._report import Site, note_failure
 from ._rules import Kind, Mask, rule_for
 
 
-def emit(plan: Plan, *args: Any) -> list:
-    """The planned program on `args`, every output live (traced by `jax.make_jaxpr`)."""
-    return emit_masked(plan, [None] * len(plan.closed.jaxpr.outvars), args)
+def emit(plan: Plan, changed: list[bool], *args: Any) -> list:
+    """The planned program on `args`, every output live (traced by `jax.make_jaxpr`); appends
+    to `changed` whether it differs from the original program (a guard whose masks, known when
+    jaxsafe traces, are true in every lane emits nothing)."""
+    return emit_masked(plan, [None] * len(plan.closed.jaxpr.outvars), args, changed)
 
 
-def emit_masked(plan: Plan, out_masks: Sequence[Mask], args: Sequence[Any]) -> list:
+def emit_masked(plan: Plan, out_masks: Sequence[Mask], args: Sequence[Any],
+                changed: list[bool] | None = None) -> list:
     """The planned program on `args`, its outputs dropped where `out_masks` are False (a body
     that the program around it drops in places)."""
     with mask_scope():  # one trace: the masks' bookkeeping must not outlive it
@@ -58,6 +61,8 @@ def emit_masked(plan: Plan, out_masks: Sequence[Mask], args: Sequence[Any]) -> l
         except Exception as e:
             note_failure(e, eqns[i], "emission")
             raise
+        if changed is not None:
+            changed.append(emitter.changed)
         return emitter.outputs()
 
 
@@ -105,6 +110,10 @@ class _Emitter:
         self.safe: dict = {}  # the guarded program's values, where its derivative path differs
         self.out_masks = list(out_masks)
         self._masks: RuntimeMasks | None = None
+        # whether the emitted program differs from the original (conservatively: rewritten
+        # bodies, re-decided selections and cuts count, each emitted guard `select_n` does)
+        self.changed = bool(plan.nested or plan.masked or plan.decisions.selections
+                            or plan.report.backward_rules)
 
     def _runtime_masks(self) -> RuntimeMasks:
         if self._masks is None:  # one backward sweep, the first time a guard needs a mask
@@ -163,6 +172,8 @@ class _Emitter:
     def _cut_outputs(self, site: Site, outs: list, free: Any) -> list:
         """The site's output lanes that pass no derivative: those that carry none (`free`),
         and its dropped lanes where it says so (`Site.cut_output`)."""
+        if free is not None or site.cut_output:
+            self.changed = True
         if free is not None:
             if site.free_cut:  # every operand's such lanes come from a selection
                 original = outs[0]
@@ -204,10 +215,13 @@ class _Emitter:
                 if live is not None:
                     operand = broadcast(operand, out_shape)
             if live is not None:
+                self.changed = True
                 invals[k] = lax.select_n(selecting(live, np.shape(operand)),
                                          lax.full_like(operand, value), operand)
                 if key is not None:
                     made[key] = (in_masks[k], invals[k])
+        if site.cut:
+            self.changed = True
         _cut(site, invals, in_masks)
 
     def _guard_free(self, site: Site, invals: list) -> Any:
@@ -230,6 +244,7 @@ class _Emitter:
                 free = all_of([free, live])
         shape = shape_of(out)
         free = materialize(free, shape)
+        self.changed = True
         if site.free_cut:
             return free
         for k, value in site.free.items():

@@ -103,7 +103,20 @@ def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps, finite_invars: Sequence[bool] 
     if not plan.report.changed:
         return closed, plan.report
     avals = [v.aval for v in closed.jaxpr.invars]
-    return dce(trace_to_jaxpr(partial(emit, plan), avals)), plan.report
+    changed: list[bool] = []
+    new = dce(trace_to_jaxpr(partial(emit, plan, changed), avals))
+    if not any(changed):  # every planned guard's lanes were live: contract 4, the original
+        _unplace(plan.report)
+        return closed, plan.report
+    return new, plan.report
+
+
+def _unplace(report: Report) -> None:
+    """The sites of a plan that emitted no guard, moved to what was left, with why."""
+    for site in report.sites:
+        report.skipped.append((site.eqn, "unguarded: every lane it would guard is live (its "
+                                         "masks, known when jaxsafe traced, hold everywhere)"))
+    report.sites.clear()
 
 
 def _failed(closed: ClosedJaxpr, error: Exception) -> Report:
