@@ -25,7 +25,7 @@ primal provably never reads are dropped.
 
 from __future__ import annotations
 
-from collections.abc import Container, Generator, Mapping, Sequence
+from collections.abc import Callable, Container, Generator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -127,6 +127,10 @@ def kind_of_sym(sym: Sym) -> Kind:
 # --------------------------------------------------------------------------- values
 
 
+def _lookup(env: Any, atom: Any) -> Any:
+    return literal_value(atom) if isinstance(atom, Literal) else env[atom]
+
+
 def read(env: Any, atom: Any) -> Any:
     if isinstance(atom, Literal):
         return literal_value(atom)
@@ -140,7 +144,7 @@ def evaluate(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> dict:
     env.update(zip(jaxpr.invars, args, strict=True))
     with staged():
         for eqn in jaxpr.eqns:
-            env.update(zip(eqn.outvars, bind_eqn(eqn, [read(env, v) for v in eqn.invars]),
+            env.update(zip(eqn.outvars, bind_eqn(eqn, [_lookup(env, v) for v in eqn.invars]),
                            strict=True))
     return env
 
@@ -418,30 +422,36 @@ class RuntimeMasks:
         self._staged: RuntimeMasks | None = None
 
     def __call__(self, v: Any) -> Mask:
-        with at_trace_time(self.early) as outermost:
-            mask = self._demand(v)
-        if not outermost:
-            return mask
-        out = emitted(mask)
-        return self._all_staged()(v) if out is TOO_LARGE else out
+        return self._at_boundary(lambda masks: [masks._demand(v)])[0]
 
     def operand_masks(self, i: int) -> list[Mask]:
         """The masks equation `i`'s operands receive from it, computed once (a guard site and
         a chooser emitted again both read them)."""
+        return self._at_boundary(lambda masks: masks._settled_operand_masks(i))
+
+    def _at_boundary(self, demand: Callable[[RuntimeMasks], list]) -> list:
+        """`demand(self)`, with masks known at trace time where enabled; the outermost demand
+        hands them to the program (`emitted`), or asks the all-staged twin again where one is
+        too large to be a constant."""
         with at_trace_time(self.early) as outermost:
-            for o in self.sweep.jaxpr.eqns[i].outvars:
-                self._demand(o)  # settled first
-            masks = self._operand_masks(i)
+            masks = demand(self)
         if not outermost:
             return masks
         out = [emitted(m) for m in masks]
-        return self._all_staged().operand_masks(i) if any(m is TOO_LARGE for m in out) else out
+        if any(m is TOO_LARGE for m in out):
+            return self._all_staged()._at_boundary(demand)
+        return out
 
     def _all_staged(self) -> RuntimeMasks:
         """The same masks, every one staged: for one too large to emit as a constant."""
         if self._staged is None:
             self._staged = RuntimeMasks(self.sweep, self.env, self.out_masks, early=False)
         return self._staged
+
+    def _settled_operand_masks(self, i: int) -> list[Mask]:
+        for o in self.sweep.jaxpr.eqns[i].outvars:
+            self._demand(o)  # settled first
+        return self._operand_masks(i)
 
     def _demand(self, v: Any) -> Mask:
         if self.sweep.kind(v) == Kind.MAYBE and v not in self.memo:
