@@ -92,8 +92,8 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report,
             if site is not None:
                 sites[i] = site
                 report.sites.append(site)
-                if site.replace or site.cut or site.cut_output:
-                    paid.demand(eqn.outvars)
+                if site.cut or site.cut_output or any(k not in site.coarse for k in site.replace):
+                    paid.demand(eqn.outvars)  # a coarse guard reads predicates, not masks
             if (i in covered and not value_finite_above_bound(eqn, bounds)) or \
                     _taints_outputs(eqn, rule, tainted, site, bounds, sweep.producer_of):
                 tainted.update(o for o in eqn.outvars if is_float(o))
