@@ -201,7 +201,9 @@ class _Emitter:
                 live = of_predicates(site.coarse[k], self.orig.__getitem__,
                                      shape_of(eqn.invars[k]))
             key = (eqn.invars[k], value) if isinstance(eqn.invars[k], Var) else None
-            if key in made and made[key][0] is live:
+            # the same mask: the same coarse formula, or the same exact mask object
+            token = ("coarse", site.coarse[k]) if k in site.coarse else ("exact", id(live))
+            if key in made and made[key][0] == token:
                 invals[k] = made[key][1]
                 continue
             out_shape = shape_of(eqn.outvars[0])
@@ -219,7 +221,7 @@ class _Emitter:
                 invals[k] = lax.select_n(selecting(live, np.shape(operand)),
                                          lax.full_like(operand, value), operand)
                 if key is not None:
-                    made[key] = (in_masks[k], invals[k])
+                    made[key] = (token, invals[k])
         if site.cut:
             self.changed = True
         _cut(site, invals, in_masks)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ._atoms import is_float, literal_value, shape_of
+from ._atoms import dtype_of, is_float, literal_value, shape_of
 from ._bounds import Bounds, never_loses
 from ._carries import Carry, carry_classes, carrying_lanes
 from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, bind_eqn
@@ -50,7 +50,7 @@ from ._masks import (
 )
 from ._report import note_failure
 from ._rules import Kind, Mask, alignment, rule_for
-from ._symbolic import FALSE, TRUE, Sym, opaque, sym_or
+from ._symbolic import FALSE, TRUE, Connective, Lit, Sym, opaque, predicate_literal, sym_or
 from ._walk import demand
 
 
@@ -268,6 +268,21 @@ class Sweep:
         if eqn is None or not rule_for(eqn.primitive).broadcast or len(eqn.invars) != 1:
             return None
         return eqn
+
+    def connective_of(self, key: Var) -> tuple[Connective, list[Lit]] | None:
+        """The `and`, `or` or `not` that computes the predicate `key` from other predicates
+        (not from a literal), with their literals over `key`'s axes (`expand_connectives`)."""
+        eqn = self.producer_of(key)
+        connective = None if eqn is None else rule_for(eqn.primitive).connective
+        if eqn is None or connective is None:
+            return None
+        rank = len(shape_of(key))
+        operands = [u for u in eqn.invars if isinstance(u, Var)
+                    and dtype_of(u) == np.bool_ and len(shape_of(u)) in (0, rank)]
+        if dtype_of(key) != np.bool_ or len(operands) != len(eqn.invars):
+            return None
+        return connective, [predicate_literal(u, True, self.broadcast_of, self.same_as)
+                            for u in operands]
 
     def maybe_after(self, starts: Sequence[Any], known: Container) -> list:
         """The MAYBE values reached forward from `starts` through their readers' outputs, up to

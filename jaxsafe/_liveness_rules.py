@@ -16,7 +16,7 @@ pass (`_liveness.py`) provides.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import jax
@@ -51,6 +51,7 @@ from ._rules import AlignRule, Context, Kind, Mask, MaskRule, StaticRule, rule_f
 from ._symbolic import (
     FALSE,
     TRUE,
+    Lit,
     Sym,
     Unknown,
     backward_mapping,
@@ -690,6 +691,56 @@ def concatenate_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     return masks
 
 
+def _along_other_axes(sym: Sym, axis: int, removed: bool = False) -> Sym:
+    """`sym` for a value whose lanes along `axis` are others' (a concatenation's operand reads
+    a stretch of that axis; `removed`: a stacked operand has no such axis): a literal that runs
+    along `axis` becomes a fresh unknown on its axes (decided at run time), the others carry
+    over."""
+    def renumbered(axes: Iterable[int | None]) -> list[int | None]:
+        return [a if a is None or not removed or a < axis else a - 1 for a in axes]
+
+    def lit_off(lit: Lit) -> Lit:
+        key, positive, embed = lit
+        if embed is not None and axis not in embed:
+            return (key, positive, tuple(renumbered(embed)))
+        static = isinstance(key, Unknown) and key.static
+        if embed is None:
+            return unknown(None, static)
+        kept = [e for e in embed if e is not None and not (removed and e == axis)]
+        return unknown([a for a in renumbered(kept) if a is not None], static)
+    if sym in (TRUE, FALSE):
+        return sym
+    return frozenset(frozenset(lit_off(lit) for lit in term) for term in sym)
+
+
+def concatenate_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
+    """Each operand's lanes are the output's along every axis but the concatenated one: a
+    formula along the others carries over (padded rows of features `concatenate`d along the
+    feature axis), one along that axis is decided at run time."""
+    axis = eqn.params["dimension"]
+    return [FALSE if isinstance(v, Literal) else _along_other_axes(out_syms[0], axis)
+            for v in eqn.invars]
+
+
+def stack_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
+    """`jnp.stack`: operand k is the output's k-th entry along the new axis; a formula along
+    the other axes carries over, one along the new axis is decided at run time."""
+    return [FALSE if isinstance(v, Literal) else
+            _along_other_axes(out_syms[0], eqn.params["axis"], removed=True)
+            for v in eqn.invars]
+
+
+def split_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
+    """`jnp.split`: the operand's stretch k is output k; within the outputs' formulas along the
+    other axes (their union), the run time decides."""
+    axis = eqn.params["axis"]
+    union = FALSE
+    for sym in out_syms:
+        union = sym_or(union, _along_other_axes(sym, axis))
+    rank = len(shape_of(eqn.invars[0]))
+    return [sym_and_literal(union, unknown(range(rank))) if union else FALSE]
+
+
 def split_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
                 ctx: Context) -> list[Mask]:
     """The outputs' masks, concatenated back."""
@@ -776,11 +827,14 @@ def reduction_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     out = outs[0]
     if out is None:
         return [None] * len(eqn.invars)
-    in_shape = shape_of(eqn.invars[0])
-    axes = tuple(eqn.params["axes"])
-    kept = tuple(d for d in range(len(in_shape)) if d not in axes)
-    m = broadcast_mask(out, in_shape, kept)
-    return [m] + [fit(out, shape_of(v)) for v in eqn.invars[1:]]
+    row = _row_mask(out, shape_of(eqn.invars[0]), eqn.params["axes"])
+    return [row] + [fit(out, shape_of(v)) for v in eqn.invars[1:]]
+
+
+def _row_mask(out: Mask, in_shape: tuple, reduced: Sequence[int]) -> Mask:
+    """A reduction's result mask spread over the rows it reduced."""
+    kept = tuple(d for d in range(len(in_shape)) if d not in reduced)
+    return broadcast_mask(out, in_shape, kept)
 
 
 def _kept_alignment(rank: int, reduced: Sequence[int]) -> list[int | None]:
@@ -808,10 +862,7 @@ def reduce_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     out = any_of(outs)
     if out is None:
         return [None] * len(eqn.invars)
-    dims = tuple(eqn.params["dimensions"])
-    in_shape = shape_of(eqn.invars[0])
-    kept = tuple(d for d in range(len(in_shape)) if d not in dims)
-    row = broadcast_mask(out, in_shape, kept)
+    row = _row_mask(out, shape_of(eqn.invars[0]), eqn.params["dimensions"])
     return [row] * n + [fit(out, shape_of(v)) for v in eqn.invars[n:]]
 
 

@@ -140,6 +140,7 @@ from ._liveness_rules import (
     winner_masks,
 )
 from ._rules import Carries, Chooser, Guard, Selection, Zeros, register, update
+from ._symbolic import Connective
 from ._taint import (
     compared_with_nonfinite,
     computation_selects,
@@ -326,7 +327,10 @@ register_elementwise(prims.is_finite_p, zero_derivative=True, tests_nonfinite=ev
 register_elementwise(prims.eq_p, tests_nonfinite=compared_with_nonfinite, equality=True)
 register_elementwise(prims.ne_p, prims.lt_p, prims.le_p, prims.gt_p, prims.ge_p,
                      tests_nonfinite=compared_with_nonfinite)
-register_elementwise(prims.and_p, prims.or_p, prims.not_p, prims.xor_p)
+register_elementwise(prims.and_p, connective=Connective.AND)
+register_elementwise(prims.or_p, connective=Connective.OR)
+register_elementwise(prims.not_p, connective=Connective.NOT)
+register_elementwise(prims.xor_p)
 
 # --------------------------------------------------------------------------- selections
 register_selection(prims.select_n_p, masks=select_masks, static=select_syms,

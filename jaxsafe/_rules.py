@@ -25,6 +25,7 @@ from jax import lax
 
 from ._compat import ClosedJaxpr, JaxprEqn, Primitive, Var
 from ._compat import primitives as prims
+from ._symbolic import Connective
 
 if TYPE_CHECKING:
     from ._symbolic import Sym
@@ -336,6 +337,9 @@ class PrimitiveRule:
     """Lane to lane (operands of rank 0 or with size-1 axes broadcast)."""
     foldable: bool = False
     """Evaluated at planning time on small constants (a predicate computed from literals)."""
+    connective: Connective | None = None
+    """A boolean `and`, `or` or `not`: a predicate it computes is read as its formula over its
+    operands where a coarser mask needs fewer axes (`_symbolic.expand_connectives`)."""
     broadcast: bool = False
     """The output is operand 0 broadcast along `broadcast_dimensions` (predicates are followed
     back through it, to the axes they really run along)."""

@@ -57,7 +57,16 @@ from ._liveness import Sweep, kind_of_sym
 from ._nested import sub_jaxprs
 from ._report import Report, Site, note_failure
 from ._rules import Guard, Kind, PrimitiveRule, alignment, guard_for, rule_for
-from ._symbolic import TRUE, Sym, backward_mapping, made_of, move, named_along, runs_only_along
+from ._symbolic import (
+    TRUE,
+    Sym,
+    backward_mapping,
+    expand_connectives,
+    made_of,
+    move,
+    named_along,
+    runs_only_along,
+)
 from ._taint import contains_hazard, literal_taints, selected_only_where_finite
 
 
@@ -298,7 +307,8 @@ def _named_by_predicates(eqn: JaxprEqn, k: int, rule: PrimitiveRule,
     if align is None or rule.elementwise:
         return None
     along = backward_mapping(align)
-    named = named_along(sweep.sym(eqn.outvars[0]), along)
+    named = named_along(expand_connectives(sweep.sym(eqn.outvars[0]), sweep.connective_of),
+                        along)
     if named == TRUE:
         return None
     return move(named, along)

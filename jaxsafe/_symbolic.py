@@ -15,6 +15,7 @@ row (`stop_gradient(max(x))`) can be proven to affect dropped lanes only (`disjo
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterable, Sequence
 
 from ._atoms import dtype_of, shape_of
@@ -217,6 +218,68 @@ def named_along(sym: Sym, axes: Iterable[int]) -> Sym:
         terms.add(kept)
     out = _simplify(terms)
     return out if all(isinstance(lit[0], Var) for term in out for lit in term) else TRUE
+
+
+class Connective(enum.Enum):
+    """The boolean operation that computes a predicate from others (`m_i[:, None] & m_j`)."""
+    AND = "and"
+    OR = "or"
+    NOT = "not"
+
+
+Expansion = Callable[[Var], "tuple[Connective, list[Lit]] | None"]
+"""A predicate's connective and its operands' literals (each over the predicate's own axes),
+where the program computes it from other predicates; None otherwise."""
+
+
+def _expanded(lit: Lit, expansion: Expansion) -> Sym | None:
+    """The formula of one literal over the predicates its key is computed from, or None."""
+    key, positive, embed = lit
+    if not isinstance(key, Var) or embed is None:
+        return None
+    found = expansion(key)
+    if found is None:
+        return None
+    connective, parts = found
+    parts = [(k, p, tuple(None if e is None else embed[e] for e in part_embed))
+             for k, p, part_embed in parts]
+    if connective is Connective.NOT:
+        return frozenset({frozenset({parts[0] if not positive else negate(parts[0])})})
+    conjunction = (connective is Connective.AND) == positive
+    parts = parts if positive else [negate(q) for q in parts]
+    if conjunction:
+        return frozenset({frozenset(parts)})
+    return frozenset(frozenset({q}) for q in parts)
+
+
+def expand_connectives(sym: Sym, expansion: Expansion, rounds: int = 4) -> Sym:
+    """`sym` over the predicates that its predicates are computed from by `and`, `or` and `not`
+    (`m[:, None] & m[None, :]` as its two row literals), so that a literal over several axes may
+    split into literals over fewer (`named_along`). The same lanes; `sym` itself where the
+    formula would grow past `MAX_TERMS`."""
+    for _ in range(rounds):
+        terms: set = set()
+        grew = False
+        for term in sym:
+            product: Sym | None = TRUE
+            for lit in term:
+                part = _expanded(lit, expansion)
+                grew = grew or part is not None
+                product = sym_and(product, part if part is not None else
+                                  frozenset({frozenset({lit})}))
+                if product is None:
+                    return sym
+            terms |= product
+            if len(terms) > MAX_TERMS:
+                return sym
+        if not grew:
+            return sym
+        simplified = _simplify(terms)
+        if len(simplified) > MAX_TERMS or any(  # `_simplify` gave up: an opaque mask
+                isinstance(lit[0], Unknown) and lit[2] is None for t in simplified for lit in t):
+            return sym
+        sym = simplified
+    return sym
 
 
 # --------------------------------------------------------------------------- moving masks

@@ -597,6 +597,69 @@ def test_a_coarse_guard_reads_the_row_predicate_and_no_reduction():
     assert_close(jax.grad(jaxsafe.nan_safe(loss))(w1, x, valid), by_hand(w1, x, valid))
 
 
+PAIR_MASKS = {
+    "and": lambda qv, kv: qv[:, None] & kv[None, :],
+    "not or": lambda qv, kv: ~(~qv[:, None] | ~kv[None, :]),
+    "logical_and of a not": lambda qv, kv: jnp.logical_and(qv[:, None], ~jnp.logical_not(kv)[None]),
+}
+
+
+@pytest.mark.parametrize("pairs", PAIR_MASKS)
+def test_padded_queries_and_keys_of_a_pair_mask_are_guarded_before_the_scores(pairs):
+    """Attention whose mask is `q_valid[:, None] & k_valid[None, :]`, with NaN padded rows of
+    `q` and `k`: the mask of `q`'s rows is an OR over the keys (a run-time reduction), and the
+    predicate runs along both axes, so it names no coarser mask either, unless read through its
+    `and` (`_symbolic.expand_connectives`): then `q_valid` along the query axis, `k_valid`
+    along the key axis. Before, `q`'s gradient was NaN in every entry."""
+    pair = PAIR_MASKS[pairs]
+
+    def loss(q, k, v, qv, kv):
+        s = jnp.where(pair(qv, kv), q @ k.T / 2., -jnp.inf)
+        p = jnp.where(qv[:, None], jax.nn.softmax(s, axis=-1), 0.)
+        return jnp.sum(jnp.where(qv[:, None], (p @ v) ** 2, 0.))
+
+    def by_hand(q, k, v, qv, kv):
+        return loss(jnp.where(qv[:, None], q, 0.), jnp.where(kv[:, None], k, 0.), v, qv, kv)
+
+    rng = np.random.RandomState(0)
+    q, k, v = (rng.randn(*shape).astype(np.float32) for shape in ((4, 2), (5, 2), (5, 3)))
+    q[3], k[4] = nan, inf
+    qv, kv = jnp.array([True, True, True, False]), jnp.array([True] * 4 + [False])
+    args = (q, k, v, qv, kv)
+    assert np.isnan(jax.grad(loss)(*args)).all()  # the bug
+    safe = jaxsafe.nan_safe(loss)
+    assert_bitwise(safe(*args), jax.jit(loss)(*args))
+    for argnums in (0, 1, 2):
+        assert_close(jax.grad(safe, argnums)(*args), jax.grad(by_hand, argnums)(*args),
+                     rtol=1e-5)
+    assert_close(jax.hessian(safe)(*args), jax.hessian(by_hand)(*args), rtol=1e-4, atol=1e-6)
+
+
+def test_a_gram_matrix_of_padded_rows_is_guarded_once_for_both_operands():
+    """`h @ h.T` under a pair mask: both operands of the matmul are `h`, with the same coarse
+    mask, so one `select_n` guards both (`_emit`'s guard cache compares the coarse formulas,
+    not mask objects); gradients and Hessian are the hand fix's."""
+    def loss(x, valid):
+        h = jnp.maximum(x, 0.)
+        gram = jnp.einsum("ik,jk->ij", h, h)
+        pairs = valid[:, None] & valid[None, :]
+        return jnp.sum(jnp.where(pairs, jnp.maximum(gram, .1) ** 2, 0.))
+
+    def by_hand(x, valid):
+        return loss(jnp.where(valid[:, None], x, 0.), valid)
+
+    x = jnp.array([[1., 2.], [nan, nan], [.5, -1.]])
+    valid = jnp.array([True, False, True])
+    assert np.isnan(jax.grad(loss)(x, valid)).any()  # the bug
+    safe = jaxsafe.nan_safe(loss)
+    assert_bitwise(safe(x, valid), jax.jit(loss)(x, valid))
+    assert_close(jax.grad(safe)(x, valid), jax.grad(by_hand)(x, valid))
+    assert_close(jax.hessian(safe)(x, valid), jax.hessian(by_hand)(x, valid))
+    closed, _ = safe.trace(x, valid)
+    dots = [e.invars for e in closed.eqns if e.primitive.name == "dot_general"]
+    assert dots and all(a is b for a, b in dots)  # one guarded `h` for both operands
+
+
 def _first_row_zeroed(x):
     return jnp.where(jnp.arange(x.shape[0])[:, None] == 0, 0., x)
 
