@@ -443,7 +443,9 @@ def dot_product_attention(
     - `key`, `value`: `[batch, kv_len, kv_heads, head_dim]`; `heads` must be a multiple of
       `kv_heads` (grouped-query attention).
     - `bias`: additive, 4D, broadcastable to `[batch, heads, q_len, kv_len]`; `-inf` masks.
-    - `mask`: boolean, 4D, broadcastable like `bias`; `True` means attend.
+    - `mask`: boolean, 4D, broadcastable like `bias`; `True` means attend. A numeric mask
+      (Flax's `make_attention_mask` makes float32 ones) attends where it is nonzero, as Flax's
+      attention reads it.
     - `scale`: logits scale, default `1 / sqrt(head_dim)`.
     - `is_causal`: query `i` attends to keys `j <= i`.
     - `query_seq_lengths`, `key_value_seq_lengths`: `int32[batch]` valid lengths; 0 is allowed.
@@ -469,6 +471,9 @@ def dot_product_attention(
     query_arr, key_arr, value_arr = _ensure_4d(query), _ensure_4d(key), _ensure_4d(value)
     bias = _ensure_4d(bias) if bias is not None else None
     mask = _ensure_4d(mask) if mask is not None else None
+    if mask is not None and mask.dtype != np.dtype(bool) and (
+            jnp.issubdtype(mask.dtype, jnp.number)):
+        mask = mask != 0  # Flax's `make_attention_mask` is float32: nonzero attends
     if query_seq_lengths is not None:
         query_seq_lengths = jnp.asarray(query_seq_lengths)
     if key_value_seq_lengths is not None:

@@ -79,6 +79,23 @@ def test_linen_multi_head_attention_takes_it_and_sows_the_weights():
     assert weights.shape == (B, N, T, T) and np.all(np.asarray(weights[0, :, 1]) == 0.0)
 
 
+def test_linen_takes_the_float_mask_of_its_own_make_attention_mask():
+    """`linen.make_attention_mask` is float32 by default: Linen's attention reads it as
+    `where(mask, ...)`, and so does ours (it raised "mask dtype should be bool")."""
+    linen, _ = _flax()
+    x = jax.random.normal(jax.random.key(5), (B, T, N * H))
+    tokens = jnp.asarray(ROWS)
+    mask = linen.make_attention_mask(tokens, tokens)
+    assert mask.dtype == jnp.float32
+    ours = linen.MultiHeadDotProductAttention(num_heads=N,
+                                              attention_fn=jaxsafe.nn.dot_product_attention)
+    theirs = linen.MultiHeadDotProductAttention(num_heads=N)
+    params = theirs.init(jax.random.key(0), x, mask=mask, deterministic=True)
+    out = ours.apply(params, x, mask=mask, deterministic=True)
+    expected = theirs.apply(params, x, mask=mask, deterministic=True)
+    assert_close(out[ROWS], expected[ROWS], rtol=1e-5, atol=1e-6)
+
+
 def test_batch_norm_state_is_carried_by_the_split_and_merge_pattern():
     """As under jax.jit, state updated inside nan_safe is not carried back; the documented
     pattern (docs/nn.md) returns it as an auxiliary output and matches plain JAX."""

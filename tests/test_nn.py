@@ -500,12 +500,25 @@ def test_half_precision_accumulates_in_float32(dtype):
 def test_attention_validates_like_jax_nn():
     with pytest.raises(ValueError, match="value shape"):
         jsnn.dot_product_attention(Q, KEY, VAL[:, :3])
-    with pytest.raises(ValueError, match="mask dtype"):
-        jsnn.dot_product_attention(Q, KEY, VAL, mask=MASK.astype(jnp.int32))
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         jsnn.dot_product_attention(normal(B, T, 3, H), KEY, VAL)
     with pytest.raises(ValueError, match="key_value_seq_lengths dtype"):
         jsnn.dot_product_attention(Q, KEY, VAL, key_value_seq_lengths=jnp.array([1., 2.]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int32])
+def test_a_numeric_mask_attends_where_it_is_nonzero_as_flax_reads_it(dtype):
+    """Flax's `make_attention_mask` is float32 by default, and Linen's and NNX's attention read
+    a mask as `where(mask, ...)`: as an `attention_fn` there, a numeric mask attends where it is
+    nonzero (it used to raise "mask dtype should be bool"). Bits and gradients are the boolean
+    mask's."""
+    def attend(mask):
+        return lambda q: jsnn.dot_product_attention(q, KEY, VAL, mask=mask)
+
+    numeric = MASK.astype(dtype) * 3
+    assert_bitwise(attend(numeric)(Q), attend(MASK)(Q))
+    assert_bitwise(jax.grad(lambda q: attend(numeric)(q).sum())(Q),
+                   jax.grad(lambda q: attend(MASK)(q).sum())(Q))
 
 
 def test_attention_has_no_nan_inside_under_debug_nans():
