@@ -49,7 +49,7 @@ from ._masks import (
     zeros,
 )
 from ._report import note_failure
-from ._rules import Kind, Mask, alignment, rule_for
+from ._rules import Kind, Mask, alignment, may_drop, rule_for
 from ._symbolic import FALSE, TRUE, Connective, Lit, Sym, opaque, predicate_literal, sym_or
 from ._walk import demand
 
@@ -83,10 +83,8 @@ def operand_kinds(eqn: JaxprEqn, out_kinds: Sequence[Kind], ctx: Any) -> list[Ki
         return [Kind.LIVE] * n
     if rule.kinds is not None:
         return list(rule.kinds(eqn, list(out_kinds), ctx))
-    by_value = rule.selection is not None or rule.chooser is not None
-    drops = rule.drops(eqn) and not (ctx.structural and by_value)
     all_live = all(k == Kind.LIVE for k in out_kinds)
-    return [Kind.LIVE if all_live and not drops else Kind.MAYBE] * n
+    return [Kind.LIVE if all_live and not may_drop(eqn, ctx.structural) else Kind.MAYBE] * n
 
 
 def operand_masks(eqn: JaxprEqn, out_masks: Sequence[Mask], invals: Sequence[Any],
@@ -111,11 +109,12 @@ def operand_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Any) -> list[Sym]:
         if syms is not None:
             return syms
     kinds = operand_kinds(eqn, [kind_of_sym(m) for m in out_syms], ctx)
-    return [sym_of_kind(k) for k in kinds]
+    reads = all(m == TRUE for m in out_syms)  # what is unknown is only which lanes it reads
+    return [sym_of_kind(k, reads) for k in kinds]
 
 
-def sym_of_kind(kind: Kind) -> Sym:
-    return TRUE if kind == Kind.LIVE else FALSE if kind == Kind.DEAD else opaque()
+def sym_of_kind(kind: Kind, reads: bool = False) -> Sym:
+    return TRUE if kind == Kind.LIVE else FALSE if kind == Kind.DEAD else opaque(reads)
 
 
 def kind_of_sym(sym: Sym) -> Kind:
@@ -163,6 +162,29 @@ class LazyOperands(Sequence):
 
     def __len__(self) -> int:
         return len(self.atoms)
+
+
+class KnownOperands(LazyOperands):
+    """`LazyOperands` that gives an integer operand the program computes from literals and its
+    constants (a gather's indices held in a constant array) as its value, so that a mask rule
+    reading it runs at trace time (`_masks.at_trace_time`) and XLA is handed a constant mask,
+    or none: integers only, whose value is exact however it is computed."""
+
+    def __init__(self, env: Any, atoms: Sequence[Any], constant: Callable[[Any], Any]):
+        super().__init__(env, atoms)
+        self.constant = constant
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return [self._read(a) for a in self.atoms[k]]
+        return self._read(self.atoms[k])
+
+    def _read(self, atom: Any) -> Any:
+        if np.issubdtype(np.dtype(dtype_of(atom)), np.integer):
+            value = self.constant(atom)
+            if value is not None:
+                return value
+        return read(self.env, atom)
 
 
 # --------------------------------------------------------------------------- the pass
@@ -498,8 +520,10 @@ class RuntimeMasks:
             selection = rule_for(eqn.primitive).selection
             if selection is not None and selection.by_predicate:
                 self.sweep.note_broadcasts(self.env, eqn.invars[0])
+            operands = KnownOperands(self.env, eqn.invars, self.sweep.constant) \
+                if self.early else LazyOperands(self.env, eqn.invars)
             self.eqn_masks[i] = operand_masks(eqn, [self._settled(o) for o in eqn.outvars],
-                                              LazyOperands(self.env, eqn.invars), self.sweep)
+                                              operands, self.sweep)
         return self.eqn_masks[i]
 
 

@@ -47,7 +47,7 @@ from ._masks import (
     zeros,
 )
 from ._nested import any_equation, call_jaxpr
-from ._rules import AlignRule, Context, Kind, Mask, MaskRule, StaticRule, rule_for
+from ._rules import AlignRule, Context, Kind, Mask, MaskRule, StaticRule, may_drop, rule_for
 from ._symbolic import (
     FALSE,
     TRUE,
@@ -592,14 +592,43 @@ def out_of_range_drops(eqn: JaxprEqn) -> bool:
 def scatter_add_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
     """Every update of a scatter-add into a value live everywhere is live when no index can be
     out of range: clipped or promised indices, or indices the program computes from literals
-    that all fall in range (`x.at[1].add(u)`). Else the kinds decide (`out_of_range_drops`)."""
-    if out_syms[0] != TRUE:
-        return None
-    if out_of_range_drops(eqn):
+    that all fall in range (`x.at[1].add(u)`). Otherwise the operand has the output's formula,
+    and the updates carry it along the axes they keep in place (`_scatter_in_place`: a
+    vmapped `segment_sum`'s rows), the rest decided at run time (`out_of_range_drops`)."""
+    out = out_syms[0]
+    in_range = not out_of_range_drops(eqn)
+    if not in_range:
         indices = ctx.constant(eqn.invars[1])
-        if indices is None or not _all_in_range(eqn, indices):
-            return None
-    return [TRUE] * len(eqn.invars)
+        in_range = indices is not None and _all_in_range(eqn, indices)
+    if out == TRUE and in_range:
+        return [TRUE] * len(eqn.invars)
+    if len(eqn.invars) != 3 or not out:
+        return None
+    updates_shape = shape_of(eqn.invars[2])
+    to_update = _scatter_in_place(eqn)
+    updates = _carried(out, to_update, len(updates_shape))
+    scattered = [a for a in range(len(updates_shape)) if a not in to_update.values()]
+    if not in_range and updates:  # an update sent out of range is dropped
+        updates = sym_and_literal(updates, unknown(scattered, _indices_known(eqn.invars[1:2],
+                                                                             ctx)))
+    return [out, opaque(), updates]
+
+
+def _scatter_in_place(eqn: JaxprEqn) -> dict[int, int]:
+    """Output axis -> the updates' axis that runs along it lane for lane: a window axis the
+    updates cover whole and no index addresses (a vmapped `segment_sum`'s rows), and a batching
+    axis (`operand_batching_dims`)."""
+    dn = eqn.params["dimension_numbers"]
+    op_shape, updates_shape = shape_of(eqn.invars[0]), shape_of(eqn.invars[2])
+    windows = [d for d in range(len(op_shape))
+               if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+    kept = {d: a for a, d in zip(dn.update_window_dims, windows, strict=True)
+            if updates_shape[a] == op_shape[d] and d not in dn.scatter_dims_to_operand_dims}
+    scatter_axes = [a for a in range(len(updates_shape)) if a not in dn.update_window_dims]
+    for d, j in zip(dn.operand_batching_dims, dn.scatter_indices_batching_dims, strict=True):
+        if j < len(scatter_axes):
+            kept[d] = scatter_axes[j]
+    return kept
 
 
 def as_twin(primitive: Any, rule: Callable) -> Callable:
@@ -691,54 +720,156 @@ def concatenate_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     return masks
 
 
-def _along_other_axes(sym: Sym, axis: int, removed: bool = False) -> Sym:
-    """`sym` for a value whose lanes along `axis` are others' (a concatenation's operand reads
-    a stretch of that axis; `removed`: a stacked operand has no such axis): a literal that runs
-    along `axis` becomes a fresh unknown on its axes (decided at run time), the others carry
-    over."""
-    def renumbered(axes: Iterable[int | None]) -> list[int | None]:
-        return [a if a is None or not removed or a < axis else a - 1 for a in axes]
+def _carried(sym: Sym, to_operand: dict[int, int], rank: int) -> Sym:
+    """An operand's formula from its output's, through an equation that keeps lanes in place
+    from output axis `o` to operand axis `to_operand[o]` (same size) and moves or mixes them
+    along the other axes (a concatenation's or a cumulative sum's axis, the axes a reshape
+    merges): a literal along kept axes only carries over; one along another axis becomes a
+    fresh unknown, on its kept axes and every operand axis that is not kept (decided at run
+    time). Exact or coarser, never finer: no OR is claimed (`move` claims one)."""
+    loose = [d for d in range(rank) if d not in to_operand.values()]
 
-    def lit_off(lit: Lit) -> Lit:
+    def carried(lit: Lit) -> Lit:
         key, positive, embed = lit
-        if embed is not None and axis not in embed:
-            return (key, positive, tuple(renumbered(embed)))
         static = isinstance(key, Unknown) and key.static
         if embed is None:
             return unknown(None, static)
-        kept = [e for e in embed if e is not None and not (removed and e == axis)]
-        return unknown([a for a in renumbered(kept) if a is not None], static)
+        if all(e is None or e in to_operand for e in embed):
+            return (key, positive, tuple(None if e is None else to_operand[e] for e in embed))
+        return unknown([to_operand[e] for e in embed if e in to_operand] + loose, static)
     if sym in (TRUE, FALSE):
         return sym
-    return frozenset(frozenset(lit_off(lit) for lit in term) for term in sym)
+    return frozenset(frozenset(carried(lit) for lit in term) for term in sym)
+
+
+def _in_place_but(axes: Iterable[int], rank: int, removed: bool = False) -> dict[int, int]:
+    """Output axis -> operand axis for an equation that keeps lanes in place on every axis but
+    `axes` (`removed`: the output has the one axis the operand lacks, `stack`'s new one)."""
+    axes = set(axes)
+    if removed:
+        (axis,) = axes
+        return {o: o - (o > axis) for o in range(rank) if o != axis}
+    return {d: d for d in range(rank) if d not in axes}
 
 
 def concatenate_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
     """Each operand's lanes are the output's along every axis but the concatenated one: a
     formula along the others carries over (padded rows of features `concatenate`d along the
     feature axis), one along that axis is decided at run time."""
-    axis = eqn.params["dimension"]
-    return [FALSE if isinstance(v, Literal) else _along_other_axes(out_syms[0], axis)
+    rank = len(shape_of(eqn.outvars[0]))
+    kept = _in_place_but([eqn.params["dimension"]], rank)
+    return [FALSE if isinstance(v, Literal) else _carried(out_syms[0], kept, rank)
             for v in eqn.invars]
 
 
 def stack_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
     """`jnp.stack`: operand k is the output's k-th entry along the new axis; a formula along
     the other axes carries over, one along the new axis is decided at run time."""
-    return [FALSE if isinstance(v, Literal) else
-            _along_other_axes(out_syms[0], eqn.params["axis"], removed=True)
+    rank = len(shape_of(eqn.outvars[0]))
+    kept = _in_place_but([eqn.params["axis"]], rank, removed=True)
+    return [FALSE if isinstance(v, Literal) else _carried(out_syms[0], kept, rank - 1)
             for v in eqn.invars]
 
 
 def split_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
     """`jnp.split`: the operand's stretch k is output k; within the outputs' formulas along the
     other axes (their union), the run time decides."""
-    axis = eqn.params["axis"]
+    if all(sym == TRUE for sym in out_syms):
+        return [TRUE]
+    rank = len(shape_of(eqn.invars[0]))
+    kept = _in_place_but([eqn.params["axis"]], rank)
     union = FALSE
     for sym in out_syms:
-        union = sym_or(union, _along_other_axes(sym, axis))
-    rank = len(shape_of(eqn.invars[0]))
+        union = sym_or(union, _carried(sym, kept, rank))
     return [sym_and_literal(union, unknown(range(rank))) if union else FALSE]
+
+
+def along_axes_syms(axes_of: Callable[[JaxprEqn], Iterable[int]]) -> StaticRule:
+    """Static rule of an equation whose operands and outputs have one rank and that works along
+    `axes_of(eqn)`, lane by lane in place on the others (a cumulative op, a sort, `top_k`, a
+    window along the feature axis): the outputs' formulas (their union) along the other axes
+    carry over to every operand, so a row that a `where` drops after a `cumsum` over features
+    is dropped before it. Where the equation may drop lanes (`may_drop`: a running max,
+    `top_k`, a window that skips lanes), which ones is decided at run time: an unknown on
+    every axis besides."""
+    def static(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
+        rank = len(shape_of(eqn.outvars[0]))
+        axes = set(axes_of(eqn))
+        kept = _in_place_but(axes, rank)
+        out_shape = shape_of(eqn.outvars[0])
+        if any(len(shape_of(o)) != rank for o in eqn.outvars) or any(
+                len(shape_of(v)) != rank or any(shape_of(v)[d] != out_shape[d] for d in kept)
+                for v in eqn.invars):
+            return None
+        union = FALSE
+        for sym in out_syms:
+            union = sym_or(union, _carried(sym, kept, rank))
+        if union and may_drop(eqn, ctx.structural):
+            union = sym_and_literal(union, unknown(d for d, n in enumerate(out_shape) if n != 1))
+        return [FALSE if isinstance(v, Literal) else union for v in eqn.invars]
+    return static
+
+
+def reshape_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
+    """A reshape that only inserts or removes size-1 axes moves the formula axis for axis
+    (`aligned_syms`); one that merges or splits axes keeps in place the leading and trailing
+    axes it leaves alone (`x.reshape(rows, -1)` of a per-row stack), and decides the rest at
+    run time."""
+    if reshape_alignment(eqn, 0) is not None:
+        return aligned_syms(eqn, out_syms, ctx)
+    ins, outs = shape_of(eqn.invars[0]), shape_of(eqn.outvars[0])
+    kept: dict[int, int] = {}
+    for d in range(min(len(ins), len(outs))):  # leading axes
+        if ins[d] != outs[d]:
+            break
+        kept[d] = d
+    for d in range(1, min(len(ins), len(outs)) + 1):  # trailing axes
+        if ins[-d] != outs[-d] or len(outs) - d in kept or len(ins) - d in kept.values():
+            break
+        kept[len(outs) - d] = len(ins) - d
+    return [_carried(out_syms[0], kept, len(ins))] + [opaque() for _ in eqn.invars[1:]]
+
+
+def aligned_lanes_syms(eqn: JaxprEqn, out_syms: Sequence[Sym],
+                       ctx: Context) -> list[Sym] | None:
+    """Along the axes the equation's alignment keeps lane for lane (a convolution's batch and
+    untouched spatial axes, its kernel's output features), the output's formula carries over;
+    along the others, lanes are read by windows, not by whole rows: decided at run time (an OR
+    over the axis, as `aligned_syms` claims for a matmul, would be coarser than the truth)."""
+    align_rule = rule_for(eqn.primitive).align
+    if align_rule is None or len(eqn.outvars) != 1:
+        return None
+    syms: list[Sym] = []
+    for k, v in enumerate(eqn.invars):
+        align = align_rule(eqn, k)
+        if align is None:
+            return None
+        sym = FALSE if isinstance(v, Literal) else \
+            _carried(out_syms[0], backward_mapping(align), len(align))
+        if sym and may_drop(eqn, ctx.structural):  # lanes no window reads: at run time
+            sym = sym_and_literal(sym, unknown(d for d, n in enumerate(shape_of(v)) if n != 1))
+        syms.append(sym)
+    return syms
+
+
+def cumulative_axis(eqn: JaxprEqn) -> list[int]:
+    return [eqn.params["axis"]]
+
+
+def sort_axis(eqn: JaxprEqn) -> list[int]:
+    return [eqn.params["dimension"]]
+
+
+def top_k_axis(eqn: JaxprEqn) -> list[int]:
+    return [eqn.params.get("axis", len(shape_of(eqn.invars[0])) - 1)]
+
+
+def window_axes(eqn: JaxprEqn) -> list[int]:
+    """The axes along which a `reduce_window` reads more than its own lane."""
+    p = eqn.params
+    return [d for d, w in enumerate(p["window_dimensions"])
+            if (w, p["window_strides"][d], tuple(p["padding"][d]), p["base_dilation"][d],
+                p["window_dilation"][d]) != (1, 1, (0, 0), 1, 1)]
 
 
 def split_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
@@ -968,7 +1099,9 @@ def batched_syms(core: Core) -> StaticRule:
     triangle `jnp.linalg.cholesky` keeps), and so is a mask the static pass cannot name that
     runs along them or along every axis (the diagonal a gather reads for a log-determinant):
     live, as before, so such code is not changed. A predicate along both is decided at run
-    time."""
+    time, and so is a mask the static pass cannot name that a call gives its operand for
+    results that are not all live (`Unknown.reads` is False): the call may drop a matrix
+    whole."""
     def static(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
         nb = batch_rank(eqn, core)
         live: Sym = FALSE
@@ -983,6 +1116,10 @@ def batched_syms(core: Core) -> StaticRule:
                     axes = None if embed is None else {e for e in embed if e is not None}
                     if axes is not None and all(e < nb for e in axes):
                         kept.add(lit)  # along the batch axes only
+                    elif axes is None and isinstance(lit[0], Unknown) and not lit[0].reads:
+                        # what a call reads for results a `where` drops in part (`slogdet`'s
+                        # diagonal of `lu`): a matrix may be dropped whole, at run time
+                        kept.add(unknown(range(nb)))
                     elif axes is None or isinstance(lit[0], Unknown) or \
                             all(e >= nb for e in axes):
                         continue  # live somewhere in each matrix, conservatively

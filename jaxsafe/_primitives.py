@@ -78,7 +78,9 @@ from ._lanewise import scan_kinds, scan_masks
 from ._liveness_rules import (
     CONVOLUTION,
     WINDOW_SUM,
+    aligned_lanes_syms,
     aligned_syms,
+    along_axes_syms,
     as_twin,
     batched_alignment,
     batched_masks,
@@ -90,9 +92,11 @@ from ._liveness_rules import (
     call_masks,
     clamp_wins,
     concatenate_masks,
+    concatenate_syms,
     cond_kinds,
     cond_masks,
     convolution_alignment,
+    cumulative_axis,
     cumulative_masks,
     custom_rule_kinds,
     custom_rule_masks,
@@ -119,6 +123,7 @@ from ._liveness_rules import (
     reduction_masks,
     reshape_alignment,
     reshape_masks,
+    reshape_syms,
     rev_syms,
     same_rank_alignment,
     scatter_add_syms,
@@ -128,13 +133,18 @@ from ._liveness_rules import (
     selected_syms,
     slice_masks,
     slice_syms,
+    sort_axis,
     split_masks,
+    split_syms,
     squeeze_masks,
     stack_masks,
+    stack_syms,
     tile_masks,
+    top_k_axis,
     transpose_alignment,
     transpose_masks,
     unstack_masks,
+    window_axes,
     window_drops,
     windowed_masks,
     winner_masks,
@@ -302,13 +312,16 @@ register(*PRIVATE_PLATFORM_INDEX, zero_derivative=True)
 register(prims.bitcast_convert_type_p, makes_nonfinite=True,
          finite_when=exponent_set_by(prims.or_p, prims.shift_right_logical_p))
 register(prims.select_and_gather_add_p, prims.select_and_scatter_add_p,
-         prims.select_and_scatter_p, prims.approx_top_k_p, prims.argmax_p, prims.argmin_p,
-         prims.rng_uniform_p, prims.random_gamma_p, prims.random_bits_p, prims.random_seed_p,
+         prims.select_and_scatter_p, prims.approx_top_k_p, prims.rng_uniform_p,
+         prims.random_gamma_p, prims.random_bits_p, prims.random_seed_p,
          prims.random_fold_in_p, prims.random_split_p, prims.rng_bit_generator_p,
          prims.threefry2x32_p, prims.hessenberg_p, prims.schur_p, prims.tridiagonal_p,
-         prims.reduce_and_p, prims.reduce_or_p, prims.reduce_xor_p, prims.clz_p,
-         prims.population_count_p, prims.shift_left_p, prims.shift_right_arithmetic_p,
+         prims.clz_p, prims.population_count_p, prims.shift_left_p, prims.shift_right_arithmetic_p,
          prims.shift_right_logical_p, prims.create_token_p, prims.after_all_p)
+# row by row, as a sum: the rows a dropped result reduces are dropped too (a custom rule's body
+# that tests its pivots, `slogdet`'s `any(diag == 0)`, read as one unit)
+register_reduction(prims.reduce_and_p, prims.reduce_or_p, prims.reduce_xor_p, prims.argmax_p,
+                   prims.argmin_p)
 if hasattr(lax, "mulhi_p"):  # JAX 0.10 on
     register(lax.mulhi_p)
 register(*PRIVATE_KEY_WRAPS)  # key data <-> typed key: no float, nothing made non-finite
@@ -366,7 +379,7 @@ register_movement(prims.transpose_p, masks=transpose_masks, align=transpose_alig
                   static=aligned_syms, bound=bounds.moved, range=ranges.same_range,
                   carries=MOVED)
 register_movement(prims.reshape_p, masks=reshape_masks, align=reshape_alignment,
-                  static=aligned_syms, scalar_move=reshaped_scalar, bound=bounds.moved,
+                  static=reshape_syms, scalar_move=reshaped_scalar, bound=bounds.moved,
                   range=ranges.same_range, carries=MOVED, at_least=ZEROTH)
 register_movement(prims.squeeze_p, masks=squeeze_masks, align=reshape_alignment,
                   static=aligned_syms, scalar_move=same_scalar, bound=bounds.moved,
@@ -375,12 +388,13 @@ register_movement(prims.broadcast_in_dim_p, masks=broadcast_in_dim_masks,
                   align=broadcast_in_dim_alignment, static=aligned_syms, broadcast=True,
                   scalar_move=same_scalar, bound=bounds.moved, range=ranges.same_range,
                   diagonal=broadcast_diagonal, at_least=ZEROTH)
-register_movement(prims.concatenate_p, masks=concatenate_masks, carries=MOVED)
+register_movement(prims.concatenate_p, masks=concatenate_masks, static=concatenate_syms,
+                  carries=MOVED)
 if hasattr(lax, "split_p"):
-    register(lax.split_p, masks=split_masks, foldable=True)
+    register(lax.split_p, masks=split_masks, static=split_syms, foldable=True)
 # `jnp.stack`, `jnp.unstack` and `jnp.tile` bind primitives of their own in newer JAX
 if hasattr(lax, "stack_p"):
-    register_movement(lax.stack_p, masks=stack_masks, carries=MOVED)
+    register_movement(lax.stack_p, masks=stack_masks, static=stack_syms, carries=MOVED)
 if hasattr(lax, "unstack_p"):
     register_movement(lax.unstack_p, masks=unstack_masks)
 if hasattr(lax, "tile_p"):
@@ -407,6 +421,7 @@ register(prims.iota_p, iota_axis=lambda eqn: eqn.params["dimension"], foldable=T
 # --------------------------------------------------------------------------- choosers
 # Only the lanes their derivative chooses on the original values are live (`_choosers.py`).
 FILL = Chooser(by_fill, keeps_dropped_values=False)
+
 RUNNING_FILL = Chooser(by_fill, keeps_dropped_values=False, guarded_results=False)
 for prim, identity in ((prims.reduce_max_p, -np.inf), (prims.reduce_min_p, np.inf)):
     register_reduction(prim, masks=comparison_masks(row_reads), static=selected_syms,
@@ -416,37 +431,42 @@ for prim, identity in ((prims.reduce_max_p, -np.inf), (prims.reduce_min_p, np.in
 # a running maximum only grows: its choice is two cumulative ops, not a scan tree's derivative
 register(prims.cummax_p, masks=comparison_masks(reads_as(prims.cumsum_p),
                                                 running_choice(lax.cummin, np.inf)),
-         drops=_always, chooser=RUNNING_FILL, identity=-np.inf, foldable=True)
+         static=along_axes_syms(cumulative_axis), drops=_always,
+         chooser=RUNNING_FILL, identity=-np.inf, foldable=True)
 register(prims.cummin_p, masks=comparison_masks(reads_as(prims.cumsum_p),
                                                 running_choice(lax.cummax, -np.inf)),
-         drops=_always, chooser=RUNNING_FILL, identity=np.inf, foldable=True)
+         static=along_axes_syms(cumulative_axis), drops=_always,
+         chooser=RUNNING_FILL, identity=np.inf, foldable=True)
 POOLED_READS = window_reads(prims.reduce_window_sum_p)
 for prim, identity in ((prims.reduce_window_max_p, -np.inf), (prims.reduce_window_min_p, np.inf)):
     register(prim, masks=comparison_masks(POOLED_READS, window_choice(POOLED_READS)),
-             drops=_always,
+             static=along_axes_syms(window_axes), drops=_always,
              chooser=Chooser(by_fill, keeps_dropped_values=False, picks=True,
                                      guarded_results=False),
              identity=identity, foldable=True)
 register(prims.sort_p, masks=sort_masks, drops=_always, chooser=Chooser(by_permutation),
-         linear=True, foldable=True)
+         static=along_axes_syms(sort_axis), linear=True,
+         foldable=True)
 register(prims.top_k_p, masks=support_masks, drops=_always, chooser=Chooser(by_top_k),
-         linear=True, foldable=True)
+         static=along_axes_syms(top_k_axis), linear=True, foldable=True)
 register_reduction(prims.reduce_prod_p)
 # the generic `lax.reduce` (a softmax's row max with a finite start): row by row, as the named
 # reductions; finite for finite operands when its computation only picks (`lax.max`)
 register(prims.reduce_p, masks=reduce_masks, align=reduce_alignment, static=aligned_syms,
          foldable=True, makes_nonfinite=True, finite_when=computation_selects)
-register(prims.cumsum_p, masks=cumulative_masks, linear=True, foldable=True)
+register(prims.cumsum_p, masks=cumulative_masks, static=along_axes_syms(cumulative_axis),
+         linear=True, foldable=True)
 register(prims.cumprod_p, prims.cumlogsumexp_p,
-         masks=cumulative_masks, foldable=True)
+         masks=cumulative_masks, static=along_axes_syms(cumulative_axis), foldable=True)
 register(prims.dot_general_p, masks=dot_general_masks, align=dot_general_alignment,
          static=aligned_syms, foldable=True, derivative_reads=BILINEAR)
 # windows: a window sum (average pooling) and a convolution read their live windows' lanes
 register(prims.reduce_window_sum_p, masks=windowed_masks(WINDOW_SUM),
-         drops=window_drops(WINDOW_SUM), linear=True, foldable=True)
+         static=along_axes_syms(window_axes), drops=window_drops(WINDOW_SUM), linear=True,
+         foldable=True)
 register(prims.conv_general_dilated_p, masks=windowed_masks(CONVOLUTION),
-         align=convolution_alignment, drops=window_drops(CONVOLUTION), foldable=True,
-         derivative_reads=BILINEAR)
+         align=convolution_alignment, static=aligned_lanes_syms,
+         drops=window_drops(CONVOLUTION), foldable=True, derivative_reads=BILINEAR)
 # an FFT transforms its trailing `fft_lengths` axes as one; the leading axes are a batch (no
 # static rule: a mask the static pass cannot name is decided at run time, not taken as live as
 # linear algebra's `batched_syms` takes it)

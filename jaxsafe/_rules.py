@@ -467,6 +467,15 @@ def rule_for(primitive: Primitive) -> PrimitiveRule:
     return UNKNOWN
 
 
+def may_drop(eqn: JaxprEqn, structural: bool) -> bool:
+    """Whether `eqn` may drop operand lanes of live outputs (`drops`), as the liveness pass
+    reads it: a choice by value (a selection, a chooser) drops nothing in a structural
+    sweep, where nothing is decided on values."""
+    rule = rule_for(eqn.primitive)
+    by_value = rule.selection is not None or rule.chooser is not None
+    return rule.drops(eqn) and not (structural and by_value)
+
+
 def register(*primitives: Primitive, **facts: Any) -> None:
     """Give each of `primitives` a row with these facts (replacing any row it had)."""
     for primitive in primitives:

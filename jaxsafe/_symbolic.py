@@ -41,12 +41,15 @@ class Unknown:
 
     `static`: the mask depends on shapes only (what a `slice` or a `pad` keeps). A mask made of
     static ones and of predicates computed from constants costs nothing at run time (it is
-    computed when jaxsafe traces, `_masks.at_trace_time`)."""
-    __slots__ = ("parts", "embed", "static")
+    computed when jaxsafe traces, `_masks.at_trace_time`).
+
+    `reads`: the mask of an operand whose equation's results are all live: it only says which
+    lanes the equation reads (a diagonal), the same in every batch element."""
+    __slots__ = ("parts", "embed", "static", "reads")
 
     def __init__(self, parts: frozenset | None = None, embed: tuple | None = None,
-                 static: bool = False):
-        self.parts, self.embed, self.static = parts, embed, static
+                 static: bool = False, reads: bool = False):
+        self.parts, self.embed, self.static, self.reads = parts, embed, static, reads
 
     @property
     def reduced(self) -> frozenset | None:
@@ -80,9 +83,9 @@ def made_of(sym: Sym, constant: Callable[[object], bool]) -> bool:
     return True
 
 
-def opaque() -> Sym:
-    """A fresh unknown mask that may depend on every axis."""
-    return frozenset({frozenset({unknown(None)})})
+def opaque(reads: bool = False) -> Sym:
+    """A fresh unknown mask that may depend on every axis (`reads`: `Unknown.reads`)."""
+    return frozenset({frozenset({(Unknown(reads=reads), True, None)})})
 
 
 def negate(lit: Lit) -> Lit:

@@ -87,6 +87,65 @@ def test_dropped_batch_elements_contribute_zero(name, f, safe):
                      rtol=1e-4, atol=1e-5)
 
 
+SINGULAR_3 = jnp.stack([2. * jnp.eye(3) + .1, jnp.zeros((3, 3)), jnp.ones((3, 3))])
+VALID_3 = jnp.array([True, False, False])
+
+
+def _custom_log_det(body):
+    """A custom derivative rule over a non-lane-to-lane body, as `jnp.linalg.slogdet` is from
+    3 x 3 on: its rule solves with the matrix, singular in the dropped ones."""
+    @jax.custom_jvp
+    def f(a):
+        return body(a)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        (a,), (ta,) = primals, tangents
+        return f(a), jnp.trace(jnp.linalg.solve(a, ta), axis1=-2, axis2=-1)
+    return f
+
+
+CUSTOM_BODIES = {
+    "jnp.linalg.slogdet": lambda a: jnp.linalg.slogdet(a)[1],
+    "lu, diagonal": _custom_log_det(lambda a: jnp.sum(jnp.log(jnp.abs(jnp.diagonal(
+        jax.lax.linalg.lu(a)[0], axis1=-2, axis2=-1))), -1)),
+    "qr, diagonal": _custom_log_det(lambda a: jnp.sum(jnp.log(jnp.abs(jnp.diagonal(
+        jnp.linalg.qr(a)[1], axis1=-2, axis2=-1))), -1)),
+}
+
+
+@pytest.mark.parametrize("name", CUSTOM_BODIES)
+def test_a_dropped_singular_matrix_of_a_custom_rule_over_a_decomposition_is_cut(name):
+    """From 3 x 3 on, `slogdet` is a `custom_jvp` whose body is `lu`, a diagonal gather, a pivot
+    test (`any(diag == 0)`, a `reduce_or`) and a `log`, and whose rule solves with the matrix.
+    Seen from inside, the body's output mask is one the static pass cannot name, along every
+    axis: a batch element may still be dropped whole, so it is decided at run time
+    (`batched_syms`), and the pivot test reduces row by row (a `reduce_or` row): a singular
+    matrix the `where` drops is cut before the call. Before, its gradient was NaN (2 x 2 took
+    the closed form and was fixed). Batched, one matrix under a scalar predicate, and vmapped."""
+    logdet = CUSTOM_BODIES[name]
+
+    def f(a):
+        return jnp.where(VALID_3, logdet(a), 0.).sum()
+
+    def by_hand(a):
+        return f(jnp.where(VALID_3[:, None, None], a, jnp.eye(3)))
+
+    assert_bitwise(nan_safe(f)(SINGULAR_3), jax.jit(f)(SINGULAR_3))
+    assert np.isnan(jax.grad(f)(SINGULAR_3)[1]).all()  # the bug
+    assert_close(jax.grad(nan_safe(f))(SINGULAR_3), jax.grad(by_hand)(SINGULAR_3), rtol=1e-5)
+
+    def one(a, ok):
+        return jnp.where(ok, logdet(a[None])[0], 0.)
+
+    zero = jnp.zeros((3, 3))
+    np.testing.assert_array_equal(jax.grad(nan_safe(one))(zero, False), 0.)
+    assert_close(jax.grad(nan_safe(one))(SINGULAR_3[0], True),
+                 jax.grad(one)(SINGULAR_3[0], True), rtol=1e-5)
+    batched = jax.grad(lambda a: jax.vmap(nan_safe(one))(a, VALID_3).sum())(SINGULAR_3)
+    assert_close(batched, jax.grad(by_hand)(SINGULAR_3), rtol=1e-5)
+
+
 # The output read through a slice of the matrix axes before the `where` (one entry, one
 # eigenvector, a reversed or padded matrix): a dropped matrix is still dropped whole.
 SLICED = [

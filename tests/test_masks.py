@@ -353,18 +353,40 @@ def test_a_crop_inside_a_body(wrap):
 
 
 def test_a_mask_known_true_at_trace_time_adds_nothing():
-    """`x.at[i].mul(2.)` may drop operand lanes for all the static pass knows (a product with
-    the updates); its mask, computed at trace time, is true in every lane: no guard is emitted,
-    and the rewritten program is the original itself (contract 4), which `explain` says."""
+    """A gather at constant indices may drop lanes for all the static pass knows; its mask,
+    computed at trace time, is true in every lane when the indices read them all: no guard is
+    emitted, and the rewritten program is the original itself (contract 4), which `explain`
+    says. The indices may be computed from literals or held in a program constant (a
+    closed-over array: its integers are read at trace time, `_liveness.KnownOperands`)."""
     x = jnp.array([1., 4., 0., 9.])
-    for f in (lambda x: jnp.sum(jnp.sqrt(x).at[1].mul(2.)),
-              lambda x: jnp.sum(jnp.sqrt(x).at[jnp.array([0, 2])].min(5.))):
+    for f in (lambda x: jnp.sum(jnp.sqrt(x)[jnp.arange(4)[::-1]]),
+              lambda x: jnp.sum(jnp.sqrt(x)[jnp.array([3, 2, 1, 0])])):
         for finite in (True, False):
             rewritten = jaxsafe.make_jaxpr(f, finite_args=finite)(x)
             assert structure(rewritten) == structure(jax.make_jaxpr(f)(x))
         report = jaxsafe.explain(f)(x)
         assert not report.sites and "every lane it would guard is live" in str(report)
         np.testing.assert_array_equal(jax.grad(nan_safe(f))(x), jax.grad(f)(x))
+
+
+def test_an_overwrite_or_product_at_constant_indices_keeps_its_operand_live():
+    """`x.at[i].mul(2.)` and `.at[i].min(5.)` read every operand lane where the output is live
+    (as a scatter-add, conservatively): the static pass says so, nothing to guard."""
+    x = jnp.array([1., 4., 0., 9.])
+    for f in (lambda x: jnp.sum(jnp.sqrt(x).at[1].mul(2.)),
+              lambda x: jnp.sum(jnp.sqrt(x).at[jnp.array([0, 2])].min(5.))):
+        assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+        assert not jaxsafe.explain(f)(x).changed
+
+
+def test_a_gather_at_constant_indices_guards_with_a_constant_mask():
+    """A closed-over index array that skips a lane: the mask is computed at trace time from
+    its integers (before, ~11 staged mask equations that XLA folded); the skipped NaN lane
+    contributes zero."""
+    x = jnp.array([1., 4., 0., 9.])
+    f = lambda x: jnp.sum(jnp.sqrt(x)[jnp.array([3, 1])])  # noqa: E731
+    assert len(jaxsafe.make_jaxpr(f)(x).eqns) <= len(jax.make_jaxpr(f)(x).eqns) + 2
+    np.testing.assert_array_equal(jax.grad(nan_safe(f))(x), jnp.array([0., .25, 0., 1 / 6]))
 
 
 def test_a_mask_false_at_trace_time_still_guards():

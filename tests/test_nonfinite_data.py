@@ -660,6 +660,52 @@ def test_a_gram_matrix_of_padded_rows_is_guarded_once_for_both_operands():
     assert dots and all(a is b for a, b in dots)  # one guarded `h` for both operands
 
 
+FEATURE_OPS = {
+    "concatenate": lambda z: jnp.concatenate([z, z ** 2], -1).sum(-1),
+    "stack, reshape": lambda z: jnp.stack([z, jnp.tanh(z)], -1).reshape(3, 8).sum(-1),
+    "split": lambda z: (jnp.split(z, 2, axis=1)[1] * jnp.split(z, 2, axis=1)[0]).sum(-1),
+    "reshape into heads": lambda z: z.reshape(3, 2, 2).max(-1).sum(-1),
+    "cumsum": lambda z: jnp.cumsum(z, axis=1)[:, -1],
+    "cumlogsumexp": lambda z: lax.cumlogsumexp(z, axis=1)[:, -1],
+    "cummax": lambda z: lax.cummax(z, axis=1)[:, -1],
+    "sort": lambda z: jnp.sort(z, axis=1)[:, -1],
+    "top_k": lambda z: lax.top_k(z, 2)[0].sum(-1),
+    "roll": lambda z: jnp.roll(z, 1, axis=1)[:, 0],
+    "average pool": lambda z: lax.reduce_window(z, 0., lax.add, (1, 2), (1, 2), "VALID").sum(-1),
+    "max pool": lambda z: lax.reduce_window(z, -jnp.inf, lax.max, (1, 2), (1, 1), "SAME").sum(-1),
+    "convolve": lambda z: jax.vmap(lambda r: jnp.convolve(r, jnp.array([1., -2.]),
+                                                          mode="same"))(z).sum(-1),
+    "segment_sum": lambda z: jax.vmap(lambda r: jax.ops.segment_sum(
+        r, jnp.array([0, 0, 1, 1]), 2))(z).sum(-1),
+}
+
+
+@pytest.mark.parametrize("name", FEATURE_OPS)
+def test_a_padded_row_reaches_through_an_op_along_the_feature_axis(name):
+    """A padded NaN or inf row of `x` and a `where` on rows after an op that works along the
+    feature axis only (concatenated or stacked features, heads, a cumulative op, a sort, a
+    pooling window, a convolution, a segment sum): the row's formula crosses the op (its static
+    rule carries formulas along the axes it keeps in place), so the matmul's operand is guarded
+    by the row predicate (`Site.coarse`). Before, `w`'s gradient was NaN (optax's
+    `sigmoid_focal_loss` stacks its two log terms)."""
+    op = FEATURE_OPS[name]
+    valid = jnp.array([True, False, True])
+
+    def loss(w, x):
+        return jnp.sum(jnp.where(valid, op(x @ w) ** 2, 0.))
+
+    def by_hand(w, x):
+        return loss(w, jnp.where(valid[:, None], x, 0.))
+
+    w = jnp.array([[.5, -1., .2, .3], [2., .3, 1., -.2]])
+    x = jnp.array([[1., 2.], [nan, inf], [.3, -.7]])
+    assert np.isnan(jax.grad(loss)(w, x)).any()  # the bug
+    safe = jaxsafe.nan_safe(loss)
+    assert_bitwise(safe(w, x), jax.jit(loss)(w, x))
+    assert_close(jax.grad(safe)(w, x), jax.grad(by_hand)(w, x), rtol=1e-5)
+    assert_close(jax.hessian(safe)(w, x), jax.hessian(by_hand)(w, x), rtol=1e-4, atol=1e-5)
+
+
 def _first_row_zeroed(x):
     return jnp.where(jnp.arange(x.shape[0])[:, None] == 0, 0., x)
 
