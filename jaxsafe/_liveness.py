@@ -157,11 +157,14 @@ class LazyOperands(Sequence):
 
     def __getitem__(self, k):  # type: ignore[override]
         if isinstance(k, slice):
-            return [read(self.env, a) for a in self.atoms[k]]
-        return read(self.env, self.atoms[k])
+            return [self._read(a) for a in self.atoms[k]]
+        return self._read(self.atoms[k])
 
     def __len__(self) -> int:
         return len(self.atoms)
+
+    def _read(self, atom: Any) -> Any:
+        return read(self.env, atom)
 
 
 class KnownOperands(LazyOperands):
@@ -173,11 +176,6 @@ class KnownOperands(LazyOperands):
     def __init__(self, env: Any, atoms: Sequence[Any], constant: Callable[[Any], Any]):
         super().__init__(env, atoms)
         self.constant = constant
-
-    def __getitem__(self, k):  # type: ignore[override]
-        if isinstance(k, slice):
-            return [self._read(a) for a in self.atoms[k]]
-        return self._read(self.atoms[k])
 
     def _read(self, atom: Any) -> Any:
         if np.issubdtype(np.dtype(dtype_of(atom)), np.integer):
