@@ -21,6 +21,7 @@ of exactly zero by a `select_n`, not by a zero weight that an infinite cotangent
   holds the original value too (NaN or inf included: what reads it there is guarded if its
   derivative weighs it, `Chooser.guarded_results`);
 - `by_permutation` (`sort`, `top_k`): the original permutation, gathered from guarded operands;
+- `by_held` (`segment_max`, `x.at[i].max(u)`): every dropped lane holds its original value;
 - `by_original` (`m * v`): where a factor drops an operand lane of a live output, the original
   product with its derivative cut (the forward value, NaN and the sign of zero included).
 """
@@ -51,15 +52,15 @@ from ._masks import (
     reduce_any,
     zeros,
 )
-from ._rules import Context, Mask, MaskRule, rule_for
-from ._symbolic import Lit, Sym, predicate_literal, sym_and_literal, unknown
+from ._rules import Context, Mask, MaskRule, StaticRule, rule_for
+from ._symbolic import TRUE, Lit, Sym, predicate_literal, sym_and_literal, unknown
 
 # --------------------------------------------------------------------------- liveness
 
 
 def _conservative(eqn: JaxprEqn, outs: list[Mask]) -> list[Mask]:
     """Every operand lane live where any output lane is (a body that re-runs as one unit)."""
-    if all(m is None for m in outs):
+    if any(m is None for m in outs):  # an output live in every lane: every operand lane is
         return [None] * len(eqn.invars)
     live = any_of([reduce_any(m, range(m.ndim)) for m in outs])
     return [None if live is None else broadcast(live, shape_of(v)) for v in eqn.invars]
@@ -261,11 +262,51 @@ def _tiled_choice(eqn: JaxprEqn, outs: list[Mask], x: Any, out: Any,
 def sort_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
                ctx: Context) -> list[Mask]:
     """A lane is live where its sorted position is (for each operand, its own output). An
-    unstable sort with several operands may order ties differently when run again: every lane
-    then stays live where any output lane is."""
-    if not eqn.params["is_stable"] and len(eqn.invars) > 1:
-        return _conservative(eqn, outs)
+    unstable sort with several operands may order ties differently when run again, and a
+    structural sweep decides nothing on values: every lane of a row along the sort's axis then
+    stays live where any output lane of that row is (the other axes keep their masks, as the
+    static rule, `along_axes_syms`, carries them: a batch of matrices sorts matrix by
+    matrix)."""
+    if ctx.structural or not eqn.params["is_stable"] and len(eqn.invars) > 1:
+        if any(m is None for m in outs):
+            return [None] * len(eqn.invars)
+        axis = eqn.params["dimension"]
+        row = any_of([reduce_any(m, (axis,), keepdims=True) for m in outs])
+        return [None if row is None else broadcast(row, shape_of(v)) for v in eqn.invars]
     return support_masks(eqn, outs, invals, ctx)
+
+
+def scatter_choice_masks(twin: MaskRule) -> MaskRule:
+    """`x.at[i].max(u)`, `segment_max` (and min) whose every result is live: an operand or
+    update lane is live where a result's derivative reads it, by JAX's own derivative (the
+    lanes equal to the result, ties sharing; an update sent out of range reads nothing).
+    Otherwise, and structurally (a body re-run as one unit), where the scatter-add with the
+    same parameters (`twin`) reads it: a segment that a `where` drops then drops its rows as
+    a row mask (a padded graph's readout, guarded before `x @ w`), and a loser stays live."""
+    def masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+              ctx: Context) -> list[Mask]:
+        if ctx.structural or outs[0] is not None:
+            return twin(eqn, outs, invals, ctx)
+        dropped = _all_dropped(eqn, outs)
+        if dropped is not None:
+            return dropped
+        pulled = _pulled_back(eqn, outs, invals, widen=True)
+        return [None if c is None or not is_float(v) else _nonzero(c)
+                for c, v in zip(pulled, eqn.invars, strict=True)]
+    return masks
+
+
+def scatter_choice_syms(twin: StaticRule) -> StaticRule:
+    """`scatter_choice_masks`, statically: where the scatter-add twin reads, and, with every
+    result live, which lanes win decided at run time (an unknown over every axis of the
+    operand and the updates)."""
+    def static(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
+        syms = twin(eqn, out_syms, ctx)
+        if syms is None or ctx.structural or out_syms[0] != TRUE:
+            return syms
+        return [sym_and_literal(m, unknown(i for i, n in enumerate(shape_of(v)) if n != 1))
+                if m and is_float(v) else m for m, v in zip(syms, eqn.invars, strict=True)]
+    return static
 
 
 def product_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
@@ -327,10 +368,79 @@ def product_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[S
     for k, j in ((0, 1), (1, 0)):
         if syms[k] and _maskable(eqn.invars[k]) and _may_mask(eqn.invars[j], ctx):
             shape = shape_of(eqn.invars[k])
-            named = _indicator_literal(eqn.invars[j], shape, ctx)
-            syms[k] = sym_and_literal(syms[k], named if named is not None else
-                                      unknown(i for i, n in enumerate(shape) if n != 1))
+            factor = eqn.invars[j]
+            named = _indicator_literal(factor, shape, ctx)
+            if named is not None:
+                syms[k] = sym_and_literal(syms[k], named)
+                continue
+            selected = _selected_literal(factor, ctx)
+            if selected is not None:
+                syms[k] = sym_and_literal(syms[k], selected[0])
+                if not selected[1]:
+                    continue  # what it selects carries a derivative in every lane
+            syms[k] = sym_and_literal(syms[k], unknown(_varying_axes(factor, ctx)))
     return syms
+
+
+def _selected_literal(factor: Any, ctx: Context) -> tuple[Lit, bool] | None:
+    """Where `factor` is `jnp.where(p, v, 0.)`, perhaps broadcast (`alpha[:, None]`) or through
+    a lane-to-lane chain that makes the constant 0 (`exp(jnp.where(p, v, -inf))`), it masks at
+    least where `p` takes the constant: the literal where `p` takes `v` (over the factor's
+    axes), and whether `v` itself may mask (a 0/1 mask; not a value that carries a derivative
+    in every lane, as `x @ w` does, which keeps every lane where it is selected). None
+    otherwise."""
+    if not isinstance(factor, Var):
+        return None
+    dims = tuple(range(len(shape_of(factor))))
+    var = factor
+    while (eqn := ctx.broadcast_of(var)) is not None and isinstance(eqn.invars[0], Var):
+        dims = tuple(dims[d] for d in eqn.params["broadcast_dimensions"])
+        var = eqn.invars[0]
+    found = lane_chain(var, ctx.producer_of, lambda v: _selection_by_predicate(v, ctx) is not None)
+    if found is None:
+        return None
+    chain, selected = found
+    eqn = _selection_by_predicate(selected, ctx)
+    assert eqn is not None
+    pred, *cases = eqn.invars
+    if not isinstance(pred, Var) or dtype_of(pred) != np.bool_ or \
+            shape_of(pred) not in (shape_of(selected), ()):
+        return None
+    zero = [_made_zero(c, chain, ctx) for c in cases]
+    if zero[0] == zero[1]:
+        return None
+    kept = cases[1] if zero[0] else cases[0]
+    key, positive, embed = predicate_literal(pred, zero[0], ctx.broadcast_of, ctx.same_as)
+    if embed is not None:
+        embed = tuple(None if e is None else dims[e] for e in embed)
+    return (key, positive, embed), _may_mask(kept, ctx)
+
+
+def _selection_by_predicate(var: Any, ctx: Context) -> JaxprEqn | None:
+    """The two-way `select_n` on a predicate that computes `var`, else None."""
+    eqn = ctx.producer_of(var)
+    if eqn is None or len(eqn.invars) != 3:
+        return None
+    selection = rule_for(eqn.primitive).selection
+    return eqn if selection is not None and selection.by_predicate else None
+
+
+def _made_zero(atom: Any, chain: Sequence[JaxprEqn], ctx: Context) -> bool:
+    """A constant (carrying no derivative) that `chain` makes 0 in every lane."""
+    value = np.asarray(literal_value(atom)) if isinstance(atom, Literal) else ctx.constant(atom)
+    if value is None:
+        return False
+    with np.errstate(all="ignore"):
+        return not np.any(fold_chain(chain, value))
+
+
+def _varying_axes(factor: Any, ctx: Context) -> list[int]:
+    """The axes along which `factor` may vary (followed back through broadcasts): `s[:, None]`
+    against `(n, d)` lanes masks whole rows, so its mask crosses a matmul without a reduction."""
+    if isinstance(factor, Literal):
+        return [i for i, n in enumerate(shape_of(factor)) if n != 1]
+    embed = predicate_literal(factor, True, ctx.broadcast_of)[2]
+    return [d for d in embed if d is not None]
 
 
 def _indicator_literal(factor: Any, shape: tuple, ctx: Context) -> Lit | None:
@@ -394,6 +504,22 @@ def by_fill(eqn: JaxprEqn, guarded: list, originals: Sequence[Any], operand_mask
         fill = all_of([fill, broadcast_mask(row, x.shape, kept)])
     held = lax.stop_gradient(originals[0])
     return bind_eqn(eqn, [lax.select_n(materialize(fill, x.shape), x, held)])
+
+
+def by_held(eqn: JaxprEqn, guarded: list, originals: Sequence[Any], operand_masks: OperandMasks,
+            out_masks: OperandMasks) -> list:
+    """`x.at[i].max(u)`, `segment_max` (and min): every dropped lane of the operand and the
+    updates takes its original value, cut from differentiation, so the choice is the
+    original's (a guarded loser, `sqrt(1.)` for `sqrt(0.)`, never wins) and every result is
+    the original's; a losing lane's derivative is exactly zero."""
+    ins = list(guarded)
+    for k, (live, v) in enumerate(zip(operand_masks(), eqn.invars, strict=True)):
+        if live is None or not is_float(v):
+            continue
+        x = guarded[k]
+        held = lax.stop_gradient(jnp.asarray(originals[k], x.dtype))
+        ins[k] = lax.select_n(materialize(live, np.shape(x)), held, x)
+    return bind_eqn(eqn, ins)
 
 
 def by_permutation(eqn: JaxprEqn, guarded: list, originals: Sequence[Any],

@@ -50,7 +50,17 @@ from ._masks import (
 )
 from ._report import note_failure
 from ._rules import Kind, Mask, alignment, may_drop, rule_for
-from ._symbolic import FALSE, TRUE, Connective, Lit, Sym, opaque, predicate_literal, sym_or
+from ._symbolic import (
+    FALSE,
+    TRUE,
+    Connective,
+    Lit,
+    Sym,
+    foreign_keys_unknown,
+    opaque,
+    predicate_literal,
+    sym_or,
+)
 from ._walk import demand
 
 
@@ -199,12 +209,15 @@ class Sweeps:
         self.hazardous_rules: dict[int, object] | None = None
 
     def get(self, jaxpr: Jaxpr, out_kinds: Sequence[Kind], structural: bool,
-            consts: Mapping[Var, Any] | None = None) -> Sweep:
-        """`consts`: the values of constants the rules may read (`Sweep.constant`)."""
-        key = (id(jaxpr), tuple(out_kinds), structural)
+            consts: Mapping[Var, Any] | None = None,
+            out_syms: Sequence[Sym] | None = None) -> Sweep:
+        """`consts`: the values of constants the rules may read (`Sweep.constant`);
+        `out_syms`: the outputs' formulas, where they are known (else from `out_kinds`)."""
+        key = (id(jaxpr), tuple(out_kinds), structural, None if out_syms is None else
+               tuple(out_syms))
         hit = self._sweeps.get(key)
         if hit is None:
-            hit = self._sweeps[key] = Sweep(jaxpr, out_kinds, structural, self, consts)
+            hit = self._sweeps[key] = Sweep(jaxpr, out_kinds, structural, self, consts, out_syms)
         assert hit.jaxpr is jaxpr
         return hit
 
@@ -218,7 +231,8 @@ class Sweep:
     """
 
     def __init__(self, jaxpr: Jaxpr, out_kinds: Sequence[Kind], structural: bool,
-                 sweeps: Sweeps, consts: Mapping[Var, Any] | None = None):
+                 sweeps: Sweeps, consts: Mapping[Var, Any] | None = None,
+                 out_syms: Sequence[Sym] | None = None):
         self.jaxpr = jaxpr
         self.structural = structural
         self.sweeps = sweeps
@@ -233,9 +247,11 @@ class Sweep:
         self._numbering: dict | None = None  # same_as: on a predicate's demand
         self._free_values: FreeValues | None = None  # what lanes carrying nothing hold
         self._bounds: Bounds | None = None  # lower bounds and ranges: on a `max`'s demand
+        self._own: set | None = None  # this program's variables: on a body's formulas' demand
         # per equation, the formula each operand receives from it (the guard pass reads them)
         self.operand_syms: list[list[Sym]] = [[] for _ in jaxpr.eqns]
-        self.syms = self._static_liveness(out_kinds)
+        self.syms = self._static_liveness(
+            [sym_of_kind(k) for k in out_kinds] if out_syms is None else out_syms)
         self.kinds = {v: kind_of_sym(m) for v, m in self.syms.items()}
         self.consumers: dict[Any, list[tuple[int, int]]] = {}
         for i, (eqn, diff) in enumerate(zip(jaxpr.eqns, self.diff, strict=True)):
@@ -243,13 +259,13 @@ class Sweep:
                 if d:
                     self.consumers.setdefault(v, []).append((i, k))
 
-    def _static_liveness(self, out_kinds: Sequence[Kind]) -> dict[Any, Sym]:
+    def _static_liveness(self, out_syms: Sequence[Sym]) -> dict[Any, Sym]:
         """Every value's static formula, walking the equations backward from the outputs."""
         jaxpr = self.jaxpr
         syms: dict[Any, Sym] = {}
-        for v, k in zip(jaxpr.outvars, out_kinds, strict=True):
+        for v, m in zip(jaxpr.outvars, out_syms, strict=True):
             if not isinstance(v, Literal):
-                syms[v] = sym_or(syms.get(v, FALSE), sym_of_kind(k))
+                syms[v] = sym_or(syms.get(v, FALSE), m)
         i = len(jaxpr.eqns) - 1
         try:
             for i in range(len(jaxpr.eqns) - 1, -1, -1):
@@ -335,16 +351,32 @@ class Sweep:
         return demand(atom, self._constants, self._fold)
 
     def inner_masks(self, closed: ClosedJaxpr, invals: Sequence[Any],
-                    out_masks: Sequence[Mask], structural: bool) -> list[Mask]:
-        """Masks of a sub-jaxpr's inputs, given its outputs' masks."""
+                    out_masks: Sequence[Mask], structural: bool,
+                    out_syms: Sequence[Sym] | None = None) -> list[Mask]:
+        """Masks of a sub-jaxpr's inputs, given its outputs' masks (and their formulas, where
+        known: the static formulas that the rule of the equation gave, `inner_syms`)."""
         out_kinds = [Kind.LIVE if m is None else Kind.MAYBE for m in out_masks]
-        sweep = self.sweeps.get(closed.jaxpr, out_kinds, structural)
+        if out_syms is not None and any(kind_of_sym(m) != k
+                                        for m, k in zip(out_syms, out_kinds, strict=True)):
+            out_syms = None  # a mask narrower than its formula's kind: by the kinds
+        sweep = self.sweeps.get(closed.jaxpr, out_kinds, structural, out_syms=out_syms)
         invars = closed.jaxpr.invars
         if all(sweep.kind(v) == Kind.LIVE for v in invars):
             return [None] * len(invars)
         env = evaluate(closed.jaxpr, closed.consts, invals)
         mask_of = sweep.masks(env, out_masks)
         return [mask_of(v) for v in invars]
+
+    def inner_syms(self, closed: ClosedJaxpr, out_syms: Sequence[Sym],
+                   structural: bool) -> list[Sym]:
+        """Static formulas of a sub-jaxpr's inputs, given its outputs' formulas. A predicate
+        of the sub-jaxpr's own becomes an unknown on the same axes here: this program cannot
+        read it (a coarse guard names predicates it reads)."""
+        sweep = self.sweeps.get(closed.jaxpr, [kind_of_sym(m) for m in out_syms], structural,
+                                out_syms=out_syms)
+        if self._own is None:
+            self._own = {*self.jaxpr.invars, *self.jaxpr.constvars, *self.producer}
+        return [foreign_keys_unknown(sweep.sym(v), self._own) for v in closed.jaxpr.invars]
 
     def inner_kinds(self, closed: ClosedJaxpr, out_kinds: Sequence[Kind],
                     structural: bool) -> list[Kind]:

@@ -55,6 +55,7 @@ from ._symbolic import (
     Sym,
     Unknown,
     backward_mapping,
+    implies,
     move,
     negate,
     opaque,
@@ -860,6 +861,11 @@ def sort_axis(eqn: JaxprEqn) -> list[int]:
     return [eqn.params["dimension"]]
 
 
+def tiled_axes(eqn: JaxprEqn) -> list[int]:
+    """`jnp.tile`'s axes with more than one copy (the others keep lanes in place)."""
+    return [d for d, r in enumerate(eqn.params["reps"]) if r != 1]
+
+
 def top_k_axis(eqn: JaxprEqn) -> list[int]:
     return [eqn.params.get("axis", len(shape_of(eqn.invars[0])) - 1)]
 
@@ -1093,42 +1099,142 @@ def batched_masks(core: Core) -> MaskRule:
 
 
 def batched_syms(core: Core) -> StaticRule:
-    """Static liveness of a batch element: the OR of its lanes in the float outputs. A literal
-    that runs along the batch axes only carries over (a `where` on a per-matrix predicate); one
-    that runs along the matrix axes only is taken as live somewhere in each matrix (the lower
-    triangle `jnp.linalg.cholesky` keeps), and so is a mask the static pass cannot name that
-    runs along them or along every axis (the diagonal a gather reads for a log-determinant):
-    live, as before, so such code is not changed. A predicate along both is decided at run
-    time, and so is a mask the static pass cannot name that a call gives its operand for
-    results that are not all live (`Unknown.reads` is False): the call may drop a matrix
-    whole."""
+    """Static liveness of a batch element: the OR of its lanes in the float outputs
+    (`batch_formula`), the same in every operand's leading axes."""
     def static(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
-        nb = batch_rank(eqn, core)
-        live: Sym = FALSE
-        for sym, o in zip(out_syms, eqn.outvars, strict=True):
-            if not is_float(o):
-                continue
-            terms = set()
-            for term in sym:
-                kept = set()
-                for lit in term:
-                    embed = lit[2]
-                    axes = None if embed is None else {e for e in embed if e is not None}
-                    if axes is not None and all(e < nb for e in axes):
-                        kept.add(lit)  # along the batch axes only
-                    elif axes is None and isinstance(lit[0], Unknown) and not lit[0].reads:
-                        # what a call reads for results a `where` drops in part (`slogdet`'s
-                        # diagonal of `lu`): a matrix may be dropped whole, at run time
-                        kept.add(unknown(range(nb)))
-                    elif axes is None or isinstance(lit[0], Unknown) or \
-                            all(e >= nb for e in axes):
-                        continue  # live somewhere in each matrix, conservatively
-                    else:
-                        kept.add(unknown(e for e in axes if e < nb))
-                terms.add(frozenset(kept))
-            live = sym_or(live, frozenset(terms))
+        live = batch_formula(eqn, out_syms, range(batch_rank(eqn, core)))
         return [FALSE if isinstance(v, Literal) else live for v in eqn.invars]
     return static
+
+
+def batch_formula(eqn: JaxprEqn, out_syms: Sequence[Sym], batch: Iterable[int]) -> Sym:
+    """The formula of a batch element (along the outputs' `batch` axes): the OR of its lanes
+    in the float outputs. A literal that runs along the batch axes only carries over (a `where`
+    on a per-matrix predicate); one that runs along the matrix axes only is taken as live
+    somewhere in each matrix (the lower triangle `jnp.linalg.cholesky` keeps), and so is a mask
+    the static pass cannot name that runs along them or along every axis (the diagonal a gather
+    reads for a log-determinant): live, as before, so such code is not changed. A predicate
+    along both is decided at run time, and so is a mask the static pass cannot name that a call
+    gives its operand for results that are not all live (`Unknown.reads` is False): the call
+    may drop a matrix whole."""
+    batch = frozenset(batch)
+    live: Sym = FALSE
+    for sym, o in zip(out_syms, eqn.outvars, strict=True):
+        if not is_float(o):
+            continue  # pivots, permutations: read for their values only
+        terms = set()
+        for term in sym:
+            kept = set()
+            for lit in term:
+                embed = lit[2]
+                axes = None if embed is None else {e for e in embed if e is not None}
+                if axes is not None and axes <= batch:
+                    kept.add(lit)  # along the batch axes only
+                elif axes is None and isinstance(lit[0], Unknown) and not lit[0].reads:
+                    # what a call reads for results a `where` drops in part (`slogdet`'s
+                    # diagonal of `lu`): a matrix may be dropped whole, at run time
+                    kept.add(unknown(batch))
+                elif axes is None or isinstance(lit[0], Unknown) or not axes & batch:
+                    continue  # live somewhere in each matrix, conservatively
+                else:
+                    kept.add(unknown(axes & batch))
+            terms.add(frozenset(kept))
+        live = sym_or(live, frozenset(terms))
+    return live
+
+
+# One key per set of batch axes: the same object in every check, so that `Sweeps` reuses each
+# program's sweep within a rewrite.
+_BATCH_KEYS: dict[tuple, Unknown] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class SolveBatch:
+    """How a linear solve works batch element by batch element: its result's `axes`, and for
+    each operand the axes they run along there (None: an index, no derivative)."""
+    axes: tuple[int, ...]
+    embeds: tuple[tuple[int, ...] | None, ...]
+
+
+def solve_batch(eqn: JaxprEqn, ctx: Context) -> SolveBatch | None:
+    """The batch axes along which a linear solve (`jnp.linalg.solve`, `inv` or `cho_solve` of a
+    batch) works element by element, where shown: a formula along those axes of the result,
+    given to the outputs of each of its programs (`matvec`, `vecmat`, `solve`,
+    `transpose_solve`: their outputs and vector inputs are laid out as the result), reaches
+    each float input as that formula along some of its axes (or not at all), and each vector
+    input along the same axes. None: one whole (so is a right-hand side of several arrays)."""
+    if len(eqn.outvars) != 1:
+        return None
+    rank = len(shape_of(eqn.outvars[0]))
+    single = [d for d in range(rank) if _batch_embeds(eqn, (d,), ctx) is not None]
+    for axes in (tuple(single), *((d,) for d in single)):
+        if axes:
+            embeds = _batch_embeds(eqn, axes, ctx)
+            if embeds is not None:
+                return SolveBatch(axes, embeds)
+    return None
+
+
+def _batch_embeds(eqn: JaxprEqn, axes: tuple[int, ...], ctx: Context
+                  ) -> tuple[tuple[int, ...] | None, ...] | None:
+    key = _BATCH_KEYS.setdefault(axes, Unknown())
+    along = frozenset({frozenset({(key, True, axes)})})
+    embeds: list[tuple[int, ...] | None] = []
+    for program, n in zip(eqn.params["jaxprs"], eqn.params["const_lengths"], strict=True):
+        if program is None:
+            continue
+        syms = ctx.inner_syms(program, [along] * len(program.out_avals), True)
+        for k, (v, sym) in enumerate(zip(program.jaxpr.invars, syms, strict=True)):
+            vector = k >= n
+            embed = _embedding(sym, key)
+            if not is_float(v) and not vector:
+                embeds.append(None)  # pivots: an index, no derivative
+            elif embed is None or vector and embed != axes:
+                return None
+            elif not vector:
+                embeds.append(embed)
+    return (*embeds, axes)  # the right-hand side, laid out as the result
+
+
+def _embedding(sym: Sym, key: Unknown) -> tuple[int, ...] | None:
+    """The axes along which `sym` is the batch literal `key` (or a part of it), else None."""
+    found = {lit[2] for term in sym for lit in term if lit[0] is key and lit[1]}
+    if len(found) != 1:
+        return None
+    embed = found.pop()
+    if embed is None or None in embed or \
+            not implies(sym, frozenset({frozenset({(key, True, embed)})})):
+        return None
+    return embed
+
+
+def solve_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                ctx: Context) -> list[Mask]:
+    """A batch element of a linear solve's operands is live where any lane of that element of
+    its result is (`solve_batch`); the whole solve as one where no batch is shown."""
+    batch = solve_batch(eqn, ctx)
+    if batch is None:
+        return batched_masks(None)(eqn, outs, invals, ctx)
+    if outs[0] is None:
+        return [None] * len(eqn.invars)
+    rank = len(shape_of(eqn.outvars[0]))
+    live = reduce_any(outs[0], [d for d in range(rank) if d not in batch.axes])
+    return [None if embed is None else broadcast_mask(live, shape_of(v), embed)
+            for v, embed in zip(eqn.invars, batch.embeds, strict=True)]
+
+
+def solve_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
+    """`solve_masks`, statically: the batch element's formula (`batch_formula`) moved onto each
+    operand's batch axes."""
+    if all(m == TRUE for m in out_syms):
+        return [FALSE if isinstance(v, Literal) else TRUE for v in eqn.invars]
+    batch = solve_batch(eqn, ctx)
+    if batch is None:
+        return batched_syms(None)(eqn, out_syms, ctx)
+    live = batch_formula(eqn, out_syms, batch.axes)
+    return [FALSE if isinstance(v, Literal) or embed is None else
+            move(live, dict(zip(batch.axes, embed, strict=True)))
+            for v, embed in zip(eqn.invars, batch.embeds, strict=True)]
 
 
 def batched_alignment(core: Core) -> AlignRule:
@@ -1144,8 +1250,15 @@ def batched_alignment(core: Core) -> AlignRule:
 
 def call_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
                ctx: Context) -> list[Mask]:
-    """Through the body (`jit`, `closed_call`)."""
-    return ctx.inner_masks(call_jaxpr(eqn), invals, outs, ctx.structural)
+    """Through the body (`jit`, `closed_call`), read with the outputs' formulas, as
+    `call_syms` reads it."""
+    return ctx.inner_masks(call_jaxpr(eqn), invals, outs, ctx.structural,
+                           [ctx.sym(o) for o in eqn.outvars])
+
+
+def call_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
+    """Through the body: its inputs' formulas are the operands'."""
+    return ctx.inner_syms(call_jaxpr(eqn), out_syms, ctx.structural)
 
 
 def call_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]:
@@ -1169,10 +1282,12 @@ def custom_rule_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     the body does not (`lax.custom_root`'s implicit derivative reads the parameter its solver
     only iterates on; a rule of an operand the primal ignores). A lane the body reads for no
     output is live wherever any output lane is; the lanes it reads follow the body."""
-    body = opaque_call_masks(eqn, outs, invals, ctx)
     read_kinds = ctx.inner_kinds(call_jaxpr(eqn), [Kind.LIVE] * len(outs), True)
     if all(k == Kind.LIVE for k in read_kinds):
-        return body
+        # as `custom_rule_syms` read the body: with the outputs' formulas
+        return ctx.inner_masks(call_jaxpr(eqn), invals, outs, True,
+                               [ctx.sym(o) for o in eqn.outvars])
+    body = opaque_call_masks(eqn, outs, invals, ctx)
     # the lanes read in part only need the body's masks at run time; unread operands do not
     read = ctx.inner_masks(call_jaxpr(eqn), invals, [None] * len(outs), True) \
         if Kind.MAYBE in read_kinds else [None] * len(read_kinds)
@@ -1214,21 +1329,21 @@ def _lane_to_lane(eqn: JaxprEqn, rank: int) -> bool:
 
 
 def custom_rule_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
-    """A custom rule whose primal body is lane to lane (`jax.nn.relu`, `logaddexp`, a clamp
-    with its own derivative): each operand has the output's formula along its axes, as the
-    run-time rule (`custom_rule_masks`) gives it when the body reads every operand. Otherwise
-    None: the kinds, every lane of a live operand as one unknown."""
-    if len(eqn.outvars) != 1:
-        return None
-    rank = len(shape_of(eqn.outvars[0]))
+    """A custom rule whose primal body reads every operand (as the run-time rule,
+    `custom_rule_masks`, then gives them): lane to lane (`jax.nn.relu`, `logaddexp`, a clamp
+    with its own derivative), each operand has the output's formula along its axes; otherwise
+    the formulas the body's own static rules give, structurally (`jnp.linalg.pinv`: a matrix
+    of a batch that a `where` drops is dropped before its `svd`). Otherwise None: the kinds,
+    every lane of a live operand as one unknown."""
     body = call_jaxpr(eqn)
-    if any_equation(body, lambda e: not _lane_to_lane(e, rank)):
-        return None
-    if any(len(shape_of(v)) not in (0, rank) for v in eqn.invars):
-        return None
-    read = ctx.inner_kinds(body, [Kind.LIVE], True)
+    read = ctx.inner_kinds(body, [Kind.LIVE] * len(eqn.outvars), True)
     if any(k != Kind.LIVE for k in read):
         return None
+    rank = len(shape_of(eqn.outvars[0]))
+    if len(eqn.outvars) != 1 or any(len(shape_of(v)) not in (0, rank) for v in eqn.invars) or \
+            any_equation(body, lambda e: not _lane_to_lane(e, rank)):
+        return [FALSE if isinstance(v, Literal) else sym
+                for v, sym in zip(eqn.invars, ctx.inner_syms(body, out_syms, True), strict=True)]
     out = out_syms[0]
     return [FALSE if isinstance(v, Literal) else
             move(out, backward_mapping(cast(list, same_rank_alignment(eqn, k))))

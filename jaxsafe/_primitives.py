@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 from jax import lax
+from jax.lax import linalg as lax_linalg
 
 from . import _bounds as bounds
 from . import _ranges as ranges
@@ -36,6 +37,7 @@ from ._carries import (
 )
 from ._choosers import (
     by_fill,
+    by_held,
     by_original,
     by_permutation,
     by_top_k,
@@ -47,6 +49,8 @@ from ._choosers import (
     reads_as,
     row_reads,
     running_choice,
+    scatter_choice_masks,
+    scatter_choice_syms,
     sort_masks,
     support_masks,
     window_choice,
@@ -90,6 +94,7 @@ from ._liveness_rules import (
     by_transpose_masks,
     call_kinds,
     call_masks,
+    call_syms,
     clamp_wins,
     concatenate_masks,
     concatenate_syms,
@@ -133,6 +138,8 @@ from ._liveness_rules import (
     selected_syms,
     slice_masks,
     slice_syms,
+    solve_masks,
+    solve_syms,
     sort_axis,
     split_masks,
     split_syms,
@@ -140,6 +147,7 @@ from ._liveness_rules import (
     stack_masks,
     stack_syms,
     tile_masks,
+    tiled_axes,
     top_k_axis,
     transpose_alignment,
     transpose_masks,
@@ -324,6 +332,8 @@ register_reduction(prims.reduce_and_p, prims.reduce_or_p, prims.reduce_xor_p, pr
                    prims.argmin_p)
 if hasattr(lax, "mulhi_p"):  # JAX 0.10 on
     register(lax.mulhi_p)
+# integer pivots to a permutation (`lu_solve`, `lu_factor`): no float, no derivative
+register(lax_linalg.lu_pivots_to_permutation_p)
 register(*PRIVATE_KEY_WRAPS)  # key data <-> typed key: no float, nothing made non-finite
 register_elementwise(prims.tanh_p, prims.logistic_p, prims.sin_p, prims.cos_p, prims.atan_p,
                      prims.asinh_p, prims.erf_p, prims.erfc_p, prims.bessel_i0e_p,
@@ -398,7 +408,8 @@ if hasattr(lax, "stack_p"):
 if hasattr(lax, "unstack_p"):
     register_movement(lax.unstack_p, masks=unstack_masks)
 if hasattr(lax, "tile_p"):
-    register_movement(lax.tile_p, masks=tile_masks, carries=MOVED)
+    register_movement(lax.tile_p, masks=tile_masks, static=along_axes_syms(tiled_axes),
+                      carries=MOVED)
 # an overwrite drops the operand lanes it writes (and updates that a duplicate index overwrites)
 register_movement(prims.scatter_p, masks=by_transpose_masks, static=scatter_syms,
                   drops=_always, carries=MOVED)
@@ -406,11 +417,17 @@ register_movement(prims.scatter_p, masks=by_transpose_masks, static=scatter_syms
 # the transpose), and dropped where its index is out of range (`out_of_range_drops`)
 register(prims.scatter_add_p, masks=by_transpose_masks, static=scatter_add_syms,
          drops=out_of_range_drops, linear=True)
-# `x.at[i].subtract/multiply/min/max(u)`, `segment_prod/min/max`: read as the scatter-add with
-# the same parameters (`as_twin`); finite for finite operands
-register(lax.scatter_sub_p, prims.scatter_mul_p, prims.scatter_min_p, prims.scatter_max_p,
+# `x.at[i].subtract/multiply(u)`, `segment_prod`: read as the scatter-add with the same
+# parameters (`as_twin`); finite for finite operands
+register(lax.scatter_sub_p, prims.scatter_mul_p,
          masks=as_twin(prims.scatter_add_p, by_transpose_masks),
          static=as_twin(prims.scatter_add_p, scatter_add_syms), drops=out_of_range_drops)
+# `x.at[i].max/min(u)`, `segment_max/min`: choosers (`_choosers.py`): only the lanes equal to
+# their result are live, as a `reduce_max`'s
+register(prims.scatter_min_p, prims.scatter_max_p,
+         masks=scatter_choice_masks(as_twin(prims.scatter_add_p, by_transpose_masks)),
+         static=scatter_choice_syms(as_twin(prims.scatter_add_p, scatter_add_syms)),
+         drops=_always, chooser=Chooser(by_held, guarded_results=False))
 
 # --------------------------------------------------------------------------- reductions
 register_reduction(prims.reduce_sum_p, linear=True, scalar_move=summed_scalar,
@@ -497,11 +514,12 @@ register(prims.householder_product_p, masks=batched_masks(2), static=batched_sym
 # `jnp.linalg.solve`, `inv`: a solve with the user's operator, singular where it is. Its operator
 # is a program of its own (a batched one may mix batch elements): one whole, cut where every
 # output lane is dropped (a Newton step under `jnp.where(done, x, x - solve(h, g))`).
-register(prims.linear_solve_p, masks=batched_masks(None), static=batched_syms(None),
+register(prims.linear_solve_p, masks=solve_masks, static=solve_syms,
          cut_when_dropped=True, makes_nonfinite=True)
 
 # --------------------------------------------------------------------------- bodies
-register(prims.jit_p, prims.closed_call_p, masks=call_masks, kinds=call_kinds, inline=True)
+register(prims.jit_p, prims.closed_call_p, masks=call_masks, kinds=call_kinds, static=call_syms,
+         inline=True)
 register(prims.remat_p, masks=opaque_call_masks, kinds=opaque_call_kinds,
          nested_params=("jaxpr",), masked_body=RematBody(), body_inputs=direct_body_inputs)
 register(prims.custom_jvp_call_p, masks=custom_rule_masks, kinds=custom_rule_kinds,

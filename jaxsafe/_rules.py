@@ -67,13 +67,24 @@ class Context(Protocol):
         ...
 
     def inner_masks(self, closed: ClosedJaxpr, invals: Sequence[Any],
-                    out_masks: Sequence[Mask], structural: bool) -> list[Mask]:
-        """Run-time masks of a sub-jaxpr's inputs, given its outputs' masks."""
+                    out_masks: Sequence[Mask], structural: bool,
+                    out_syms: Sequence[Sym] | None = None) -> list[Mask]:
+        """Run-time masks of a sub-jaxpr's inputs, given its outputs' masks (and their static
+        formulas, where the equation's static rule read the body with them)."""
+        ...
+
+    def sym(self, atom: Any) -> Sym:
+        """The static formula of a value of this program (FALSE for a literal)."""
         ...
 
     def inner_kinds(self, closed: ClosedJaxpr, out_kinds: Sequence[Kind],
                     structural: bool) -> list[Kind]:
         """Static liveness of a sub-jaxpr's inputs, given its outputs' kinds."""
+        ...
+
+    def inner_syms(self, closed: ClosedJaxpr, out_syms: Sequence[Sym],
+                   structural: bool) -> list[Sym]:
+        """Static formulas of a sub-jaxpr's inputs, given its outputs' formulas."""
         ...
 
     def may_mask(self, atom: Any) -> bool:

@@ -16,7 +16,7 @@ row (`stop_gradient(max(x))`) can be proven to affect dropped lanes only (`disjo
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 
 from ._atoms import dtype_of, shape_of
 from ._compat import JaxprEqn, Literal, Var
@@ -86,6 +86,20 @@ def made_of(sym: Sym, constant: Callable[[object], bool]) -> bool:
 def opaque(reads: bool = False) -> Sym:
     """A fresh unknown mask that may depend on every axis (`reads`: `Unknown.reads`)."""
     return frozenset({frozenset({(Unknown(reads=reads), True, None)})})
+
+
+def foreign_keys_unknown(sym: Sym, own: Container) -> Sym:
+    """`sym` with each literal whose key is a variable not in `own` (another program's
+    predicate) made a fresh unknown on the same axes: coarser, never finer."""
+    def local(lit: Lit) -> Lit:
+        key, _, embed = lit
+        if isinstance(key, Unknown) or key in own:
+            return lit
+        return (Unknown(), True, None if embed is None else
+                tuple(sorted({e for e in embed if e is not None})))
+    if sym in (TRUE, FALSE):
+        return sym
+    return _simplify({frozenset(local(lit) for lit in term) for term in sym})
 
 
 def negate(lit: Lit) -> Lit:

@@ -53,6 +53,33 @@ def test_a_singular_lane_that_is_chosen_stays_singular():
         assert got[1 - chosen] == 0 and np.isnan(plain[1 - chosen])
 
 
+def test_a_segment_maximum_chooses_as_a_row_maximum():
+    """`segment_max`/`segment_min`/`x.at[i].max`: a losing lane holding `sqrt(0)` or `log(0)`
+    gets zero, ties share as in JAX, a chosen singular lane stays singular, and the choice is
+    the original's though the guard puts `log(1) = 0` above a live maximum `log(0.5)`."""
+    seg = jnp.array([0, 0, 0, 1, 1])
+    cases = {
+        "sqrt": lambda x: jax.ops.segment_max(jnp.sqrt(x), seg, 2).sum(),
+        "log": lambda x: jax.ops.segment_max(jnp.log(x), seg, 2).sum(),
+        "min": lambda x: jax.ops.segment_min(-jnp.log(x), seg, 2).sum(),
+        "at max": lambda x: jnp.full(2, -9.).at[seg].max(jnp.log(x)).sum(),
+    }
+    for name, f in cases.items():
+        x = jnp.array([.5, 0., .25, 4., 0.])  # losers: lanes 1, 2 and 4
+        assert np.isnan(jax.grad(f)(x)).any(), name  # plain JAX: 0 * inf in a loser
+        want = jax.grad(lambda x, f=f: f(jnp.where(jnp.arange(5) % 3 == 0, x, 1e-3)))(x)
+        assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+        assert_close(jax.grad(nan_safe(f))(x), want)
+        assert_close(jax.jacfwd(nan_safe(f))(x), want)
+        assert_close(jax.hessian(nan_safe(f))(x), jax.hessian(
+            lambda x, f=f: f(jnp.where(jnp.arange(5) % 3 == 0, x, 1e-3)))(x))
+    ties = jnp.array([2., 2., 1., 0., 0.])  # a tie of two live lanes; a tie at sqrt(0)
+    f = cases["sqrt"]
+    got, plain = jax.grad(nan_safe(f))(ties), jax.grad(f)(ties)
+    assert_bitwise(got[:3], plain[:3])  # shared as JAX shares it, the loser 0
+    assert np.isinf(got[3:]).all() and np.isinf(plain[3:]).all()  # chosen: singular
+
+
 def test_a_zero_factor_that_depends_on_the_inputs_is_not_a_mask():
     for f in (lambda x: (jnp.sqrt(x) * jnp.sqrt(x)).sum(),
               lambda x: (jax.nn.relu(x) * jnp.sqrt(x)).sum()):

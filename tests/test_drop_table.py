@@ -111,7 +111,7 @@ ROWS: list[Drop] = [
              h(x), jnp.array([0, 1, 0, 0]), num_segments=2), 0.).sum(),
          lambda x: _idx(x) != 1),
     # the other scatters are read as a scatter-add: an update sent out of range is dropped
-    # (`segment_max`'s padding id), every other update is live (a loser of max too)
+    # (`segment_max`'s padding id), every other update is live (max and min: but its losers)
     Drop("scatter_sub-out-of-range", lax.scatter_sub_p,
          lambda x, h: jnp.zeros(2, x.dtype).at[jnp.array([0, 2, 1, 1])].subtract(h(x)).sum(),
          lambda x: _idx(x) != 1),
@@ -125,6 +125,17 @@ ROWS: list[Drop] = [
     Drop("scatter_min-out-of-range", P.scatter_min_p,
          lambda x, h: jax.ops.segment_min(-h(x), jnp.array([0, 2, 1, 1]), num_segments=2).sum(),
          lambda x: _idx(x) != 1),
+    # `segment_max`, `x.at[i].max(u)`: choosers, as `reduce_max` (a losing update or operand
+    # lane is dropped; before, every lane in range was live). The twin's 1. must not tie.
+    Drop("scatter_max-losers", P.scatter_max_p,
+         lambda x, h: jax.ops.segment_max(h(x), jnp.array([1, 0, 0, 1]), num_segments=2).sum(),
+         lambda x: _idx(x) >= 2),
+    Drop("scatter_min-losers", P.scatter_min_p,
+         lambda x, h: jax.ops.segment_min(-h(x), jnp.array([1, 0, 0, 1]), num_segments=2).sum(),
+         lambda x: _idx(x) >= 2),
+    Drop("scatter_max-into-a-larger-operand", P.scatter_max_p,
+         lambda x, h: jnp.full(2, 1.5, x.dtype).at[jnp.array([0, 0, 1, 1])].max(h(x)).sum(),
+         lambda x: _idx(x) == 3),
     # chooser reductions
     Drop("reduce_max", P.reduce_max_p, lambda x, h: jnp.max(h(x)), lambda x: h(x) == h(x).max()),
     Drop("reduce_min", P.reduce_min_p, lambda x, h: jnp.min(-h(x)), lambda x: h(x) == h(x).max()),

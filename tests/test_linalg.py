@@ -5,8 +5,11 @@ leading axes. A dropped batch element (a padding matrix of zeros, a covariance t
 positive definite, a NaN) is cut from differentiation; the reference is the hand fix, which puts
 a harmless matrix (the identity, or distinct eigenvalues) in the dropped elements before the
 operation. Live elements keep their derivatives, real singularities included. A
-`custom_linear_solve` (`jnp.linalg.solve`) is one whole: cut where the program drops all of it.
+`custom_linear_solve` (`jnp.linalg.solve`, `inv`) is cut matrix by matrix where its programs are
+shown to work so, else as one whole, where the program drops all of it.
 """
+
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +88,88 @@ def test_dropped_batch_elements_contribute_zero(name, f, safe):
     if name == "cholesky":  # second order (the others: first order, to keep make test short)
         assert_close(jax.hessian(nan_safe(f))(MATS), jax.hessian(hand)(MATS),
                      rtol=1e-4, atol=1e-5)
+
+
+
+RHS = jnp.arange(10.).reshape(5, 2, 1) / 10. + 1.
+
+
+def _batched_cho_solve(a, b):
+    """`jsl.solve(a, b, assume_a="pos")` of a batch: its right-hand side laid out as (1, 5, 2),
+    the batch along axis 1 (JAX 0.10 warns of its own batched call of `cho_solve`)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return jsl.solve(a, b, assume_a="pos")
+
+
+def _kept(y):
+    return jnp.where(VALID.reshape((5,) + (1,) * (y.ndim - 1)), y, 0.)
+
+
+# `custom_linear_solve`s of a batch: each program (matvec, solve, their transposes) works
+# matrix by matrix along the batch axes, wherever they lie (`cho_solve` lays its right-hand
+# side out as (1, 5, 2))
+SOLVES = {
+    "inv": lambda a: jnp.linalg.inv(a),
+    "solve": lambda a: jnp.linalg.solve(a, RHS),
+    "solve, a matrix right-hand side": lambda a: jnp.linalg.solve(a, a + 3.),
+    "scipy solve": lambda a: jsl.solve(a, RHS),
+    "scipy solve, positive definite": lambda a: _batched_cho_solve(a, RHS),
+    "vmap of scipy solve, positive definite": lambda a: jax.vmap(
+        lambda m, r: jsl.solve(m, r, assume_a="pos"))(a, RHS),
+    "lu_solve": lambda a: jsl.lu_solve(jsl.lu_factor(a), RHS),
+    "cho_solve": lambda a: jsl.cho_solve(jsl.cho_factor(a), RHS),
+    "vmap of solve": lambda a: jax.vmap(jnp.linalg.solve)(a, RHS[..., 0]),
+    "two batch axes": lambda a: jnp.linalg.inv(jnp.stack([a, a + 1.], 1)),
+    # a `custom_jvp` over `svd`: its body's static rules drop the matrix (`custom_rule_syms`)
+    "pinv": lambda a: jnp.linalg.pinv(a),
+    "batch along axis 1": lambda a: jnp.moveaxis(
+        jax.vmap(jnp.linalg.inv, 1, 1)(jnp.moveaxis(a, 0, 1)), 1, 0),
+}
+
+
+@pytest.mark.parametrize("name", SOLVES)
+def test_one_dropped_singular_matrix_of_a_batched_solve_is_cut(name):
+    """A batched `jnp.linalg.solve` or `inv` with one singular, NaN or zero matrix that a
+    `where` drops: the solve's programs are shown to work matrix by matrix
+    (`_liveness_rules.solve_batch`), so the dropped matrices alone are cut from
+    differentiation, as the hand fix's identity gives. Before, a `custom_linear_solve` was one
+    whole and the dropped matrices' gradient was NaN (the FAQ's "Not yet"); `lu_solve` and
+    `cho_solve`, triangular solves, were cut matrix by matrix already."""
+    solve = SOLVES[name]
+
+    def f(a):
+        return jnp.sum(_kept(solve(a)) ** 2)
+
+    def hand(a):
+        return f(_fixed(a, jnp.eye(2)))
+
+    assert_bitwise(nan_safe(f)(MATS), jax.jit(f)(MATS))
+    assert np.isnan(jax.grad(f)(MATS)).any()  # the bug
+    got = jax.grad(nan_safe(f))(MATS)
+    assert_close(got, jax.grad(hand)(MATS), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got)[~np.asarray(VALID)], 0.)
+    assert_close(jax.jacfwd(nan_safe(f))(MATS), jax.jacfwd(hand)(MATS), rtol=1e-5, atol=1e-6)
+    assert_close(jax.hessian(nan_safe(f))(MATS), jax.hessian(hand)(MATS), rtol=1e-4, atol=1e-5)
+
+
+def test_a_solve_that_mixes_the_matrices_of_a_batch_stays_one_whole():
+    """`custom_linear_solve` with an operator that mixes batch elements (a sum over the
+    batch): nothing is cut per matrix (each dropped matrix's lanes reach the live ones'
+    results), and the derivatives are plain JAX's."""
+    def f(a, b):
+        def matvec(x):
+            return a @ x + 0.1 * jnp.sum(x, 0, keepdims=True)
+        x = jax.lax.custom_linear_solve(
+            matvec, b, lambda _, r: jnp.linalg.solve(a, r),
+            lambda _, r: jnp.linalg.solve(jnp.swapaxes(a, 1, 2), r))
+        return jnp.sum(_kept(x) ** 2)
+
+    a, b = MATS[jnp.array([0, 4, 0, 4, 0])] + jnp.eye(2)[None], RHS
+    assert_bitwise(nan_safe(f)(a, b), jax.jit(f)(a, b))
+    for argnums in (0, 1):
+        assert_close(jax.grad(nan_safe(f), argnums)(a, b), jax.grad(f, argnums)(a, b))
+    assert not jaxsafe.explain(f)(a, b).guards
 
 
 SINGULAR_3 = jnp.stack([2. * jnp.eye(3) + .1, jnp.zeros((3, 3)), jnp.ones((3, 3))])
@@ -243,6 +328,9 @@ def test_explain_names_the_cut_and_no_unknown_primitive():
     # one matrix: jnp.diagonal's platform-dependent branch index is known (no derivative)
     one = str(jaxsafe.explain(lambda a: jnp.log(jnp.diagonal(jnp.linalg.cholesky(a))))(SPD))
     assert "unknown" not in one, one
+    # `lu_solve`'s pivots become a permutation by a primitive of their own
+    solved = jaxsafe.explain(lambda a: _kept(jsl.lu_solve(jsl.lu_factor(a), RHS)).sum())(MATS)
+    assert solved.guards and not solved.unknown, str(solved)
 
 
 def _newton_step(x, done, fixed=False):

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_finite, structure
+from helpers import assert_bitwise, assert_close, assert_finite, structure
 from jax import lax
 
 import jaxsafe
@@ -370,13 +370,18 @@ def test_a_mask_known_true_at_trace_time_adds_nothing():
 
 
 def test_an_overwrite_or_product_at_constant_indices_keeps_its_operand_live():
-    """`x.at[i].mul(2.)` and `.at[i].min(5.)` read every operand lane where the output is live
-    (as a scatter-add, conservatively): the static pass says so, nothing to guard."""
-    x = jnp.array([1., 4., 0., 9.])
-    for f in (lambda x: jnp.sum(jnp.sqrt(x).at[1].mul(2.)),
-              lambda x: jnp.sum(jnp.sqrt(x).at[jnp.array([0, 2])].min(5.))):
-        assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
-        assert not jaxsafe.explain(f)(x).changed
+    """`x.at[i].mul(2.)` reads every operand lane where the output is live (as a scatter-add):
+    the static pass says so, nothing to guard. `.at[i].min(5.)` chooses, as `jnp.minimum(x,
+    5.)` does: an operand lane above 5 is dropped and guarded, and the forward value and the
+    derivative are plain JAX's (`sqrt(0.)`, which wins, keeps its infinite derivative)."""
+    x = jnp.array([1., 4., 0., 36.])
+    f = lambda x: jnp.sum(jnp.sqrt(x).at[1].mul(2.))
+    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    assert not jaxsafe.explain(f)(x).changed
+    g = lambda x: jnp.sum(jnp.sqrt(x).at[jnp.array([0, 2, 3])].min(5.))
+    assert [guard.primitive for guard in jaxsafe.explain(g)(x).guards] == ["sqrt"]
+    assert_bitwise(nan_safe(g)(x), jax.jit(g)(x))
+    np.testing.assert_array_equal(jax.grad(nan_safe(g))(x), jax.grad(g)(x))
 
 
 def test_a_gather_at_constant_indices_guards_with_a_constant_mask():

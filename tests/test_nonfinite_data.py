@@ -671,6 +671,7 @@ FEATURE_OPS = {
     "sort": lambda z: jnp.sort(z, axis=1)[:, -1],
     "top_k": lambda z: lax.top_k(z, 2)[0].sum(-1),
     "roll": lambda z: jnp.roll(z, 1, axis=1)[:, 0],
+    "tile": lambda z: (jnp.tile(z, (1, 2)) * jnp.arange(8.)[None]).sum(-1),
     "average pool": lambda z: lax.reduce_window(z, 0., lax.add, (1, 2), (1, 2), "VALID").sum(-1),
     "max pool": lambda z: lax.reduce_window(z, -jnp.inf, lax.max, (1, 2), (1, 1), "SAME").sum(-1),
     "convolve": lambda z: jax.vmap(lambda r: jnp.convolve(r, jnp.array([1., -2.]),
@@ -704,6 +705,167 @@ def test_a_padded_row_reaches_through_an_op_along_the_feature_axis(name):
     assert_bitwise(safe(w, x), jax.jit(loss)(w, x))
     assert_close(jax.grad(safe)(w, x), jax.grad(by_hand)(w, x), rtol=1e-5)
     assert_close(jax.hessian(safe)(w, x), jax.hessian(by_hand)(w, x), rtol=1e-4, atol=1e-5)
+
+
+
+def _graph_attention(w, a, x, senders, receivers, edge_mask, node_mask):
+    """One GAT layer on a padded graph: attention logits from gathered sender and receiver
+    rows, a softmax over each node's incoming edges, messages `alpha[:, None] * h[senders]`
+    whose factor a `where` zeroes on padded edges, and a segment sum."""
+    n = x.shape[0]
+    h = x @ w
+    e = jax.nn.leaky_relu(jnp.concatenate([h[senders], h[receivers]], -1) @ a)
+    e = jnp.where(edge_mask, e, -jnp.inf)
+    top = lax.stop_gradient(jax.ops.segment_max(e, receivers, n))
+    alpha = jnp.exp(e - top[receivers])
+    alpha = jnp.where(edge_mask, alpha / jax.ops.segment_sum(alpha, receivers, n)[receivers], 0.)
+    out = jax.ops.segment_sum(alpha[:, None] * h[senders], receivers, n)
+    return jnp.sum(jnp.where(node_mask[:, None], jnp.tanh(out) ** 2, 0.))
+
+
+def test_graph_attention_over_a_nan_padded_node():
+    """A padded node with NaN features, and padded edges from it to it: the messages'
+    factor `alpha` is `where(edge_mask, ..., 0.)`, which drops `h[senders]`'s padded rows at
+    run time (`product_syms`). That factor is broadcast along the feature axis
+    (`alpha[:, None]`), so the mask it makes runs along rows only, crosses the gathers and
+    guards `x`'s row before `x @ w` with no reduction. Before, the mask ran along both axes
+    and `w`'s gradient was NaN (hunt C)."""
+    rng = np.random.RandomState(0)
+    x = rng.randn(4, 3).astype(np.float32)
+    x[3] = nan
+    w, a = rng.randn(3, 2).astype(np.float32), rng.randn(4).astype(np.float32)
+    graph = (jnp.array([0, 1, 2, 1, 3, 3]), jnp.array([1, 2, 0, 0, 3, 3]),
+             jnp.array([True] * 4 + [False] * 2), jnp.array([True] * 3 + [False]))
+
+    def loss(w, a, x):
+        return _graph_attention(w, a, x, *graph)
+
+    def by_hand(w, a, x):
+        return loss(w, a, jnp.where(graph[3][:, None], x, 0.))
+
+    assert np.isnan(jax.grad(loss)(w, a, x)).all()  # the bug
+    safe = jaxsafe.nan_safe(loss)
+    assert_bitwise(safe(w, a, x), jax.jit(loss)(w, a, x))
+    for argnums in (0, 1):
+        assert_close(jax.grad(safe, argnums)(w, a, x), jax.grad(by_hand, argnums)(w, a, x),
+                     rtol=1e-5, atol=1e-7)
+    assert_close(jax.hessian(safe)(w, a, x), jax.hessian(by_hand)(w, a, x), rtol=1e-4,
+                 atol=1e-6)
+
+
+
+
+# (move the rows, the inverse move: which rows of `x @ w` reach the `where`'s rows)
+ROW_MOVES = {
+    "rev twice": (lambda h: h[::-1][::-1], lambda v: v),
+    "constant gather": (lambda h: h[jnp.array([1, 0, 2])], lambda v: v[jnp.array([1, 0, 2])]),
+    "roll": (lambda h: jnp.roll(h, 1, axis=0), lambda v: jnp.roll(v, -1, axis=0)),
+    "dynamic_slice": (lambda h: lax.dynamic_slice(h, (0, 0), (3, 2)), lambda v: v),
+}
+
+
+@pytest.mark.parametrize("move", ROW_MOVES)
+def test_a_product_of_row_masked_factors_drops_rows_before_the_matmul(move):
+    """`a * a` with `a = where(v[:, None], move(x @ w), 0.)`: each factor is the other's
+    mask, zero where `v` takes the literal and carrying a derivative where it takes `x @ w`,
+    so it keeps exactly the lanes where `v` holds (`_choosers._selected_literal`): a row
+    mask, which crosses the move and the matmul with no reduction. Before, each factor's mask
+    was decided at run time along both axes, and `w`'s gradient was NaN (`a ** 2` was
+    guarded)."""
+    moved, back = ROW_MOVES[move]
+    v = jnp.array([True, False, True])
+
+    def loss(w, x):
+        a = jnp.where(v[:, None], moved(x @ w), 0.)
+        return jnp.sum(a * a)
+
+    def by_hand(w, x):
+        return loss(w, jnp.where(back(v)[:, None], x, 0.))
+
+    w = jnp.array([[.3, -.2], [.1, .4]])
+    x = jnp.where(back(v)[:, None], jnp.array([[1., 2.], [.5, -1.], [.7, .2]]),
+                  jnp.array([nan, inf]))  # NaN and inf in the row the `where` drops
+    assert np.isnan(jax.grad(loss)(w, x)).any()  # the bug
+    safe = jaxsafe.nan_safe(loss)
+    assert_bitwise(safe(w, x), jax.jit(loss)(w, x))
+    assert_close(jax.grad(safe)(w, x), jax.grad(by_hand)(w, x))
+    assert_close(jax.hessian(safe)(w, x), jax.hessian(by_hand)(w, x))
+
+
+def test_multi_head_attention_messages_with_exp_of_a_masked_logit():
+    """Graph attention with heads: `exp(where(edge_ok, logit, -inf))[..., None] *
+    where(edge_ok, h[s], 0.)`: the exponential makes the `-inf` lanes 0, carrying nothing,
+    so the factor drops the edges `edge_ok` drops, along edges only, through the reshape into
+    heads and the gathers, down to `x @ w`'s padded row (a lane-to-lane chain to the
+    `where`'s constant, folded at trace time)."""
+    n, heads = 4, 2
+    x = jnp.array([[1., 2.], [.5, -1.], [2., .3], [nan, nan]])
+    node_ok = jnp.array([True, True, True, False])
+    s, r = jnp.array([0, 1, 2, 0, 3, 3]), jnp.array([1, 2, 0, 2, 3, 1])
+    edge_ok = jnp.array([True] * 4 + [False] * 2)
+    w = jnp.arange(8.).reshape(2, 4) / 10 - .3
+
+    def loss(w, x):
+        h = (x @ w).reshape(n, heads, 2)
+        logit = jnp.where(edge_ok[:, None], jnp.einsum("ehf,ehf->eh", h[s], h[r]), -jnp.inf)
+        msg = jnp.exp(logit)[..., None] * jnp.where(edge_ok[:, None, None], h[s], 0.)
+        out = jax.ops.segment_sum(msg, r, n)
+        return jnp.sum(jnp.where(node_ok[:, None, None], out, 0.))
+
+    def by_hand(w, x):
+        return loss(w, jnp.where(node_ok[:, None], x, 0.))
+
+    assert np.isnan(jax.grad(loss)(w, x)).all()  # the bug
+    safe = jaxsafe.nan_safe(loss)
+    assert_bitwise(safe(w, x), jax.jit(loss)(w, x))
+    assert_close(jax.grad(safe)(w, x), jax.grad(by_hand)(w, x), rtol=1e-5)
+    assert_close(jax.hessian(safe)(w, x), jax.hessian(by_hand)(w, x), rtol=1e-4, atol=1e-5)
+
+@pytest.mark.parametrize("readout", ["segment_max", "segment_min", "segment_sum"])
+def test_a_padded_graph_readout_drops_the_padding_graph_rows_before_the_matmul(readout):
+    """A readout per graph (`segment_max`, as jraph pads a batch with a graph of NaN nodes)
+    whose padding graph a `where` drops: the segment's rows are dropped as a row mask (the
+    scatter read as its scatter-add twin while some result is dropped), so `x`'s NaN row is
+    guarded before `x @ w`. A segment maximum whose every result is live drops its losers
+    instead (`test_choosers`); that must not turn the readout's row mask into one that needs
+    a run-time reduction."""
+    pool = getattr(jax.ops, readout)
+    x = jnp.array([[1., 2.], [.5, -1.], [nan, nan]])
+    graph_id, graph_ok = jnp.array([0, 0, 1]), jnp.array([True, False])
+    w = jnp.array([[.3, -.2], [.1, .4]])
+
+    def loss(w, x):
+        return jnp.sum(jnp.where(graph_ok[:, None], jnp.tanh(pool(x @ w, graph_id, 2)), 0.))
+
+    def by_hand(w, x):
+        return loss(w, jnp.where(jnp.array([True, True, False])[:, None], x, 0.))
+
+    assert np.isnan(jax.grad(loss)(w, x)).all()  # the bug
+    safe = jaxsafe.nan_safe(loss)
+    assert_bitwise(safe(w, x), jax.jit(loss)(w, x))
+    assert_close(jax.grad(safe)(w, x), jax.grad(by_hand)(w, x))
+    assert_close(jax.hessian(safe)(w, x), jax.hessian(by_hand)(w, x))
+
+def test_a_row_factor_zeroed_by_a_where_drops_rows_of_a_gathered_matmul():
+    """The smallest form of the graph-attention case: `s[:, None] * h[idx]` with
+    `s = where(m, f(h[idx]), 0.)`, `h = x @ w` and a NaN row of `x`."""
+    m, idx = jnp.array([True, True, False]), jnp.array([0, 1, 2])
+
+    def loss(w, x):
+        h = x @ w
+        s = jnp.where(m, jnp.tanh(h[idx].sum(-1)), 0.)
+        return jnp.sum(jnp.where(m[:, None], s[:, None] * h[idx], 0.))
+
+    def by_hand(w, x):
+        return loss(w, jnp.where(m[:, None], x, 0.))
+
+    w, x = jnp.array([[.5, -1.], [.3, .2]]), jnp.array([[1., 2.], [3., 4.], [nan, nan]])
+    assert np.isnan(jax.grad(loss)(w, x)).all()  # the bug
+    safe = jaxsafe.nan_safe(loss)
+    assert_bitwise(safe(w, x), jax.jit(loss)(w, x))
+    assert_close(jax.grad(safe)(w, x), jax.grad(by_hand)(w, x))
+    assert_close(jax.jit(jax.grad(safe))(w, x), jax.grad(by_hand)(w, x))
+    assert_close(jax.hessian(safe)(w, x), jax.hessian(by_hand)(w, x))
 
 
 def _first_row_zeroed(x):
