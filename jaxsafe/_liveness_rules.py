@@ -25,7 +25,7 @@ import numpy as np
 from jax import lax
 
 from ._atoms import dtype_of, is_float, shape_of
-from ._compat import JaxprEqn, Literal, bind_eqn
+from ._compat import JaxprEqn, Literal, Var, bind_eqn
 from ._constants import fold
 from ._masks import (
     all_of,
@@ -607,11 +607,15 @@ def scatter_add_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> li
         return None
     updates_shape = shape_of(eqn.invars[2])
     to_update = _scatter_in_place(eqn)
-    updates = _carried(out, to_update, len(updates_shape))
+    known = _indices_known(eqn.invars[1:2], ctx)
+    # at indices known when jaxsafe traces, a predicate known then moves to a known mask (a
+    # padded graph's readout under jraph's empty-segment test, at constant segment ids)
+    updates = _carried(out, to_update, len(updates_shape),
+                       (lambda key: isinstance(key, Var) and ctx.constant(key) is not None)
+                       if known else None)
     scattered = [a for a in range(len(updates_shape)) if a not in to_update.values()]
     if not in_range and updates:  # an update sent out of range is dropped
-        updates = sym_and_literal(updates, unknown(scattered, _indices_known(eqn.invars[1:2],
-                                                                             ctx)))
+        updates = sym_and_literal(updates, unknown(scattered, known))
     return [out, opaque(), updates]
 
 
@@ -721,18 +725,21 @@ def concatenate_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     return masks
 
 
-def _carried(sym: Sym, to_operand: dict[int, int], rank: int) -> Sym:
+def _carried(sym: Sym, to_operand: dict[int, int], rank: int,
+             known: Callable[[Any], bool] | None = None) -> Sym:
     """An operand's formula from its output's, through an equation that keeps lanes in place
     from output axis `o` to operand axis `to_operand[o]` (same size) and moves or mixes them
     along the other axes (a concatenation's or a cumulative sum's axis, the axes a reshape
     merges): a literal along kept axes only carries over; one along another axis becomes a
     fresh unknown, on its kept axes and every operand axis that is not kept (decided at run
-    time). Exact or coarser, never finer: no OR is claimed (`move` claims one)."""
+    time; static where its key is, or where `known` says the key's value is known when
+    jaxsafe traces and the equation moves lanes by shapes and constants alone). Exact or
+    coarser, never finer: no OR is claimed (`move` claims one)."""
     loose = [d for d in range(rank) if d not in to_operand.values()]
 
     def carried(lit: Lit) -> Lit:
         key, positive, embed = lit
-        static = isinstance(key, Unknown) and key.static
+        static = isinstance(key, Unknown) and key.static or known is not None and known(key)
         if embed is None:
             return unknown(None, static)
         if all(e is None or e in to_operand for e in embed):

@@ -416,7 +416,7 @@ register_movement(prims.scatter_p, masks=by_transpose_masks, static=scatter_syms
 # an update lane is live where the output lane it adds to is (a gather of the output's mask:
 # the transpose), and dropped where its index is out of range (`out_of_range_drops`)
 register(prims.scatter_add_p, masks=by_transpose_masks, static=scatter_add_syms,
-         drops=out_of_range_drops, linear=True)
+         drops=out_of_range_drops, linear=True, foldable=True)
 # `x.at[i].subtract/multiply(u)`, `segment_prod`: read as the scatter-add with the same
 # parameters (`as_twin`); finite for finite operands
 register(lax.scatter_sub_p, prims.scatter_mul_p,

@@ -224,12 +224,13 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
 
 
 def _small_integer_constants(closed: ClosedJaxpr) -> dict:
-    """The program's small integer constants (a `segment_sum`'s ids, `x.at[idx]`'s indices),
-    whose values the liveness rules may read: where such indices fall is known when the
-    rewrite is planned. Floats are left to the rules that read them elsewhere."""
+    """The program's small integer and boolean constants (a `segment_sum`'s ids, `x.at[idx]`'s
+    indices, a padding mask closed over), whose values the liveness rules may read: where such
+    indices fall, and what a mask moved by them holds, is known when the rewrite is planned.
+    Floats are left to the rules that read them elsewhere."""
     return {v: c for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
             if not isinstance(c, Tracer) and np.size(c) <= SMALL_CONSTANT
-            and np.issubdtype(dtype_of(v), np.integer)}
+            and (np.issubdtype(dtype_of(v), np.integer) or dtype_of(v) == np.bool_)}
 
 
 # --------------------------------------------------------------------------- nested bodies

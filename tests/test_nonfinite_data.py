@@ -846,6 +846,32 @@ def test_a_padded_graph_readout_drops_the_padding_graph_rows_before_the_matmul(r
     assert np.isnan(jax.grad(loss)(w, x)).all()  # the bug
     _matches_the_hand_fix(loss, by_hand, (w, x))
 
+
+def test_a_readout_under_an_empty_segment_test_per_feature_at_constant_ids():
+    """jraph's `segment_max_or_constant`: `where(count > 0, segment_max(h), 0.)` with the count
+    taken per feature, so the test runs along both axes, at segment ids computed from a
+    closed-over `n_node` (a padded batch), then a `where` on a closed-over graph mask. At ids
+    known when jaxsafe traces, the formula of `h`'s rows is known then too (a static mask:
+    `scatter-add` folds, boolean constants are read), so `x`'s NaN padded row is guarded
+    before `x @ w` without a run-time reduction. Before, `w`'s gradient was NaN."""
+    n_node, graph_ok = np.array([3, 2]), np.array([True, False])
+    node_ok = np.array([True, True, True, False, False])
+    x = jnp.where(node_ok[:, None], jnp.arange(10.).reshape(5, 2) / 10., nan)
+    w = jnp.array([[.3, -.2], [.1, .4]])
+
+    def loss(w, x):
+        h = x @ w
+        ids = jnp.repeat(jnp.arange(2), n_node, total_repeat_length=5)
+        count = jax.ops.segment_sum(jnp.ones_like(h, dtype=jnp.int32), ids, 2)
+        pooled = jnp.where(count > 0, jax.ops.segment_max(h, ids, 2), 0.)
+        return jnp.sum(jnp.where(graph_ok[:, None], jnp.tanh(pooled), 0.))
+
+    def by_hand(w, x):
+        return loss(w, jnp.where(node_ok[:, None], x, 0.))
+
+    assert np.isnan(jax.grad(loss)(w, x)).all()  # the bug
+    _matches_the_hand_fix(loss, by_hand, (w, x))
+
 def test_a_row_factor_zeroed_by_a_where_drops_rows_of_a_gathered_matmul():
     """The smallest form of the graph-attention case: `s[:, None] * h[idx]` with
     `s = where(m, f(h[idx]), 0.)`, `h = x @ w` and a NaN row of `x`."""
