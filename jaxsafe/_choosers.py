@@ -95,10 +95,18 @@ def support_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     permutation (`sort`, `top_k`) moves the outputs' masks back to the lanes they came from."""
     if ctx.structural:
         return _conservative(eqn, outs)
+    return _supported(eqn, outs, invals)
+
+
+def _supported(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+               widen: bool = False) -> list[Mask]:
+    """Where JAX's derivative at the original values reads each float operand (`support_masks`;
+    `widen`: as `_pulled_back`)."""
     dropped = _all_dropped(eqn, outs)
     if dropped is not None:
         return dropped
-    return [None if c is None else _nonzero(c) for c in _pulled_back(eqn, outs, invals)]
+    return [None if c is None else _nonzero(c)
+            for c in _pulled_back(eqn, outs, invals, widen=widen)]
 
 
 ReadsRule = Callable[[JaxprEqn, jax.Array, Any], jax.Array]
@@ -287,12 +295,7 @@ def scatter_choice_masks(twin: MaskRule) -> MaskRule:
               ctx: Context) -> list[Mask]:
         if ctx.structural or outs[0] is not None:
             return twin(eqn, outs, invals, ctx)
-        dropped = _all_dropped(eqn, outs)
-        if dropped is not None:
-            return dropped
-        pulled = _pulled_back(eqn, outs, invals, widen=True)
-        return [None if c is None or not is_float(v) else _nonzero(c)
-                for c, v in zip(pulled, eqn.invars, strict=True)]
+        return _supported(eqn, outs, invals, widen=True)
     return masks
 
 
