@@ -16,6 +16,7 @@ pass (`_liveness.py`) provides.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
@@ -477,7 +478,9 @@ def _indices_known(indices: Sequence[Any], ctx: Context) -> bool:
 
 def _kept_along(out: Sym, to_operand: dict[int, int], op_shape: Sequence[int],
                 dropping: Sequence[int] | None = None, static: bool = False,
-                varying: Sequence[int] = ()) -> Sym:
+                varying: Sequence[int] = (),
+                lanes: Callable[[int], np.ndarray | None] | None = None,
+                known: dict[int, int] | None = None) -> Sym:
     """An operand's formula from its output's, through a movement that keeps the lanes of the
     output axes in `to_operand` in place along those operand axes: a formula along them
     carries over; along the other axes lanes move (an unknown for what ran along them). Along
@@ -486,15 +489,18 @@ def _kept_along(out: Sym, to_operand: dict[int, int], op_shape: Sequence[int],
     along a batch axis reaches a batched decomposition (`chol[1:, 0, 0]` never reads matrix
     0). Without `dropping`, one unknown over every other axis (a gather picks lanes anywhere).
     `static`: what is cut off depends on shapes only (a `slice`, a `pad`). `varying`: axes kept
-    in place along which what is picked on the other axes changes (a gather's batching axes)."""
-    sym = move(out, to_operand)
+    in place along which what is picked on the other axes changes (a gather's batching axes).
+    `lanes(d)`: the lanes kept along axis d, where known as an array (`Unknown.lanes`).
+    `known`: more axes of `out` to move, that only literals already on the operand's lanes
+    run along (`_known_lanes_moved`)."""
+    sym = move(out, to_operand if known is None else {**to_operand, **known})
     if dropping is None:
         rest = [d for d in range(len(op_shape)) if (d not in to_operand.values() or d in varying)
                 and op_shape[d] != 1]
         return sym_and_literal(sym, unknown(rest, static)) if rest else sym
     for d in dropping:
         if op_shape[d] != 1:
-            sym = sym_and_literal(sym, unknown([d], static))
+            sym = sym_and_literal(sym, unknown([d], static, None if lanes is None else lanes(d)))
     return sym
 
 
@@ -503,19 +509,82 @@ AxesRule = Callable[[JaxprEqn], tuple[list[bool], list[int]]]
 lanes off."""
 
 
-def _whole_axes_syms(axes: AxesRule, by_shape: bool = False) -> StaticRule:
+Sources = Callable[[JaxprEqn, int], np.ndarray]
+"""(equation, axis) -> for each output lane along that axis, the operand lane it takes (-1:
+none, padding), from the equation's parameters alone."""
+
+
+def _kept_lanes(sources: np.ndarray, size: int) -> np.ndarray:
+    kept = np.zeros(size, bool)
+    kept[sources[sources >= 0]] = True
+    return kept
+
+
+def _known_lanes(key: Any, ctx: Context) -> np.ndarray | None:
+    """A literal key's lanes where they are known when jaxsafe plans: a static mask known as
+    an array (`Unknown.lanes`), or a predicate computed from constants alone."""
+    if isinstance(key, Unknown):
+        return key.lanes
+    return ctx.constant(key) if isinstance(key, Var) else None
+
+
+def _known_lanes_moved(out: Sym, moving: Sequence[int], sources: Callable[[int], np.ndarray],
+                       op_shape: Sequence[int], ctx: Context) -> tuple[Sym, dict[int, int]]:
+    """`out` with each literal along the axes of `moving` whose lanes are known when jaxsafe
+    plans (a static mask known as an array, a predicate closed over) put on the operand's
+    lanes, a lane no output lane takes false; such a literal is given axes `rank + d` for
+    `d`, which the caller moves to `d` (`_kept_along`'s `known`): a slice of a slice, or a
+    padding mask cut by a slice, stays known lane by lane instead of becoming an unknown."""
+    rank, moved = len(op_shape), {}
+
+    def on_operand(lit: Lit) -> Lit:
+        key, positive, embed = lit
+        if embed is None or not any(e in moving for e in embed):
+            return lit
+        value = _known_lanes(key, ctx)
+        if value is None or np.ndim(value) != len(embed):
+            return lit
+        held = np.asarray(value, bool) == positive
+        for j, e in enumerate(embed):
+            if e in moving:
+                src = sources(e)
+                lanes = np.zeros(held.shape[:j] + (op_shape[e],) + held.shape[j + 1:], bool)
+                taken = src >= 0
+                np.moveaxis(lanes, j, 0)[src[taken]] = np.moveaxis(held, j, 0)[taken]
+                held = lanes
+                moved[rank + e] = e
+        return (Unknown(static=True, lanes=held), True,
+                tuple(rank + e if e in moving else e for e in embed))
+    if out in (TRUE, FALSE):
+        return out, moved
+    return frozenset(frozenset(on_operand(lit) for lit in term) for term in out), moved
+
+
+def _whole_axes_syms(axes: AxesRule, by_shape: bool = False,
+                     sources: Sources | None = None) -> StaticRule:
     """Static liveness of a slice-like movement (`slice`, `dynamic_slice`, `pad`, `rev`) whose
     output axis d runs along operand axis d, lane for lane where it takes the axis whole: a
     `where` per matrix on `chol[:, 1, 1]` drops whole matrices of `chol` (`batched_syms`), as it
     does on `chol` itself. Other operands (indices, the padding value): unknown. `by_shape`: the
-    lanes cut off are known from the parameters (not a `dynamic_slice`'s index)."""
+    lanes cut off are known from the parameters (not a `dynamic_slice`'s index); `sources`
+    names them, so that a coarse guard can read them (the rows `h[2:]` cuts off, before a
+    matmul whose exact mask would need a run-time reduction), and moves the literals known
+    lane by lane onto the operand's lanes (`_known_lanes_moved`)."""
     def static(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
         if not out_syms[0]:
             return [FALSE] * len(eqn.invars)
         whole, dropping = axes(eqn)
         to_operand = {d: d for d, w in enumerate(whole) if w}
-        return [_kept_along(out_syms[0], to_operand, shape_of(eqn.invars[0]), dropping,
-                            by_shape or _indices_known(eqn.invars[1:], ctx))] + \
+        op_shape = shape_of(eqn.invars[0])
+        out, known, lanes = out_syms[0], None, None
+        if sources is not None:
+            from_output = functools.partial(sources, eqn)
+            moving = [d for d, w in enumerate(whole) if not w]
+            out, known = _known_lanes_moved(out, moving, from_output, op_shape, ctx)
+            lanes = lambda d: _kept_lanes(from_output(d), op_shape[d])  # noqa: E731
+        return [_kept_along(out, to_operand, op_shape, dropping,
+                            by_shape or _indices_known(eqn.invars[1:], ctx), lanes=lanes,
+                            known=known)] + \
             [opaque() for _ in eqn.invars[1:]]
     return static
 
@@ -573,14 +642,28 @@ def _pad_axes(eqn: JaxprEqn) -> tuple[list[bool], list[int]]:
             [d for d, (lo, hi, _) in enumerate(config) if lo < 0 or hi < 0])
 
 
+def _slice_sources(eqn: JaxprEqn, d: int) -> np.ndarray:
+    strides = eqn.params["strides"] or (1,) * len(shape_of(eqn.invars[0]))
+    return np.arange(eqn.params["start_indices"][d], eqn.params["limit_indices"][d], strides[d])
+
+
+def _pad_sources(eqn: JaxprEqn, d: int) -> np.ndarray:
+    lo, _, interior = eqn.params["padding_config"][d]
+    at = np.arange(shape_of(eqn.outvars[0])[d]) - lo
+    src = at // (interior + 1)
+    return np.where((at >= 0) & (at % (interior + 1) == 0) &
+                    (src < shape_of(eqn.invars[0])[d]), src, -1)
+
+
 def _rev_axes(eqn: JaxprEqn) -> tuple[list[bool], list[int]]:
     return [d not in eqn.params["dimensions"] for d in range(len(shape_of(eqn.invars[0])))], []
 
 
-slice_syms = _whole_axes_syms(_slice_axes, by_shape=True)
+slice_syms = _whole_axes_syms(_slice_axes, by_shape=True, sources=_slice_sources)
 dynamic_slice_syms = _whole_axes_syms(_dynamic_slice_axes)
-pad_syms = _whole_axes_syms(_pad_axes, by_shape=True)
-rev_syms = _whole_axes_syms(_rev_axes, by_shape=True)
+pad_syms = _whole_axes_syms(_pad_axes, by_shape=True, sources=_pad_sources)
+rev_syms = _whole_axes_syms(_rev_axes, by_shape=True,
+                            sources=lambda eqn, d: np.arange(shape_of(eqn.invars[0])[d])[::-1])
 
 
 def out_of_range_drops(eqn: JaxprEqn) -> bool:
@@ -760,23 +843,60 @@ def _in_place_but(axes: Iterable[int], rank: int, removed: bool = False) -> dict
     return {d: d for d in range(rank) if d not in axes}
 
 
+def _known_parts(sym: Sym, axis: int, start: int, stop: int, ctx: Context) -> Sym:
+    """`sym` for the stretch [start, stop) of `axis`, where a literal along `axis` whose lanes
+    are known when jaxsafe plans (`_known_lanes`: a padding mask closed over) holds one value
+    over the whole stretch: the literal is that value (a term it falsifies goes). The other literals
+    stay, for the caller to carry (a part that mixes is decided at run time)."""
+    if sym in (TRUE, FALSE):
+        return sym
+    out = FALSE
+    for term in sym:
+        kept, holds = [], True
+        for lit in term:
+            key, positive, embed = lit
+            value = None if embed is None or axis not in embed else _known_lanes(key, ctx)
+            if value is None or embed is None:
+                kept.append(lit)
+                continue
+            part = np.take(np.asarray(value, bool), range(start, stop), axis=embed.index(axis))
+            if not part.all() and part.any():
+                kept.append(lit)
+            elif bool(part.all()) != positive:
+                holds = False
+                break
+        if holds:
+            out = sym_or(out, frozenset({frozenset(kept)}))
+    return out
+
+
 def concatenate_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
     """Each operand's lanes are the output's along every axis but the concatenated one: a
     formula along the others carries over (padded rows of features `concatenate`d along the
-    feature axis), one along that axis is decided at run time."""
+    feature axis), one along that axis is decided at run time, or when jaxsafe plans, for a
+    predicate it knows (`_known_parts`)."""
+    axis = eqn.params["dimension"]
     rank = len(shape_of(eqn.outvars[0]))
-    kept = _in_place_but([eqn.params["dimension"]], rank)
-    return [FALSE if isinstance(v, Literal) else _carried(out_syms[0], kept, rank)
-            for v in eqn.invars]
+    kept = _in_place_but([axis], rank)
+    syms, start = [], 0
+    for v in eqn.invars:
+        size = shape_of(v)[axis]
+        syms.append(FALSE if isinstance(v, Literal) else _carried(
+            _known_parts(out_syms[0], axis, start, start + size, ctx), kept, rank))
+        start += size
+    return syms
 
 
 def stack_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
     """`jnp.stack`: operand k is the output's k-th entry along the new axis; a formula along
-    the other axes carries over, one along the new axis is decided at run time."""
+    the other axes carries over, one along the new axis is decided at run time, or when
+    jaxsafe plans, for a predicate it knows (`_known_parts`)."""
+    axis = eqn.params["axis"]
     rank = len(shape_of(eqn.outvars[0]))
-    kept = _in_place_but([eqn.params["axis"]], rank, removed=True)
-    return [FALSE if isinstance(v, Literal) else _carried(out_syms[0], kept, rank - 1)
-            for v in eqn.invars]
+    kept = _in_place_but([axis], rank, removed=True)
+    return [FALSE if isinstance(v, Literal) else _carried(
+        _known_parts(out_syms[0], axis, k, k + 1, ctx), kept, rank - 1)
+            for k, v in enumerate(eqn.invars)]
 
 
 def split_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:

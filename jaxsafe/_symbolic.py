@@ -18,6 +18,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Container, Iterable, Sequence
 
+import numpy as np
+
 from ._atoms import dtype_of, shape_of
 from ._compat import JaxprEqn, Literal, Var
 
@@ -44,12 +46,17 @@ class Unknown:
     computed when jaxsafe traces, `_masks.at_trace_time`).
 
     `reads`: the mask of an operand whose equation's results are all live: it only says which
-    lanes the equation reads (a diagonal), the same in every batch element."""
-    __slots__ = ("parts", "embed", "static", "reads")
+    lanes the equation reads (a diagonal), the same in every batch element.
+
+    `lanes`: where a static mask is known as an array (the rows a `slice` keeps), its value
+    over the literal's axes, in the order it embeds them: a coarse guard may read it as it
+    reads a predicate (`named_along`)."""
+    __slots__ = ("parts", "embed", "static", "reads", "lanes")
 
     def __init__(self, parts: frozenset | None = None, embed: tuple | None = None,
-                 static: bool = False, reads: bool = False):
+                 static: bool = False, reads: bool = False, lanes: np.ndarray | None = None):
         self.parts, self.embed, self.static, self.reads = parts, embed, static, reads
+        self.lanes = lanes
 
     @property
     def reduced(self) -> frozenset | None:
@@ -60,10 +67,18 @@ class Unknown:
         return f"?{id(self) % 10000}"
 
 
-def unknown(axes: Iterable[int] | None, static: bool = False) -> Lit:
+def unknown(axes: Iterable[int] | None, static: bool = False,
+            lanes: np.ndarray | None = None) -> Lit:
     """A fresh unknown mask over `axes` of a value (None: every axis); `static`: it depends on
-    shapes only."""
-    return (Unknown(static=static), True, None if axes is None else tuple(sorted(set(axes))))
+    shapes only; `lanes`: its value over `axes` (sorted), where known (`Unknown.lanes`)."""
+    return (Unknown(static=static or lanes is not None, lanes=lanes), True,
+            None if axes is None else tuple(sorted(set(axes))))
+
+
+def named_key(key: object) -> bool:
+    """Whether a coarse guard can read the literals of `key` as it runs: a predicate of the
+    program, or a static mask known as an array (`Unknown.lanes`)."""
+    return isinstance(key, Var) or isinstance(key, Unknown) and key.lanes is not None
 
 
 def made_of(sym: Sym, constant: Callable[[object], bool]) -> bool:
@@ -222,19 +237,20 @@ def runs_only_along(sym: Sym, axes: Iterable[int]) -> bool:
 
 def named_along(sym: Sym, axes: Iterable[int]) -> Sym:
     """A coarser mask (more lanes live) that runs along `axes` only and that the program's
-    predicates alone name: each term keeps its literals keyed by a predicate on those axes
-    and drops the rest (unknowns, literals on other axes). TRUE where a term keeps nothing."""
+    predicates and known static masks alone name (`named_key`): each term keeps its literals
+    keyed by those on those axes and drops the rest (unknowns, literals on other axes). TRUE
+    where a term keeps nothing."""
     axes = set(axes)
     terms = set()
     for term in sym:
         kept = frozenset(lit for lit in term
-                         if isinstance(lit[0], Var) and lit[2] is not None
+                         if named_key(lit[0]) and lit[2] is not None
                          and all(e is None or e in axes for e in lit[2]))
         if not kept:
             return TRUE
         terms.add(kept)
     out = _simplify(terms)
-    return out if all(isinstance(lit[0], Var) for term in out for lit in term) else TRUE
+    return out if all(named_key(lit[0]) for term in out for lit in term) else TRUE
 
 
 class Connective(enum.Enum):

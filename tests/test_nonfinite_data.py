@@ -872,6 +872,45 @@ def test_a_readout_under_an_empty_segment_test_per_feature_at_constant_ids():
     assert np.isnan(jax.grad(loss)(w, x)).all()  # the bug
     _matches_the_hand_fix(loss, by_hand, (w, x))
 
+SLICED_MAXIMA = {
+    # a per-graph maximum over hand-made row slices, then a constant graph mask
+    "stack_of_slices": lambda h: jnp.stack([jnp.max(h[:2], 0), jnp.max(h[2:], 0)]),
+    "concatenate_of_slices": lambda h: jnp.concatenate([jnp.max(h[:2], 0, keepdims=True),
+                                                        jnp.max(h[2:], 0, keepdims=True)]),
+    # the rows a negative pad cuts off, the rest kept by a constant mask
+    "negative_pad": lambda h: jnp.stack([jnp.max(lax.pad(h, 0., ((0, -1, 0), (0, 0, 0))), 0),
+                                         jnp.min(h[2:], 0)]),
+    "strided_slice": lambda h: jnp.stack([jnp.max(h[::2][:1], 0), jnp.max(h[1:], 0)]),
+}
+
+
+@pytest.mark.parametrize("pool", list(SLICED_MAXIMA.values()), ids=list(SLICED_MAXIMA))
+def test_a_maximum_over_rows_a_slice_keeps_guards_the_rows_it_cuts_before_the_matmul(pool):
+    """`jnp.max(h[:2], 0)` keeps its winners, decided at run time along both axes, so `x`'s
+    exact row mask before `h = x @ w` would need a run-time reduction. The rows the slices
+    cut off and the part of a closed-over graph mask each maximum lands in are known when
+    jaxsafe plans: the coarser mask they name (the rows no live maximum reads) guards the
+    NaN padded row, as the hand fix does. Before, `w`'s gradient was NaN."""
+    graph_ok = jnp.array([True, False])
+    x = jnp.array([[1., 2.], [.5, -1.], [nan, nan]])
+    w = jnp.array([[.3, -.2], [.1, .4]])
+    keep = np.zeros(3, bool)
+    for row in range(3):  # the rows the live maximum reads, found by poking them
+        poked = x.at[row].set(7.)
+        keep[row] = not np.array_equal(pool(jnp.where(jnp.isnan(poked), 0., poked))[0],
+                                       pool(jnp.where(jnp.isnan(x), 0., x))[0])
+
+    def loss(w, x):
+        return jnp.sum(jnp.where(graph_ok[:, None], jnp.tanh(pool(x @ w)), 0.))
+
+    def by_hand(w, x):
+        return loss(w, jnp.where(jnp.asarray(keep)[:, None], x, 0.))
+
+    assert not keep[2]
+    assert np.isnan(jax.grad(loss)(w, x)).all()  # the bug
+    _matches_the_hand_fix(loss, by_hand, (w, x))
+
+
 def test_a_row_factor_zeroed_by_a_where_drops_rows_of_a_gathered_matmul():
     """The smallest form of the graph-attention case: `s[:, None] * h[idx]` with
     `s = where(m, f(h[idx]), 0.)`, `h = x @ w` and a NaN row of `x`."""
