@@ -39,7 +39,7 @@ from jax import lax
 from ._atoms import dtype_of, is_float, literal_value, shape_of
 from ._compat import JaxprEqn, Literal, Var, bind_eqn
 from ._constants import fold_chain, lane_chain
-from ._liveness_rules import aligned_syms, elementwise_masks, pulled_back
+from ._liveness_rules import aligned_syms, elementwise_masks, pulled_back, top_k_axis
 from ._masks import (
     all_of,
     any_of,
@@ -58,12 +58,14 @@ from ._symbolic import TRUE, Lit, Sym, predicate_literal, sym_and_literal, unkno
 # --------------------------------------------------------------------------- liveness
 
 
-def _conservative(eqn: JaxprEqn, outs: list[Mask]) -> list[Mask]:
-    """Every operand lane live where any output lane is (a body that re-runs as one unit)."""
-    if any(m is None for m in outs):  # an output live in every lane: every operand lane is
+def _rows_read(eqn: JaxprEqn, outs: list[Mask], axis: int) -> list[Mask]:
+    """Every lane of a row along `axis` live where any output lane of that row is: a sort or
+    `top_k` in a body that re-runs as one unit, which decides nothing on values (the other
+    axes keep their masks: a batch of matrices sorts matrix by matrix)."""
+    if any(m is None for m in outs):
         return [None] * len(eqn.invars)
-    live = any_of([reduce_any(m, range(m.ndim)) for m in outs])
-    return [None if live is None else broadcast(live, shape_of(v)) for v in eqn.invars]
+    row = any_of([reduce_any(m, (axis,), keepdims=True) for m in outs])
+    return [None if row is None else broadcast(row, shape_of(v)) for v in eqn.invars]
 
 
 def _pulled_back(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
@@ -94,7 +96,7 @@ def support_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     """The operand lanes that a live output's derivative reads, by JAX's own derivative: a
     permutation (`sort`, `top_k`) moves the outputs' masks back to the lanes they came from."""
     if ctx.structural:
-        return _conservative(eqn, outs)
+        return _rows_read(eqn, outs, top_k_axis(eqn)[0])
     return _supported(eqn, outs, invals)
 
 
@@ -148,12 +150,12 @@ def comparison_masks(reads: ReadsRule, chosen: ChosenRule | None = None) -> Mask
 
 def _comparison_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any], ctx: Context,
                       reads: ReadsRule, choose: ChosenRule) -> list[Mask]:
-    if ctx.structural:
-        return _conservative(eqn, outs)
     dropped = _all_dropped(eqn, outs)
     if dropped is not None:
         return dropped
     x = invals[0]
+    if ctx.structural:  # a body re-run as one unit: every lane a live output reads (its row)
+        return [None if outs[0] is None else reads(eqn, outs[0], x)]
     out = bind_eqn(eqn, [x])[0]  # the original output (XLA computes it once)
     chosen = choose(eqn, outs, x, out)
     live = materialize(outs[0], out.shape)
@@ -272,16 +274,11 @@ def sort_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     """A lane is live where its sorted position is (for each operand, its own output). An
     unstable sort with several operands may order ties differently when run again, and a
     structural sweep decides nothing on values: every lane of a row along the sort's axis then
-    stays live where any output lane of that row is (the other axes keep their masks, as the
-    static rule, `along_axes_syms`, carries them: a batch of matrices sorts matrix by
-    matrix)."""
+    stays live where any output lane of that row is (`_rows_read`, as the static rule,
+    `along_axes_syms`, carries the other axes)."""
     if ctx.structural or not eqn.params["is_stable"] and len(eqn.invars) > 1:
-        if any(m is None for m in outs):
-            return [None] * len(eqn.invars)
-        axis = eqn.params["dimension"]
-        row = any_of([reduce_any(m, (axis,), keepdims=True) for m in outs])
-        return [None if row is None else broadcast(row, shape_of(v)) for v in eqn.invars]
-    return support_masks(eqn, outs, invals, ctx)
+        return _rows_read(eqn, outs, eqn.params["dimension"])
+    return _supported(eqn, outs, invals)
 
 
 def scatter_choice_masks(twin: MaskRule) -> MaskRule:

@@ -161,24 +161,27 @@ class _Emitter:
         invals = [safe[v] if g else orig[v] for g, v in zip(as_guarded, eqn.invars, strict=True)]
         site = plan.sites.get(i)
         free = None
+        guarded = invals
         if site is not None:
             self._guard(i, site, invals)
+            guarded = list(invals)
             free = self._guard_free(site, invals)
         outs = self._bind(i, invals)
         if site is not None:
-            outs = self._cut_outputs(site, outs, free)
+            outs = self._cut_outputs(i, site, outs, free, guarded)
         self._record(i, outs, shared and site is None)
 
-    def _cut_outputs(self, site: Site, outs: list, free: Any) -> list:
+    def _cut_outputs(self, i: int, site: Site, outs: list, free: Any, guarded: list) -> list:
         """The site's output lanes that pass no derivative: those that carry none (`free`),
-        and its dropped lanes where it says so (`Site.cut_output`)."""
+        and its dropped lanes where it says so (`Site.cut_output`). A free lane takes the
+        value of the operands as guarded before the free ones were replaced (`guarded`): the
+        original value where the lane is live, and where it is dropped the value the guards
+        upstream made safe, not the original's NaN (a product after it reads it)."""
         if free is not None or site.cut_output:
             self.changed = True
         if free is not None:
-            if site.free_cut:  # every operand's such lanes come from a selection
-                original = outs[0]
-            else:
-                original = bind_eqn(site.eqn, [self.orig[v] for v in site.eqn.invars])[0]
+            # with `free_cut`, every operand's such lanes come from a selection
+            original = outs[0] if site.free_cut else self._bind(i, guarded)[0]
             outs = [lax.select_n(selecting(free, np.shape(outs[0])), outs[0],
                                  lax.stop_gradient(original))]
         if site.cut_output:

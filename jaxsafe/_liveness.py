@@ -270,7 +270,9 @@ class Sweep:
         try:
             for i in range(len(jaxpr.eqns) - 1, -1, -1):
                 eqn, diff = jaxpr.eqns[i], self.diff[i]
-                out_syms = [syms.get(o, FALSE) for o in eqn.outvars]
+                # a value with no lanes (`x[1:]` of one row) reads nothing
+                out_syms = [FALSE if 0 in shape_of(o) else syms.get(o, FALSE)
+                            for o in eqn.outvars]
                 self.operand_syms[i] = operand_syms(eqn, out_syms, self)
                 for v, m, d in zip(eqn.invars, self.operand_syms[i], diff, strict=True):
                     if d:

@@ -439,6 +439,8 @@ def slice_mask(mask, axis: int, start: int, stop: int) -> jax.Array:
 def concat_masks(masks: Sequence[Mask], shapes: Sequence[tuple], axis: int) -> jax.Array:
     """The masks concatenated along `axis`; the parts are remembered (see `reduce_any`)."""
     parts = [materialize(m, s) for m, s in zip(masks, shapes, strict=True)]
+    if len(parts) == 1:  # `lax.split(x, (n,))`, as `ravel_pytree` emits: not a part of itself
+        return parts[0]
     shape = list(shapes[0])
     shape[axis] = sum(s[axis] for s in shapes)
     shape = tuple(shape)

@@ -1,0 +1,204 @@
+"""Programs that bug hunts on library functions and on JAX's bug reports found wrong, each
+checked against an independent reference: the hand-written double where, or JAX on the
+program with the dropped lanes removed."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_bitwise, assert_close
+from jax import lax
+
+import jaxsafe
+
+nan = jnp.nan
+VALID = jnp.array([True, False])
+
+
+def _same_forward(f, *args):
+    assert_bitwise(jaxsafe.nan_safe(f)(*args), jax.jit(f)(*args))
+
+
+# --------------------------------------------------------------------------- a body's row max
+
+def _rowwise(body):
+    """`body(x, w)` as a `custom_jvp` whose rule is the analytic derivative of `w * log(.)`."""
+    @jax.custom_jvp
+    def g(x, w):
+        return body(x, w)
+
+    @g.defjvp
+    def g_jvp(primals, tangents):
+        (x, w), (dx, dw) = primals, tangents
+        return g(x, w), w * dx / x + dw * jnp.log(x)
+    return g
+
+
+ROW_BODIES = {
+    "max": lambda x, w: w * jnp.log(x + jnp.max(x, -1, keepdims=True)),
+    "min": lambda x, w: w * jnp.log(x - jnp.min(x, -1, keepdims=True) + 1.),
+    "cummax": lambda x, w: w * jnp.log(x + lax.cummax(x, axis=1)),
+    "top_k": lambda x, w: w * jnp.log(x + lax.top_k(x, 1)[0]),
+    "sort": lambda x, w: w * jnp.log(x + jnp.sort(x, -1)),
+}
+
+
+@pytest.mark.parametrize("body", list(ROW_BODIES.values()), ids=list(ROW_BODIES))
+def test_a_custom_rule_whose_body_chooses_along_rows_cuts_a_dropped_row(body):
+    """A `custom_jvp` whose primal body takes a row maximum (optax's
+    `safe_softmax_cross_entropy`, through `log_softmax`): the body re-runs as one unit, so a
+    row reads every lane of itself and no other row. A row the program drops after the call
+    is cut from differentiation, as the hand fix replaces it. Before, the maximum kept every
+    row live and the dropped row's NaN derivative reached `x`'s gradient."""
+    g = _rowwise(body)
+    w = jnp.array([[2., 3.], [1., 1.]])
+    x = jnp.array([[1., 2.], [0., -1.]])
+
+    def loss(x):
+        return jnp.sum(jnp.where(VALID, g(x, w).sum(-1), 0.))
+
+    def by_hand(x):
+        return loss(jnp.where(VALID[:, None], x, 1.))
+
+    def live_row_only(x):  # the reference with the dropped row removed
+        return g(x[:1], w[:1]).sum()
+
+    assert np.isnan(jax.grad(loss)(x)).any()  # the bug
+    _same_forward(loss, x)
+    grad = jax.grad(jaxsafe.nan_safe(loss))(x)
+    assert_close(grad, jax.grad(by_hand)(x))
+    assert_close(grad[:1], jax.grad(live_row_only)(x[:1]))
+    np.testing.assert_array_equal(grad[1], [0., 0.])
+    assert_close(jax.hessian(jaxsafe.nan_safe(loss))(x), jax.hessian(by_hand)(x))
+
+
+def test_a_masked_softmax_cross_entropy_as_a_custom_rule_over_padded_rows():
+    """The optax shape: a `custom_jvp` log-softmax with `-inf` masked classes, its rows
+    dropped by a validity mask, a NaN padded row of logits from `x @ w`."""
+    @jax.custom_jvp
+    def log_softmax(z):
+        return z - jnp.max(z, -1, keepdims=True) - jnp.log(
+            jnp.sum(jnp.exp(z - jnp.max(z, -1, keepdims=True)), -1, keepdims=True))
+
+    @log_softmax.defjvp
+    def log_softmax_jvp(primals, tangents):
+        (z,), (dz,) = primals, tangents
+        out = log_softmax(z)
+        return out, dz - jnp.sum(jnp.exp(out) * dz, -1, keepdims=True)
+
+    labels = jnp.array([[0., 1., 0.], [1., 0., 0.]])
+    allowed = jnp.array([True, True, False])
+    x = jnp.array([[.5, -1.], [nan, nan]])
+    w = jnp.array([[.3, -.2, .1], [.1, .4, -.3]])
+
+    def loss(w, x):
+        z = jnp.where(allowed, x @ w, -jnp.inf)
+        ce = -jnp.sum(jnp.where(allowed, labels * log_softmax(z), 0.), -1)
+        return jnp.sum(jnp.where(VALID, ce, 0.))
+
+    def by_hand(w, x):
+        return loss(w, jnp.where(VALID[:, None], x, 0.))
+
+    assert np.isnan(jax.grad(loss)(w, x)).all()  # the bug
+    _same_forward(loss, w, x)
+    assert_close(jax.grad(jaxsafe.nan_safe(loss))(w, x), jax.grad(by_hand)(w, x))
+
+
+# --------------------------------------------------------------------------- free lanes
+
+def test_a_lane_without_derivative_that_is_dropped_keeps_its_guarded_value():
+    """`g = mask01 * w` carries no derivative of `w` where the mask is 0, so `sqrt(g * g + 1)`
+    takes its original value back there (`_free.py`). In a lane that is also dropped, the
+    original is NaN (`0 * nan`); it must be the value the guards made safe, or `lr`'s
+    derivative, which reads it through `lr * sqrt(...)`, is NaN. The shape of a
+    meta-gradient through an Adam update of a masked gradient."""
+    w = jnp.array([.5, nan])
+
+    def loss(lr, w):
+        g = jnp.where(VALID, 1., 0.) * w
+        return jnp.sum(jnp.where(VALID, lr * jnp.sqrt(g * g + 1.), 0.))
+
+    def by_hand(lr, w):
+        return loss(lr, jnp.where(VALID, w, 0.))
+
+    def live_lane_only(lr, w):
+        return lr * jnp.sqrt(w[0] ** 2 + 1.)
+
+    assert np.isnan(jax.grad(loss)(.1, w))  # the bug
+    _same_forward(loss, .1, w)
+    grads = jax.grad(jaxsafe.nan_safe(loss), (0, 1))(.1, w)
+    assert_close(grads, jax.grad(by_hand, (0, 1))(.1, w))
+    assert_close(grads[0], jax.grad(live_lane_only)(.1, w))
+    assert_close(jax.jit(jax.grad(jaxsafe.nan_safe(loss)))(.1, w), grads[0])
+    assert_close(jax.jvp(lambda lr: jaxsafe.nan_safe(loss)(lr, w), (.1,), (1.,))[1], grads[0])
+    assert_close(jax.hessian(jaxsafe.nan_safe(loss))(.1, w), jax.hessian(by_hand)(.1, w))
+
+
+# --------------------------------------------------------------------------- empty values
+
+EMPTY_SLICES = {
+    "x[1:] of one lane": (lambda v: v[1:], (1,)),
+    "x[0:0]": (lambda v: v[0:0], (1,)),
+    "rows[1:] of one row": (lambda v: v[1:], (1, 3)),
+    "columns[:, 1:] of one column": (lambda v: v[:, 1:], (3, 1)),
+}
+
+
+@pytest.mark.parametrize("cut,shape", list(EMPTY_SLICES.values()), ids=list(EMPTY_SLICES))
+def test_a_slice_that_keeps_no_lane_drops_every_lane(cut, shape):
+    """A value with no lanes reads nothing: `jnp.sqrt(a)[1:]` of one lane drops it (a size-1
+    axis sliced away). Before, the lane stayed live and `sqrt(-1)`'s NaN derivative reached
+    `a`'s gradient, and through a product, `b`'s."""
+    a, b = -jnp.ones(shape), jnp.ones(shape)
+
+    def loss(a, b):
+        return b.sum() + jnp.sum(cut(jnp.sqrt(a) * b))
+
+    assert np.isnan(jax.grad(loss, (0, 1))(a, b)[1]).all()  # the bug
+    _same_forward(loss, a, b)
+    grads = jax.grad(jaxsafe.nan_safe(loss), (0, 1))(a, b)
+    np.testing.assert_array_equal(grads[0], np.zeros(shape))
+    np.testing.assert_array_equal(grads[1], np.ones(shape))  # the program without the slice
+
+
+def test_an_associative_scan_of_a_power_of_two_length_keeps_only_its_live_prefix():
+    """`lax.associative_scan` slices a size-1 axis away at power-of-two lengths: a linear
+    recurrence (S5, LRU) whose padded tail is sliced off gets the gradient of the same
+    program run on the live prefix."""
+    def combine(e1, e2):
+        return e1[0] * e2[0], e2[0] * e1[1] + e2[1]
+
+    def loss(a, b, k=2):
+        return jnp.sum(lax.associative_scan(combine, (jnp.sqrt(a), b))[1][:k] ** 2)
+
+    def live_prefix(a, b, k=2):
+        return jnp.sum(lax.associative_scan(combine, (jnp.sqrt(a[:k]), b[:k]))[1] ** 2)
+
+    a, b = jnp.array([.25, .5, 4., -1.]), jnp.array([1., 2., 3., 4.])
+    assert np.isnan(jax.grad(loss, (0, 1))(a, b)[0]).any()  # the bug
+    _same_forward(loss, a, b)
+    grads = jax.grad(jaxsafe.nan_safe(loss), (0, 1))(a, b)
+    assert_close(grads, jax.grad(live_prefix, (0, 1))(a, b))  # 0 past the prefix
+
+
+# --------------------------------------------------------------------------- one-part splits
+
+def test_a_split_into_one_part_is_not_a_part_of_itself():
+    """`lax.split(x, (n,))`, as `jax.flatten_util.ravel_pytree` emits it (optax's
+    `projection_simplex`): its operand's mask is the one output's. Before, the mask was
+    remembered as a concatenation of itself, and reducing it raised "cycle through"."""
+    x = jnp.arange(1., 10.).reshape(3, 3)
+    valid = jnp.array([True, True, False])
+
+    def loss(x, by_hand=False):
+        y = x.ravel() * jnp.sum(x.ravel())
+        y = lax.split(y, (9,))[0].reshape(3, 3)
+        if by_hand:
+            y = jnp.where(valid[:, None], y, 1.)
+        return jnp.sum(jnp.where(valid, jnp.sum(jnp.sqrt(y), -1), 0.))
+
+    _same_forward(loss, x)
+    assert_close(jax.grad(jaxsafe.nan_safe(loss))(x), jax.grad(loss)(x))  # finite: the same
+    bad = x.at[2].set(-1.)  # the dropped row's sqrt is NaN; the sum reads every row
+    assert np.isnan(jax.grad(loss)(bad)).all()
+    assert_close(jax.grad(jaxsafe.nan_safe(loss))(bad), jax.grad(loss, 0)(bad, True))
