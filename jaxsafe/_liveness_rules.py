@@ -197,8 +197,22 @@ def by_transpose_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     The transpose of gather is scatter-add, of dynamic_slice is dynamic_update_slice, ...: JAX
     already knows where every operand lane goes (in float32 at zero: the op is linear).
     """
-    return pulled_back_nonzero(eqn, outs, invals,
-                               lambda x, v: lax.full(shape_of(v), 0., jnp.float32))
+    masks = pulled_back_nonzero(eqn, outs, invals,
+                                lambda x, v: lax.full(shape_of(v), 0., jnp.float32))
+    if ctx.structural:  # where every read counts: a start index is read by every lane it places
+        for k, v in enumerate(eqn.invars):
+            if masks[k] is None and not is_float(v) and shape_of(v) == () and \
+                    all(m is not None for m in outs):
+                masks[k] = any_of([reduce_any(m, range(np.ndim(m))) for m in outs])
+    return masks
+
+
+def _start_syms(eqn: JaxprEqn, out: Sym, ctx: Context, first: int) -> list[Sym]:
+    """The formulas of a movement's start indices, operands `first` on: in a body that re-runs
+    as one unit (`by_transpose_masks`), each is read where any output lane is (an OR over
+    the output's axes); elsewhere, an unknown (not differentiated)."""
+    return [move(out, {}) if ctx.structural and shape_of(v) == () else opaque()
+            for v in eqn.invars[first:]]
 
 
 def pulled_back_nonzero(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
@@ -424,9 +438,14 @@ def slice_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
 def gather_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
                  ctx: Context) -> list[Mask]:
     """A gather reads, for each output lane, operand lanes at the same batching coordinates: the
-    operand's mask (a scatter of the output's) lies inside the output mask's rows."""
+    operand's mask (a scatter of the output's) lies inside the output mask's rows. In a body
+    that re-runs as one unit (where an index's reads count, `argmax` then
+    `take_along_axis`), an index is read by the output lanes it places: its own batch
+    coordinates, across the offset axes."""
     masks = by_transpose_masks(eqn, outs, invals, ctx)
     out = outs[0]
+    if ctx.structural and len(eqn.invars) == 2:
+        masks[1] = None if out is None else _index_mask(eqn, out)
     if out is None or masks[0] is None:
         return masks
     dn = eqn.params["dimension_numbers"]
@@ -441,6 +460,24 @@ def gather_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     if all(a in to_operand for a in axes):
         within(masks[0], place(core, [to_operand[a] for a in axes], shape_of(eqn.invars[0])))
     return masks
+
+
+def _index_batch_axes(eqn: JaxprEqn) -> dict[int, int]:
+    """A gather's output axis -> the indices' axis it runs along (the indices' last axis is the
+    index vector)."""
+    dn = eqn.params["dimension_numbers"]
+    out_rank = len(shape_of(eqn.outvars[0]))
+    batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]
+    return dict(zip(batch_out, range(len(shape_of(eqn.invars[1])) - 1), strict=True))
+
+
+def _index_mask(eqn: JaxprEqn, out: jax.Array) -> jax.Array:
+    """The index lanes that the live lanes of a gather's output read (see `gather_masks`)."""
+    mapping = _index_batch_axes(eqn)
+    offset = [d for d in range(np.ndim(out)) if d not in mapping]
+    rows = reduce_any(out, offset)
+    shape = shape_of(eqn.invars[1])
+    return broadcast_mask(rows, shape, tuple(range(len(shape) - 1)))
 
 
 def gather_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
@@ -465,9 +502,11 @@ def gather_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sy
     # the lanes picked along the other axes differ from one batch to the next (a row's label
     # in `take_along_axis`): the unknown runs along the batching axes too. Indices the program
     # computes from literals pick the same lanes in every run: a static unknown.
+    indices = [opaque() for _ in eqn.invars[1:]]
+    if ctx.structural and len(indices) == 1:  # `gather_masks`: by the output lanes it places
+        indices = [move(out_syms[0], _index_batch_axes(eqn))]
     return [_kept_along(out_syms[0], to_operand, op_shape, varying=dn.operand_batching_dims,
-                        static=_indices_known(eqn.invars[1:], ctx))] + \
-        [opaque() for _ in eqn.invars[1:]]
+                        static=_indices_known(eqn.invars[1:], ctx))] + indices
 
 
 def _indices_known(indices: Sequence[Any], ctx: Context) -> bool:
@@ -584,8 +623,7 @@ def _whole_axes_syms(axes: AxesRule, by_shape: bool = False,
             lanes = lambda d: _kept_lanes(from_output(d), op_shape[d])  # noqa: E731
         return [_kept_along(out, to_operand, op_shape, dropping,
                             by_shape or _indices_known(eqn.invars[1:], ctx), lanes=lanes,
-                            known=known)] + \
-            [opaque() for _ in eqn.invars[1:]]
+                            known=known)] + _start_syms(eqn, out_syms[0], ctx, 1)
     return static
 
 
@@ -605,7 +643,7 @@ def dynamic_update_slice_syms(eqn: JaxprEqn, out_syms: Sequence[Sym],
     kept = sym_and_literal(out, unknown(partial, static)) if partial else FALSE
     return [kept, _kept_along(out, {d: d for d, w in enumerate(whole) if w}, update,
                               [d for d, w in enumerate(whole) if not w], static)] + \
-        [opaque() for _ in eqn.invars[2:]]
+        _start_syms(eqn, out, ctx, 2)
 
 
 def scatter_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:

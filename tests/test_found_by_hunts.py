@@ -202,3 +202,52 @@ def test_a_split_into_one_part_is_not_a_part_of_itself():
     bad = x.at[2].set(-1.)  # the dropped row's sqrt is NaN; the sum reads every row
     assert np.isnan(jax.grad(loss)(bad)).all()
     assert_close(jax.grad(jaxsafe.nan_safe(loss))(bad), jax.grad(loss, 0)(bad, True))
+
+
+# --------------------------------------------------------------------------- a body's own index
+
+def _with_cos_rule(body):
+    g = jax.custom_jvp(body)
+    g.defjvp(lambda primals, tangents: (g(*primals), tangents[0] * jnp.cos(primals[0])))
+    return g
+
+
+def _rows_of(one_row):
+    return lambda x: jax.vmap(one_row)(x)
+
+
+INDEXED_BODIES = {
+    "take_along_axis(argmax)": lambda x: jnp.sin(x) + jnp.take_along_axis(
+        x, jnp.argmax(x, -1)[:, None], -1),
+    "x[arange, argmin]": lambda x: jnp.sin(x) + x[jnp.arange(len(x)), jnp.argmin(x, -1)][:, None],
+    "argsort gather": lambda x: jnp.sin(x) + jnp.take_along_axis(x, jnp.argsort(x, -1), -1),
+    "vmap of r[argmax(r)]": _rows_of(lambda r: jnp.sin(r) + r[jnp.argmax(r)]),
+    "dynamic_update_slice at argmax": lambda x: jnp.sin(lax.dynamic_update_slice(
+        x, x[:, :1] * 2., (0, jnp.argmax(x[0])))),
+}
+
+
+@pytest.mark.parametrize("body", list(INDEXED_BODIES.values()), ids=list(INDEXED_BODIES))
+@pytest.mark.parametrize("mapped", [False, True], ids=["whole", "lax.map"])
+def test_a_custom_rule_whose_body_indexes_by_its_own_values_cuts_a_dropped_row(body, mapped):
+    """A custom rule's body that picks lanes by an index it computes from its input (`argmax`
+    then a gather, a `dynamic_slice` or a `dynamic_update_slice`): where every read counts, an
+    index is read by the output lanes it places (its batch coordinates, across the offset
+    axes), not by every lane, so a row dropped after the call is cut. Also per row under
+    `lax.map`. Before, the index kept every row live."""
+    g = _with_cos_rule(body)
+    run = (lambda x: lax.map(lambda r: g(r[None])[0], x)) if mapped else g
+    x = jnp.array([[1., 2.], [nan, -1.]])
+
+    def loss(x):
+        return jnp.sum(jnp.where(VALID[:, None], run(x), 0.))
+
+    def by_hand(x):
+        return loss(jnp.where(VALID[:, None], x, 1.))
+
+    assert np.isnan(jax.grad(loss)(x)).any()  # the bug
+    _same_forward(loss, x)
+    grad = jax.grad(jaxsafe.nan_safe(loss))(x)
+    assert_close(grad, jax.grad(by_hand)(x))
+    assert_close(grad[0], jnp.cos(x[0]))  # the rule's derivative, the dropped row removed
+    np.testing.assert_array_equal(grad[1], [0., 0.])
