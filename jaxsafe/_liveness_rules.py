@@ -199,12 +199,56 @@ def by_transpose_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     """
     masks = pulled_back_nonzero(eqn, outs, invals,
                                 lambda x, v: lax.full(shape_of(v), 0., jnp.float32))
-    if ctx.structural:  # where every read counts: a start index is read by every lane it places
-        for k, v in enumerate(eqn.invars):
-            if masks[k] is None and not is_float(v) and shape_of(v) == () and \
-                    all(m is not None for m in outs):
-                masks[k] = any_of([reduce_any(m, range(np.ndim(m))) for m in outs])
+    if not ctx.structural or any(m is None for m in outs):
+        return masks
+    # where every read counts: integer lanes move as float ones do (a sort's permutation
+    # reversed, then a gather's index), and a start index is read by every lane it places
+    if masks[0] is None and not is_float(eqn.invars[0]) and \
+            not any(is_float(o) for o in eqn.outvars):
+        masks[0] = _moved_as_float(eqn, outs, invals)
+    for k, v in enumerate(eqn.invars):
+        if masks[k] is None and not is_float(v) and shape_of(v) == ():
+            masks[k] = any_of([reduce_any(m, range(np.ndim(m))) for m in outs])
     return masks
+
+
+def scatter_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                  ctx: Context) -> list[Mask]:
+    """A scatter's transpose on the mask (`by_transpose_masks`); where every read counts, its
+    indices by their batch elements (`_scatter_index_mask`)."""
+    masks = by_transpose_masks(eqn, outs, invals, ctx)
+    if ctx.structural and outs[0] is not None and len(eqn.invars) == 3 and masks[1] is None:
+        masks[1] = _scatter_index_mask(eqn, outs[0])
+    return masks
+
+
+def _scatter_batch_axes(eqn: JaxprEqn) -> dict[int, int]:
+    """A scatter's operand batching axis -> the indices' axis that runs along it (a vmapped
+    `x.at[i].set(u)`: row b's index writes into row b only)."""
+    dn = eqn.params["dimension_numbers"]
+    return dict(zip(dn.operand_batching_dims, dn.scatter_indices_batching_dims, strict=True))
+
+
+def _scatter_index_mask(eqn: JaxprEqn, out: jax.Array) -> jax.Array:
+    """A scatter's index lanes that its live output lanes read, where every read counts: which
+    lanes an index overwrites decides every lane of its batch element, so it is read where any
+    of them is live."""
+    mapping = _scatter_batch_axes(eqn)
+    batch = sorted(mapping)
+    rows = reduce_any(out, [d for d in range(np.ndim(out)) if d not in mapping])
+    return place(rows, [mapping[d] for d in batch], shape_of(eqn.invars[1]))
+
+
+def _moved_as_float(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any]) -> jax.Array:
+    """The lanes of a movement's integer operand 0 that its live outputs read: the movement's
+    transpose on the mask, with the operand taken as float32."""
+    def op(x: Any) -> list[Any]:
+        return bind_eqn(eqn, [x, *invals[1:]])
+
+    results, vjp = jax.vjp(op, lax.full(shape_of(eqn.invars[0]), 0., jnp.float32))
+    (pulled,) = vjp([lax.convert_element_type(materialize(m, r.shape), r.dtype)
+                     for m, r in zip(outs, results, strict=True)])
+    return lax.ne(pulled, lax.full_like(pulled, 0))
 
 
 def _start_syms(eqn: JaxprEqn, out: Sym, ctx: Context, first: int) -> list[Sym]:
@@ -648,7 +692,8 @@ def dynamic_update_slice_syms(eqn: JaxprEqn, out_syms: Sequence[Sym],
 
 def scatter_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
     """`x.at[i].set(u)`: the operand is live where the output is and no update overwrites it
-    (an unknown, static for indices computed from literals); the updates: an unknown."""
+    (an unknown, static for indices computed from literals); the updates: an unknown; the
+    indices, where every read counts, by their batch elements (`_scatter_index_mask`)."""
     out = out_syms[0]
     if not out:
         return [FALSE] * len(eqn.invars)
@@ -656,7 +701,11 @@ def scatter_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[S
     axes = [d for d, n in enumerate(shape) if n != 1]
     static = _indices_known(eqn.invars[1:2], ctx)
     kept = sym_and_literal(out, unknown(axes, static)) if axes else out
-    return [kept] + [opaque() for _ in eqn.invars[1:]]
+    return [kept, _scatter_index_syms(eqn, out, ctx)] + [opaque() for _ in eqn.invars[2:]]
+
+
+def _scatter_index_syms(eqn: JaxprEqn, out: Sym, ctx: Context) -> Sym:
+    return move(out, _scatter_batch_axes(eqn)) if ctx.structural else opaque()
 
 
 def _slice_axes(eqn: JaxprEqn) -> tuple[list[bool], list[int]]:
@@ -737,7 +786,7 @@ def scatter_add_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> li
     scattered = [a for a in range(len(updates_shape)) if a not in to_update.values()]
     if not in_range and updates:  # an update sent out of range is dropped
         updates = sym_and_literal(updates, unknown(scattered, known))
-    return [out, opaque(), updates]
+    return [out, _scatter_index_syms(eqn, out, ctx), updates]
 
 
 def _scatter_in_place(eqn: JaxprEqn) -> dict[int, int]:

@@ -132,6 +132,7 @@ from ._liveness_rules import (
     rev_syms,
     same_rank_alignment,
     scatter_add_syms,
+    scatter_masks,
     scatter_syms,
     select_masks,
     select_syms,
@@ -166,8 +167,11 @@ from ._taint import (
     direct_body_inputs,
     every_operand,
     exponent_set_by,
+    fills_nonfinite,
+    indices_in_range,
     scan_body_inputs,
     while_body_inputs,
+    window_may_read_padding_only,
 )
 
 
@@ -377,7 +381,7 @@ register_selection(prims.clamp_p, masks=winner_masks, static=selected_syms, carr
 register_movement(prims.slice_p, masks=slice_masks, static=slice_syms, drops=_always,
                   bound=bounds.moved, carries=MOVED)
 register_movement(prims.gather_p, masks=gather_masks, static=gather_syms, drops=_always,
-                  carries=MOVED)
+                  carries=MOVED, nonfinite_when=fills_nonfinite, finite_when=indices_in_range)
 register_movement(prims.dynamic_slice_p, masks=by_transpose_masks, static=dynamic_slice_syms,
                   drops=_always, carries=MOVED)
 register_movement(prims.dynamic_update_slice_p, masks=by_transpose_masks, drops=_always,
@@ -411,21 +415,21 @@ if hasattr(lax, "tile_p"):
     register_movement(lax.tile_p, masks=tile_masks, static=along_axes_syms(tiled_axes),
                       carries=MOVED)
 # an overwrite drops the operand lanes it writes (and updates that a duplicate index overwrites)
-register_movement(prims.scatter_p, masks=by_transpose_masks, static=scatter_syms,
+register_movement(prims.scatter_p, masks=scatter_masks, static=scatter_syms,
                   drops=_always, carries=MOVED)
 # an update lane is live where the output lane it adds to is (a gather of the output's mask:
 # the transpose), and dropped where its index is out of range (`out_of_range_drops`)
-register(prims.scatter_add_p, masks=by_transpose_masks, static=scatter_add_syms,
+register(prims.scatter_add_p, masks=scatter_masks, static=scatter_add_syms,
          drops=out_of_range_drops, linear=True, foldable=True)
 # `x.at[i].subtract/multiply(u)`, `segment_prod`: read as the scatter-add with the same
 # parameters (`as_twin`); finite for finite operands
 register(lax.scatter_sub_p, prims.scatter_mul_p,
-         masks=as_twin(prims.scatter_add_p, by_transpose_masks),
+         masks=as_twin(prims.scatter_add_p, scatter_masks),
          static=as_twin(prims.scatter_add_p, scatter_add_syms), drops=out_of_range_drops)
 # `x.at[i].max/min(u)`, `segment_max/min`: choosers (`_choosers.py`): only the lanes equal to
 # their result are live, as a `reduce_max`'s
 register(prims.scatter_min_p, prims.scatter_max_p,
-         masks=scatter_choice_masks(as_twin(prims.scatter_add_p, by_transpose_masks)),
+         masks=scatter_choice_masks(as_twin(prims.scatter_add_p, scatter_masks)),
          static=scatter_choice_syms(as_twin(prims.scatter_add_p, scatter_add_syms)),
          drops=_always, chooser=Chooser(by_held, guarded_results=False))
 
@@ -460,7 +464,7 @@ for prim, identity in ((prims.reduce_window_max_p, -np.inf), (prims.reduce_windo
              static=along_axes_syms(window_axes), drops=_always,
              chooser=Chooser(by_fill, keeps_dropped_values=False, picks=True,
                                      guarded_results=False),
-             identity=identity, foldable=True)
+             identity=identity, foldable=True, nonfinite_when=window_may_read_padding_only)
 register(prims.sort_p, masks=sort_masks, drops=_always, chooser=Chooser(by_permutation),
          static=along_axes_syms(sort_axis), linear=True,
          foldable=True)

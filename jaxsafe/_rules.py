@@ -428,6 +428,10 @@ class PrimitiveRule:
     makes_nonfinite: bool = False
     """May make NaN or inf from finite operands, with no guard known (a library's linear solve on
     a singular operator): its outputs may be non-finite, as an unknown primitive's."""
+    nonfinite_when: Callable[[JaxprEqn], bool] | None = None
+    """May make NaN or inf from finite operands with these parameters (a gather that fills
+    out-of-range lanes with NaN, a max pooling whose window may lie in the padding alone and
+    give its -inf start): as `makes_nonfinite`, for such equations only."""
     finite_when: Callable[[JaxprEqn, Any], bool] | None = None
     """For a primitive that `makes_nonfinite`: a proof, from the equation and the program's
     `Bounds` (its producers and constants), that this one does not (a bitcast of integer bits

@@ -67,7 +67,12 @@ from ._symbolic import (
     named_along,
     runs_only_along,
 )
-from ._taint import contains_hazard, literal_taints, selected_only_where_finite
+from ._taint import (
+    contains_hazard,
+    literal_taints,
+    makes_nonfinite,
+    selected_only_where_finite,
+)
 
 
 def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report,
@@ -384,7 +389,7 @@ def _taints_outputs(eqn: JaxprEqn, rule: PrimitiveRule, tainted: set, site: Site
     if not rule.known or any(isinstance(v, Literal) and literal_taints(eqn, v)
                              for v in eqn.invars):
         return True
-    if rule.makes_nonfinite and not (rule.finite_when is not None and
+    if makes_nonfinite(eqn) and not (rule.finite_when is not None and
                                      rule.finite_when(eqn, bounds)):
         return True
     return rule.has_body and any(contains_hazard(s) for s in sub_jaxprs(eqn))

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence, Set
 from typing import Any
 
 import numpy as np
+from jax import lax
 
 from ._atoms import dtype_of, is_float, is_nonfinite_literal, literal_value, shape_of
 from ._bounds import (
@@ -80,8 +81,49 @@ def _makes_nonfinite_itself(eqn: JaxprEqn) -> bool:
     """A NaN-prone primitive, an unknown one (or one that may make NaN, with no guard), or a
     non-finite literal operand (its body aside)."""
     rule = rule_for(eqn.primitive)
-    return (not rule.known or rule.makes_nonfinite or nan_prone(eqn)
+    return (not rule.known or makes_nonfinite(eqn) or nan_prone(eqn)
             or any(literal_taints(eqn, v) for v in eqn.invars))
+
+
+def makes_nonfinite(eqn: JaxprEqn) -> bool:
+    """Whether the rule says `eqn` may make NaN or inf from finite operands, with no guard
+    known (`PrimitiveRule.makes_nonfinite`, `nonfinite_when`)."""
+    rule = rule_for(eqn.primitive)
+    return rule.makes_nonfinite or rule.nonfinite_when is not None and rule.nonfinite_when(eqn)
+
+
+def fills_nonfinite(eqn: JaxprEqn) -> bool:
+    """A gather in `FILL_OR_DROP` mode (`take_along_axis`, `.at[i].get(mode="fill")`): an
+    out-of-range index gives the fill value, NaN unless another is given."""
+    fill = eqn.params.get("fill_value")
+    return (any(is_float(o) for o in eqn.outvars)
+            and eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP
+            and (fill is None or not np.isfinite(fill)))
+
+
+def indices_in_range(eqn: JaxprEqn, bounds: Bounds) -> bool:
+    """A gather's indices lie in range for every finite input (their range, `_ranges.py`:
+    a label from `argmax`, a permutation from a `sort` of an `iota`): no lane is filled."""
+    found = bounds.range_of(eqn.invars[1])
+    if found is None:
+        return False
+    dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
+    shape = shape_of(eqn.invars[0])
+    room = min((shape[d] - sizes[d] for d in dn.start_index_map), default=0)
+    return bool(found[0] >= 0 and found[1] <= room)
+
+
+def window_may_read_padding_only(eqn: JaxprEqn) -> bool:
+    """A max (min) pooling some of whose windows may read no operand lane (padding as wide as
+    the window, or holes of a base dilation): its result there is its start, -inf (inf)."""
+    p = eqn.params
+    for k, (lo, hi), base, dilation in zip(p["window_dimensions"], p["padding"],
+                                           p["base_dilation"], p["window_dilation"],
+                                           strict=True):
+        reach = (k - 1) * dilation + 1
+        if lo >= reach or hi >= reach or (base > 1 and reach < base):
+            return True
+    return False
 
 
 def nan_prone(eqn: JaxprEqn) -> bool:

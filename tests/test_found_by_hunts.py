@@ -224,6 +224,11 @@ INDEXED_BODIES = {
     "vmap of r[argmax(r)]": _rows_of(lambda r: jnp.sin(r) + r[jnp.argmax(r)]),
     "dynamic_update_slice at argmax": lambda x: jnp.sin(lax.dynamic_update_slice(
         x, x[:, :1] * 2., (0, jnp.argmax(x[0])))),
+    # batched: scatters whose index writes into its own row only
+    "vmap of at[argmax].set": _rows_of(lambda r: jnp.sin(r.at[jnp.argmax(r)].set(r[0] * 2.))),
+    "vmap of at[argmax].add": _rows_of(lambda r: jnp.sin(r.at[jnp.argmax(r)].add(r[0]))),
+    "vmap of dynamic_update_slice at argmax": _rows_of(
+        lambda r: jnp.sin(lax.dynamic_update_slice(r, r[:1] * 2., (jnp.argmax(r),)))),
 }
 
 
@@ -231,10 +236,11 @@ INDEXED_BODIES = {
 @pytest.mark.parametrize("mapped", [False, True], ids=["whole", "lax.map"])
 def test_a_custom_rule_whose_body_indexes_by_its_own_values_cuts_a_dropped_row(body, mapped):
     """A custom rule's body that picks lanes by an index it computes from its input (`argmax`
-    then a gather, a `dynamic_slice` or a `dynamic_update_slice`): where every read counts, an
-    index is read by the output lanes it places (its batch coordinates, across the offset
-    axes), not by every lane, so a row dropped after the call is cut. Also per row under
-    `lax.map`. Before, the index kept every row live."""
+    then a gather, a `dynamic_slice`, a `dynamic_update_slice` or a scatter): where every read
+    counts, an index is read by the output lanes it places (its batch coordinates, across the
+    offset axes; a scatter's, every lane of its batch element), not by every lane, so a row
+    dropped after the call is cut. Also per row under `lax.map`. Before, the index kept every
+    row live."""
     g = _with_cos_rule(body)
     run = (lambda x: lax.map(lambda r: g(r[None])[0], x)) if mapped else g
     x = jnp.array([[1., 2.], [nan, -1.]])
@@ -251,3 +257,62 @@ def test_a_custom_rule_whose_body_indexes_by_its_own_values_cuts_a_dropped_row(b
     assert_close(grad, jax.grad(by_hand)(x))
     assert_close(grad[0], jnp.cos(x[0]))  # the rule's derivative, the dropped row removed
     np.testing.assert_array_equal(grad[1], [0., 0.])
+
+
+# --------------------------------------------------------------------------- NaN made from finite
+
+def test_a_gather_that_fills_out_of_range_lanes_with_nan_is_not_finite():
+    """`take_along_axis` (or `.at[i].get(mode="fill")`) gives NaN for an out-of-range index,
+    an ignore-index label of -100, from finite operands: a lane the program then drops must
+    not reach `w`'s gradient through `picked * w`. Before, a gather counted as finite where
+    its operand was (a constant, `finite_args`, soft-capped logits)."""
+    logits = jnp.array([[1., 2., .5], [.3, .1, 2.]])  # a constant: finite
+    labels = jnp.array([1, -100])
+    valid = labels >= 0
+
+    def loss(w):
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], -1)[:, 0]
+        return jnp.sum(jnp.where(valid, picked * w, 0.))
+
+    def by_hand(w):
+        safe = jnp.where(valid, labels, 0)
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), safe[:, None], -1)[:, 0]
+        return jnp.sum(jnp.where(valid, picked * w, 0.))
+
+    w = jnp.array([2., 3.])
+    assert np.isnan(jax.grad(loss)(w)).any()  # the bug
+    _same_forward(loss, w)
+    grad = jax.grad(jaxsafe.nan_safe(loss))(w)
+    assert_close(grad, jax.grad(by_hand)(w))
+    assert grad[1] == 0.
+    # promised finite arguments do not make the fill finite
+    def loss_of(w, logits):
+        picked = jnp.take_along_axis(logits, labels[:, None], -1)[:, 0]
+        return jnp.sum(jnp.where(valid, picked * w, 0.))
+    assert_close(jax.grad(jaxsafe.nan_safe(loss_of, finite_args=True))(w, logits),
+                 jnp.array([logits[0, 1], 0.]))
+
+
+def test_a_max_pooling_window_in_the_padding_alone_gives_minus_inf():
+    """A max pooling whose padding is as wide as its window gives its start, `-inf`, from
+    finite operands: the windows a `where` drops must not reach `w`'s gradient through
+    `w * pooled`. Before, the pooling counted as finite where its operand was."""
+    x = jnp.array([1., 3., 2., .5])
+    valid = jnp.arange(6) >= 2
+
+    def pool(x):
+        return lax.reduce_window(x, -jnp.inf, lax.max, (2,), (1,), ((3, 0),))
+
+    def loss(w, x):
+        return jnp.sum(jnp.where(valid, w * pool(x), 0.))
+
+    def without_dropped_windows(w, x):
+        return jnp.sum(w[2:] * pool(x)[2:])
+
+    w = jnp.arange(6.) + 1.
+    assert np.isnan(jax.grad(loss)(w, x)).any()  # the bug
+    _same_forward(loss, w, x)
+    expected = jax.grad(without_dropped_windows)(w, x)
+    assert_close(jax.grad(jaxsafe.nan_safe(loss))(w, x), expected)
+    assert_close(jax.grad(jaxsafe.nan_safe(loss, finite_args=True))(w, x), expected)
+    assert_close(jax.grad(jaxsafe.nan_safe(lambda w: loss(w, x)))(w), expected)  # a constant

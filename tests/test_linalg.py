@@ -123,6 +123,9 @@ SOLVES = {
     "two batch axes": lambda a: jnp.linalg.inv(jnp.stack([a, a + 1.], 1)),
     # a `custom_jvp` over `svd`: its body's static rules drop the matrix (`custom_rule_syms`)
     "pinv": lambda a: jnp.linalg.pinv(a),
+    # its `svd` through `eigh` and a `sort` whose permutation, reversed, feeds a gather: the
+    # integer lanes move as float ones do (`_moved_as_float`), the index by its batch
+    "pinv, hermitian": lambda a: jnp.linalg.pinv(a, hermitian=True),
     "batch along axis 1": lambda a: jnp.moveaxis(
         jax.vmap(jnp.linalg.inv, 1, 1)(jnp.moveaxis(a, 0, 1)), 1, 0),
 }
