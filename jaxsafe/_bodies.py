@@ -44,6 +44,8 @@ def _body_fn(plan: Any, closed: ClosedJaxpr, emit_body: EmitBody) -> Callable:
 class RematBody:
     """`jax.checkpoint`: one body, re-staged through `jax.checkpoint` (it stays a checkpoint)."""
 
+    same_outputs = True
+
     def plan(self, eqn: JaxprEqn, out_kinds: Sequence[Kind], plan_body: PlanBody) -> list | None:
         return _any_plan([plan_body(ClosedJaxpr(eqn.params["jaxpr"], ()),
                                     _body_out_kinds(out_kinds))])
@@ -57,6 +59,8 @@ class RematBody:
 
 class CondBody:
     """`cond`: every branch, re-staged through `lax.switch`."""
+
+    same_outputs = True
 
     def plan(self, eqn: JaxprEqn, out_kinds: Sequence[Kind], plan_body: PlanBody) -> list | None:
         kinds = _body_out_kinds(out_kinds)
@@ -73,6 +77,8 @@ class ScanBody:
     stay live (their liveness would need a fixed point across iterations), except in a body that
     computes lane by lane, where a carry's mask is the scan's lane mask at every step
     (`_lanewise.py`)."""
+
+    same_outputs = False
 
     def plan(self, eqn: JaxprEqn, out_kinds: Sequence[Kind], plan_body: PlanBody) -> list | None:
         _, n_carry = scan_counts(eqn.params)

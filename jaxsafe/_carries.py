@@ -23,7 +23,7 @@ NaN-prone primitive there multiplies an exact zero tangent by its derivative (`_
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Container, Generator, Sequence
 from typing import Any
 
 import numpy as np
@@ -57,10 +57,13 @@ def _by_lane(eqn: JaxprEqn) -> bool:
     return len(eqn.outvars) == 1 and (rule.elementwise or rule.broadcast)
 
 
-def carry_classes(jaxpr: Jaxpr, diff: Sequence[Sequence[bool]]) -> dict[Any, Carry]:
-    """The class of every variable of `jaxpr` (its inputs: ALL; constants: NONE). `diff`: the
-    differentiable operands of each equation (`differentiable_operands`)."""
-    out: dict[Any, Carry] = {v: Carry.ALL if is_float(v) else Carry.NONE for v in jaxpr.invars}
+def carry_classes(jaxpr: Jaxpr, diff: Sequence[Sequence[bool]],
+                  fixed: Container = ()) -> dict[Any, Carry]:
+    """The class of every variable of `jaxpr` (its inputs: ALL, but those in `fixed`, a body's
+    inputs that are constants outside; constants: NONE). `diff`: the differentiable operands
+    of each equation (`differentiable_operands`)."""
+    out: dict[Any, Carry] = {v: Carry.ALL if is_float(v) and v not in fixed else Carry.NONE
+                             for v in jaxpr.invars}
     for eqn, d in zip(jaxpr.eqns, diff, strict=True):
         classes = [out.get(v, Carry.NONE) if isinstance(v, Var) and dk else Carry.NONE
                    for v, dk in zip(eqn.invars, d, strict=True)]

@@ -115,6 +115,8 @@ class FreeValues:
             return (np.bool_(False), np.bool_(True)) if dtype_of(v) == np.bool_ else None
         if v in self.consts:  # a concrete constant, read only when asked for
             return _distinct(np.asarray(self.consts[v]))
+        if v in self.sweep.known_inputs:  # a body's input, as the program around holds it
+            return self.sweep.known_inputs[v]
         i = self.sweep.producer.get(v)
         if i is None or self.carry(v) == Carry.ALL:
             return None

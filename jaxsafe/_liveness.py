@@ -210,14 +210,19 @@ class Sweeps:
 
     def get(self, jaxpr: Jaxpr, out_kinds: Sequence[Kind], structural: bool,
             consts: Mapping[Var, Any] | None = None,
-            out_syms: Sequence[Sym] | None = None) -> Sweep:
+            out_syms: Sequence[Sym] | None = None,
+            known_inputs: Mapping[Var, Any] | None = None) -> Sweep:
         """`consts`: the values of constants the rules may read (`Sweep.constant`);
-        `out_syms`: the outputs' formulas, where they are known (else from `out_kinds`)."""
+        `out_syms`: the outputs' formulas, where they are known (else from `out_kinds`);
+        `known_inputs`: inputs that carry no derivative in the program around, with what they
+        hold (`FreeValues.held`)."""
+        known = tuple(sorted((id(v), repr(c)) for v, c in (known_inputs or {}).items()))
         key = (id(jaxpr), tuple(out_kinds), structural, None if out_syms is None else
-               tuple(out_syms))
+               tuple(out_syms), known)
         hit = self._sweeps.get(key)
         if hit is None:
-            hit = self._sweeps[key] = Sweep(jaxpr, out_kinds, structural, self, consts, out_syms)
+            hit = self._sweeps[key] = Sweep(jaxpr, out_kinds, structural, self, consts, out_syms,
+                                            known_inputs)
         assert hit.jaxpr is jaxpr
         return hit
 
@@ -232,11 +237,14 @@ class Sweep:
 
     def __init__(self, jaxpr: Jaxpr, out_kinds: Sequence[Kind], structural: bool,
                  sweeps: Sweeps, consts: Mapping[Var, Any] | None = None,
-                 out_syms: Sequence[Sym] | None = None):
+                 out_syms: Sequence[Sym] | None = None,
+                 known_inputs: Mapping[Var, Any] | None = None):
         self.jaxpr = jaxpr
         self.structural = structural
         self.sweeps = sweeps
         self._known = dict(consts or {})
+        # a body's inputs that carry no derivative outside, with what they hold (`Sweeps.get`)
+        self.known_inputs = dict(known_inputs or {})
         self.diff = [differentiable_operands(e, structural) for e in jaxpr.eqns]
         self.producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
         self._constants: dict = {}
@@ -385,6 +393,12 @@ class Sweep:
         sweep = self.sweeps.get(closed.jaxpr, out_kinds, structural)
         return [sweep.kind(v) for v in closed.jaxpr.invars]
 
+    def held(self, atom: Any) -> Any:
+        """What the lanes of `atom` that carry no derivative hold (`FreeValues.held`)."""
+        if self._free_values is None:
+            self._free_values = FreeValues(None, self)
+        return self._free_values.held(atom)
+
     def may_mask(self, atom: Any) -> bool:
         """Whether some lane of `atom` may carry no derivative and hold 0 there (a 0/1 mask;
         not `jnp.where(p, x, 1.)`)."""
@@ -412,7 +426,7 @@ class Sweep:
 
     def _carry_classes(self) -> dict:
         if self._carries is None:  # one forward pass, the first time a product asks
-            self._carries = carry_classes(self.jaxpr, self.diff)
+            self._carries = carry_classes(self.jaxpr, self.diff, self.known_inputs)
             self._producer_eqns = {o: self.jaxpr.eqns[i] for o, i in self.producer.items()}
         return self._carries
 

@@ -164,12 +164,16 @@ from ._taint import (
     compared_with_nonfinite,
     computation_selects,
     cond_body_inputs,
+    cond_body_operands,
     direct_body_inputs,
+    direct_body_operands,
     every_operand,
     exponent_set_by,
     fills_nonfinite,
     indices_in_range,
     scan_body_inputs,
+    scan_body_operands,
+    sliced_body_operands,
     while_body_inputs,
     window_may_read_padding_only,
 )
@@ -525,7 +529,8 @@ register(prims.linear_solve_p, masks=solve_masks, static=solve_syms,
 register(prims.jit_p, prims.closed_call_p, masks=call_masks, kinds=call_kinds, static=call_syms,
          inline=True)
 register(prims.remat_p, masks=opaque_call_masks, kinds=opaque_call_kinds,
-         nested_params=("jaxpr",), masked_body=RematBody(), body_inputs=direct_body_inputs)
+         nested_params=("jaxpr",), masked_body=RematBody(), body_inputs=direct_body_inputs,
+         body_operands=direct_body_operands)
 register(prims.custom_jvp_call_p, masks=custom_rule_masks, kinds=custom_rule_kinds,
          static=custom_rule_syms,
          custom_rule=True)
@@ -534,10 +539,10 @@ register(prims.custom_vjp_call_p, masks=custom_rule_masks, kinds=custom_rule_kin
          custom_rule=True, backward_param="bwd", forward_param="fwd_jaxpr_thunk",
          identity_param="out_trees")
 register(prims.cond_p, masks=cond_masks, kinds=cond_kinds, nested_params=("branches",),
-         masked_body=CondBody(), body_inputs=cond_body_inputs)
+         masked_body=CondBody(), body_inputs=cond_body_inputs, body_operands=cond_body_operands)
 register(prims.scan_p, masks=scan_masks, kinds=scan_kinds, nested_params=("jaxpr",),
          masked_body=ScanBody(),
-         body_inputs=scan_body_inputs)
+         body_inputs=scan_body_inputs, body_operands=scan_body_operands)
 register(prims.while_p, nested_params=("body_jaxpr",), body_inputs=while_body_inputs)
 # collectives (in shard_map and pmap bodies): every lane live, as the other devices' lanes are
 # not seen; the sums, gathers and permutations are linear
@@ -549,7 +554,7 @@ register(prims.axis_index_p)
 # the per-device split yet), traced in shard_map's context (its mesh axes, varying types)
 if shard_map_p is not None:
     register(shard_map_p, nested_params=("jaxpr",), body_inputs=direct_body_inputs,
-             body_context=shard_map_body_context)
+             body_operands=sliced_body_operands, body_context=shard_map_body_context)
 
 # --------------------------------------------------------------------------- structural zeros
 # How a backward program's lanes that hold 0 whatever cotangent it receives pass through

@@ -31,6 +31,7 @@ import functools
 import warnings
 from collections.abc import Callable, Sequence, Set
 from functools import partial
+from typing import Any
 
 import jax
 import numpy as np
@@ -39,6 +40,7 @@ from jax.custom_derivatives import SymbolicZero as NoTangent  # custom_jvp's, no
 from ._atoms import SMALL_CONSTANT, dtype_of, is_float, is_nonfinite_literal, shape_of
 from ._backward import guarded_backward, guarded_forward
 from ._bounds import of_program
+from ._carries import Carry
 from ._collector import fewer_collections
 from ._compat import (
     ClosedJaxpr,
@@ -56,13 +58,14 @@ from ._decisions import plan_decisions
 from ._emit import emit
 from ._explain import drops_from
 from ._flatten import flatten, inline_scalar_constants, take_constant_selections
-from ._liveness import Sweep, Sweeps
+from ._liveness import Sweep, Sweeps, kind_of_sym, sym_of_kind
 from ._masks import all_staged
 from ._nested import any_equation, sub_jaxprs
 from ._plan import Plan
 from ._report import AnalysisFailedWarning, Report, failure_text, note_failure, strict
 from ._rules import Kind, rule_for
 from ._sites import place_guards
+from ._symbolic import Sym, foreign_keys_unknown
 from ._taint import contains_hazard, nonfinite_anywhere, nonfinite_seeds
 
 
@@ -89,16 +92,17 @@ def rewrite_with_report(closed: ClosedJaxpr, finite_invars: Sequence[bool] | Non
 
 
 def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps, finite_invars: Sequence[bool] | None = None,
-             bad_cotangents: Sequence[bool] | None = None, in_body: bool = False
-             ) -> tuple[ClosedJaxpr, Report]:
+             bad_cotangents: Sequence[bool] | None = None, in_body: bool = False,
+             known_inputs: BodyFacts | None = None) -> tuple[ClosedJaxpr, Report]:
     """A body's arguments come from the program around it: possibly non-finite. `in_body`:
-    `closed` is the body of an equation (see `guard_backward_rules`)."""
+    `closed` is the body of an equation (see `guard_backward_rules`). `known_inputs`: what
+    that program knows of them (`_known_body_inputs`)."""
     flat = take_constant_selections(inline_scalar_constants(flatten(closed)))
     if not in_body:
         sweeps.hazardous_rules = rules_with_hazards(flat)
     flat = dce(flat)
     plan = plan_program(flat, [Kind.LIVE] * len(flat.jaxpr.outvars), sweeps, finite_invars,
-                        bad_cotangents, in_body)
+                        bad_cotangents, in_body, known_inputs)
     plan.report.original = flat
     if not plan.report.changed:
         return closed, plan.report
@@ -195,12 +199,21 @@ def _reverse_only(original: ClosedJaxpr, rewritten: Callable[[], ClosedJaxpr]) -
 
 def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
                  finite_invars: Sequence[bool] | None = None,
-                 bad_cotangents: Sequence[bool] | None = None, in_body: bool = False) -> Plan:
+                 bad_cotangents: Sequence[bool] | None = None, in_body: bool = False,
+                 known_inputs: BodyFacts | None = None,
+                 out_syms: Sequence[Sym] | None = None) -> Plan:
     """The planning passes on a flattened program. `out_kinds`: the static liveness of its
     outputs (all LIVE at the top; MAYBE for a body the program around it drops in places).
     `finite_invars`: the arguments promised finite (None: none is). `bad_cotangents`: the
-    outputs whose cotangent may be non-finite (None: none, as `jax.grad` seeds 1)."""
-    sweep = sweeps.get(closed.jaxpr, out_kinds, False, _small_integer_constants(closed))
+    outputs whose cotangent may be non-finite (None: none, as `jax.grad` seeds 1).
+    `known_inputs`: what the program around a body knows of its arguments (`_rewrite`).
+    `out_syms`: its outputs' formulas, where the program around a body knows them."""
+    consts = _small_integer_constants(closed)
+    exact, fixed = known_inputs or ({}, {})
+    invars = closed.jaxpr.invars
+    consts.update((invars[k], value) for k, value in exact.items())
+    sweep = sweeps.get(closed.jaxpr, out_kinds, False, consts, out_syms=out_syms,
+                       known_inputs={invars[k]: held for k, held in fixed.items()})
     report = Report(drops_of=functools.partial(drops_from, sweep))
     if finite_invars is None:
         finite_invars = [False] * len(closed.jaxpr.invars)
@@ -254,12 +267,13 @@ def rewrite_nested_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
         try:
             finite = _finite_body_inputs(eqn, nonfinite)
             cotangents = body_cotangents(eqn, bad, nonfinite)
+            known = _known_body_inputs(eqn, closed, sweep)
             context = (rule.body_context(eqn.params) if rule.body_context is not None
                        else contextlib.nullcontext())
             with context:
                 for name in names:
                     new_params[name] = _rewrite_param(eqn, eqn.params[name], report, sweeps,
-                                                      finite, cotangents)
+                                                      finite, cotangents, known)
         except Exception as e:
             note_failure(e, eqn, "nested-body")
             raise
@@ -385,18 +399,56 @@ def _finite_body_inputs(eqn: JaxprEqn, nonfinite: Set) -> dict[int, list[bool]]:
     return finite
 
 
+BodyFacts = tuple[dict[int, Any], dict[int, Any]]
+"""A body's inputs (by position) known whole, with their values; and those that carry no
+derivative, with what they hold (`FreeValues.held`)."""
+
+
+def _known_body_inputs(eqn: JaxprEqn, closed: ClosedJaxpr, sweep: Sweep
+                       ) -> dict[int, BodyFacts]:
+    """id(body jaxpr) -> what is known of its inputs from the program around it
+    (`PrimitiveRule.body_operands`): a concrete constant of `closed` received whole (a 0/1
+    mask closed over outside a `jax.checkpoint`) is known there; an operand that carries no
+    derivative (a mask made from a predicate outside) carries none inside either, holding
+    the same values."""
+    rule = rule_for(eqn.primitive)
+    if rule.body_operands is None:
+        return {}
+    values = {v: c for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
+              if not isinstance(c, Tracer) and np.size(c) <= SMALL_CONSTANT}
+    classes = sweep.carry_classes()
+    known: dict[int, BodyFacts] = {}
+    for name, operands in rule.body_operands(eqn).items():
+        exact: dict[int, Any] = {}
+        fixed: dict[int, Any] = {}
+        for j, read in enumerate(operands):
+            v = None if read is None else eqn.invars[read[0]]
+            if not isinstance(v, Var) or not is_float(v):
+                continue
+            if read is not None and read[1] and v in values:
+                exact[j] = values[v]
+            if classes.get(v, Carry.NONE) == Carry.NONE:  # a constant: none
+                fixed[j] = sweep.held(v)
+        param = eqn.params[name]
+        for body in param if isinstance(param, tuple) else (param,):
+            known[id(body.jaxpr if isinstance(body, ClosedJaxpr) else body)] = (exact, fixed)
+    return known
+
+
 def _rewrite_param(eqn: JaxprEqn, value: object, report: Report, sweeps: Sweeps,
-                   finite: dict[int, list[bool]], cotangents: dict[int, list[bool]]) -> object:
+                   finite: dict[int, list[bool]], cotangents: dict[int, list[bool]],
+                   known: dict[int, BodyFacts]) -> object:
     """One body parameter, rewritten: a ClosedJaxpr, a tuple of them (branches), or an open
     Jaxpr (remat's, which can take no constants). `finite`: see `_finite_body_inputs`;
-    `cotangents`: see `_cotangents.body_cotangents`."""
+    `cotangents`: see `_cotangents.body_cotangents`; `known`: see `_known_body_inputs`."""
     if isinstance(value, tuple):
-        return tuple(_rewrite_param(eqn, branch, report, sweeps, finite, cotangents)
+        return tuple(_rewrite_param(eqn, branch, report, sweeps, finite, cotangents, known)
                      for branch in value)
     if isinstance(value, Jaxpr):
         with all_staged():  # no mask as a constant (`_masks.at_trace_time`)
             new, sub = _rewrite(ClosedJaxpr(value, ()), sweeps, finite.get(id(value)),
-                                cotangents.get(id(value)), in_body=True)
+                                cotangents.get(id(value)), in_body=True,
+                                known_inputs=known.get(id(value)))
         if sub.changed and new.consts:
             report.skipped.append((eqn, "unchanged: its rewritten body needs constants"))
             return value
@@ -404,7 +456,7 @@ def _rewrite_param(eqn: JaxprEqn, value: object, report: Report, sweeps: Sweeps,
         return new.jaxpr
     assert isinstance(value, ClosedJaxpr), (eqn.primitive, type(value))
     new, sub = _rewrite(value, sweeps, finite.get(id(value.jaxpr)), cotangents.get(id(value.jaxpr)),
-                        in_body=True)
+                        in_body=True, known_inputs=known.get(id(value.jaxpr)))
     _record_nested(eqn, value, new, sub, report)
     return new
 
@@ -438,12 +490,18 @@ def plan_masked_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
     `nonfinite`, `bad`: as for `rewrite_nested_bodies`."""
     finite: dict[int, list[bool]] = {}
     cotangents: dict[int, list[bool]] = {}
+    known: dict[int, BodyFacts] = {}
+    outside: list[Sym] | None = None
 
     unchanged: list[Report] = []  # what a body that guards nothing left, for the diagnostics
 
     def plan_body(body: ClosedJaxpr, out_kinds: list[Kind]) -> Plan | None:
+        out_syms = None if outside is None else [
+            sym if kind_of_sym(sym) == kind else sym_of_kind(kind)
+            for sym, kind in zip(outside, out_kinds, strict=True)]
         plan = plan_program(flatten(body), out_kinds, sweeps, finite.get(id(body.jaxpr)),
-                            cotangents.get(id(body.jaxpr)), in_body=True)
+                            cotangents.get(id(body.jaxpr)), in_body=True,
+                            known_inputs=known.get(id(body.jaxpr)), out_syms=out_syms)
         if plan.report.changed:
             return plan
         if plan.report.skipped:
@@ -463,6 +521,11 @@ def plan_masked_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
         try:
             finite = _finite_body_inputs(eqn, nonfinite)
             cotangents = body_cotangents(eqn, bad, nonfinite)
+            known = _known_body_inputs(eqn, closed, sweep)
+            # a row that a `where` drops after a checkpoint is a row inside it: a matmul's
+            # operand there is guarded without a run-time reduction (the mask runs along rows)
+            outside = [foreign_keys_unknown(sweep.sym(o), ()) for o in eqn.outvars] \
+                if handler.same_outputs else None
             plans = handler.plan(eqn, out_kinds, plan_body)
         except Exception as e:
             note_failure(e, eqn, "masked-body")

@@ -285,6 +285,10 @@ class MaskedBody(Protocol):
     """A primitive whose body is rewritten again when the program around it drops some of its
     output lanes (liveness flows in from outside): `remat`, `cond`, `scan`."""
 
+    same_outputs: bool
+    """Each body's outputs are the equation's, lane for lane (a checkpoint, a cond branch; not
+    a scan's stacked outputs): the formulas outside carry in, as unknowns on the same axes."""
+
     def plan(self, eqn: JaxprEqn, out_kinds: Sequence[Kind],
              plan_body: Callable[[ClosedJaxpr, list[Kind]], Any]) -> list | None:
         """The body plans (None where a body needs no change), or None when none does."""
@@ -428,6 +432,12 @@ class PrimitiveRule:
     makes_nonfinite: bool = False
     """May make NaN or inf from finite operands, with no guard known (a library's linear solve on
     a singular operator): its outputs may be non-finite, as an unknown primitive's."""
+    body_operands: Callable[[JaxprEqn], dict[str, list[tuple[int, bool] | None]]] | None = None
+    """For a primitive with bodies: per body parameter, for each input of the body, the
+    operand it reads and whether it receives it whole, unchanged in every run (a scan's
+    slices of `xs`: not whole; None: a carry). An operand that carries no derivative carries
+    none inside the body either, and holds the same values; a constant one received whole is
+    known there (a 0/1 mask from outside a `jax.checkpoint` still masks the product in it)."""
     nonfinite_when: Callable[[JaxprEqn], bool] | None = None
     """May make NaN or inf from finite operands with these parameters (a gather that fills
     out-of-range lanes with NaN, a max pooling whose window may lie in the padding alone and

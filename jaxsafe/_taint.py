@@ -386,6 +386,32 @@ def cond_body_inputs(eqn: JaxprEqn, operands: list[bool]) -> dict[str, list[bool
     return {"branches": operands[1:]}
 
 
+BodyOperands = dict[str, list[tuple[int, bool] | None]]
+
+
+def direct_body_operands(eqn: JaxprEqn) -> BodyOperands:
+    """A call (`remat`): its body's inputs are its operands."""
+    return {"jaxpr": [(k, True) for k in range(len(eqn.invars))]}
+
+
+def cond_body_operands(eqn: JaxprEqn) -> BodyOperands:
+    """Every branch reads the operands after the index."""
+    return {"branches": [(k, True) for k in range(1, len(eqn.invars))]}
+
+
+def sliced_body_operands(eqn: JaxprEqn) -> BodyOperands:
+    """`shard_map`: its body reads each device's slice of its operands."""
+    return {"jaxpr": [(k, False) for k in range(len(eqn.invars))]}
+
+
+def scan_body_operands(eqn: JaxprEqn) -> BodyOperands:
+    """A scan's constants are the same in every step, its `xs` sliced; its carries change."""
+    n_consts, n_carry = scan_counts(eqn.params)
+    n = len(eqn.invars)
+    return {"jaxpr": [(k, True) for k in range(n_consts)] + [None] * n_carry +
+            [(k, False) for k in range(n_consts + n_carry, n)]}
+
+
 def scan_body_inputs(eqn: JaxprEqn, operands: list[bool]) -> dict[str, list[bool]]:
     n_consts, n_carry = scan_counts(eqn.params)
     consts, carry = operands[:n_consts], operands[n_consts:n_consts + n_carry]

@@ -316,3 +316,73 @@ def test_a_max_pooling_window_in_the_padding_alone_gives_minus_inf():
     assert_close(jax.grad(jaxsafe.nan_safe(loss))(w, x), expected)
     assert_close(jax.grad(jaxsafe.nan_safe(loss, finite_args=True))(w, x), expected)
     assert_close(jax.grad(jaxsafe.nan_safe(lambda w: loss(w, x)))(w), expected)  # a constant
+
+
+# --------------------------------------------------------------------------- masks into bodies
+
+_MASK = jnp.array([0., 1., 0., 1., 1.])
+_X = jnp.array([0., 2., 0., .5, 3.])
+
+BODIES_OF_A_MASKED_PRODUCT = {
+    "checkpoint": lambda m, x: jnp.sum(jax.checkpoint(lambda y: m * jnp.sqrt(y) * y)(x)),
+    "scan over xs": lambda m, x: lax.scan(
+        lambda c, a: (c + a[1] * jnp.sqrt(a[0]) * a[0], None), 0., (x, m))[0],
+    "scan constant": lambda m, x: lax.scan(
+        lambda c, a: (c + jnp.sum(m * jnp.sqrt(a) * a), None), 0., x[None])[0],
+    "lax.map": lambda m, x: jnp.sum(lax.map(lambda a: a[1] * jnp.sqrt(a[0]) * a[0], (x, m))),
+    "switch": lambda m, x: lax.switch(1, [lambda y: jnp.sum(y), lambda y: jnp.sum(
+        m * jnp.sqrt(y) * y)], x),
+}
+
+
+@pytest.mark.parametrize("made_outside", [False, True], ids=["constant", "from a predicate"])
+@pytest.mark.parametrize("body", list(BODIES_OF_A_MASKED_PRODUCT.values()),
+                         ids=list(BODIES_OF_A_MASKED_PRODUCT))
+def test_a_zero_one_mask_from_outside_a_body_masks_the_product_inside(body, made_outside):
+    """`m * sqrt(x) * x` with a 0/1 mask `m` that carries no derivative, inside a
+    `jax.checkpoint`, a `scan` (as a constant or sliced from `xs`), `lax.map` or a `switch`
+    branch: the lanes where `m` is 0 are dropped there as at the top level (the body is told
+    what its inputs carry and hold outside). Before, the body took `m` as differentiable and
+    `sqrt(0)`'s infinite derivative gave NaN."""
+    def loss(x):
+        m = (x > .1).astype(x.dtype) if made_outside else _MASK
+        return body(m, x)
+
+    def live_lanes_only(x):  # the program without the masked lanes
+        keep = np.array([1, 3, 4])
+        return jnp.sum(jnp.sqrt(x[keep]) * x[keep])
+
+    assert np.isnan(jax.grad(loss)(_X)).any()  # the bug
+    _same_forward(loss, _X)
+    assert_close(jax.grad(jaxsafe.nan_safe(loss))(_X), jax.grad(live_lanes_only)(_X),
+                 rtol=1e-6, atol=1e-6)
+
+
+CHECKPOINTED = {
+    "checkpoint": lambda h, w: jax.checkpoint(lambda h, w: h @ w)(h, w),
+    "checkpoint, tanh": lambda h, w: jax.checkpoint(lambda h, w: jnp.tanh(h @ w))(h, w),
+    "checkpoint, residual": lambda h, w: jax.checkpoint(lambda h, w: h + h @ w)(h, w),
+    "cond branch": lambda h, w: lax.cond(True, lambda h, w: h @ w, lambda h, w: h - h @ w, h, w),
+}
+
+
+@pytest.mark.parametrize("block", list(CHECKPOINTED.values()), ids=list(CHECKPOINTED))
+def test_a_row_dropped_after_a_checkpoint_is_guarded_before_the_matmul_inside(block):
+    """`where(m[:, None], checkpoint(h @ w), 0.)` with a NaN padded row of `h`: the row mask
+    outside runs along the rows of the body's output, so the body knows its formula (an
+    unknown on the same axis) and guards `h`'s row before the matmul without a run-time
+    reduction, as without the checkpoint. Before, it was left and `w`'s gradient was NaN."""
+    h = jnp.array([[.5, 1.], [nan, 2.]])
+    w = jnp.array([[.3, -.1], [.2, .5]])
+    m = jnp.array([True, False])
+
+    def loss(w, h):
+        return jnp.sum(jnp.where(m[:, None], block(h, w), 0.))
+
+    def by_hand(w, h):
+        return loss(w, jnp.where(m[:, None], h, 0.))
+
+    assert np.isnan(jax.grad(loss)(w, h)).any()  # the bug
+    _same_forward(loss, w, h)
+    assert_close(jax.grad(jaxsafe.nan_safe(loss))(w, h), jax.grad(by_hand)(w, h))
+    assert_close(jax.hessian(jaxsafe.nan_safe(loss))(w, h), jax.hessian(by_hand)(w, h))

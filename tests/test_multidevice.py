@@ -53,6 +53,27 @@ def test_shard_map_body_is_rewritten_and_gives_the_hand_fix_gradient():
         assert_close(jax.grad(nan_safe(f))(xs), g)
 
 
+def test_a_zero_one_mask_from_outside_a_shard_map_masks_the_product_in_its_checkpoint():
+    """`m * sqrt(x) * x` in a checkpoint inside a `shard_map`, with a 0/1 mask `m` made outside
+    from a predicate: each device's slice of `m` carries no derivative inside either, so the
+    lanes where it is 0 are dropped (`PrimitiveRule.body_operands`). Before: NaN."""
+    mesh = jax.make_mesh((8,), ("d",))
+    xs = jax.device_put(jnp.linspace(-1., 1., 16) ** 2 * (jnp.arange(16) % 3 != 0),
+                        NamedSharding(mesh, P("d")))
+
+    def loss(x):
+        m = (x > 0.).astype(x.dtype)
+        body = jax.checkpoint(lambda m, x: jax.lax.psum(jnp.sum(m * jnp.sqrt(x) * x), "d"))
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P())(m, x)
+
+    def live_lanes_only(x):
+        return jnp.sum(jnp.where(x > 0., jnp.sqrt(jnp.where(x > 0., x, 1.)) * x, 0.))
+
+    assert np.isnan(jax.jit(jax.grad(loss))(xs)).any()  # the bug
+    assert_bitwise(nan_safe(loss)(xs), jax.jit(loss)(xs))
+    assert_close(jax.jit(jax.grad(nan_safe(loss)))(xs), jax.jit(jax.grad(live_lanes_only))(xs))
+
+
 def test_shard_map_keeps_mesh_specs_and_checks():
     mesh = jax.make_mesh((8,), ("d",))
     xs = jax.device_put(jnp.linspace(-1., 1., 16), NamedSharding(mesh, P("d")))
