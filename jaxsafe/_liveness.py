@@ -216,7 +216,9 @@ class Sweeps:
         `out_syms`: the outputs' formulas, where they are known (else from `out_kinds`);
         `known_inputs`: inputs that carry no derivative in the program around, with what they
         hold (`FreeValues.held`)."""
-        known = tuple(sorted((id(v), repr(c)) for v, c in (known_inputs or {}).items()))
+        # a body called at two sites sees two sets of constants and inputs: two sweeps
+        known = (tuple(sorted((id(v), id(c)) for v, c in (consts or {}).items())),
+                 tuple(sorted((id(v), repr(c)) for v, c in (known_inputs or {}).items())))
         key = (id(jaxpr), tuple(out_kinds), structural, None if out_syms is None else
                tuple(out_syms), known)
         hit = self._sweeps.get(key)
