@@ -60,8 +60,8 @@ def _by_lane(eqn: JaxprEqn) -> bool:
 def carry_classes(jaxpr: Jaxpr, diff: Sequence[Sequence[bool]],
                   fixed: Container = ()) -> dict[Any, Carry]:
     """The class of every variable of `jaxpr` (its inputs: ALL, but those in `fixed`, a body's
-    inputs that are constants outside; constants: NONE). `diff`: the differentiable operands
-    of each equation (`differentiable_operands`)."""
+    inputs that carry no derivative in the program around it; constants: NONE). `diff`: the
+    differentiable operands of each equation (`differentiable_operands`)."""
     out: dict[Any, Carry] = {v: Carry.ALL if is_float(v) and v not in fixed else Carry.NONE
                              for v in jaxpr.invars}
     for eqn, d in zip(jaxpr.eqns, diff, strict=True):

@@ -406,9 +406,7 @@ class Sweep:
         not `jnp.where(p, x, 1.)`)."""
         if self._carry_classes().get(atom, Carry.NONE) == Carry.ALL:
             return False
-        if self._free_values is None:
-            self._free_values = FreeValues(None, self)
-        held = self._free_values.held(atom)
+        held = self.held(atom)
         return held is None or any(h == 0 for h in held)
 
     def operand_never_loses(self, eqn: JaxprEqn, k: int) -> bool:
