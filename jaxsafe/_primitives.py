@@ -175,6 +175,7 @@ from ._taint import (
     scan_body_operands,
     sliced_body_operands,
     while_body_inputs,
+    while_body_operands,
     window_may_read_padding_only,
 )
 
@@ -543,7 +544,8 @@ register(prims.cond_p, masks=cond_masks, kinds=cond_kinds, nested_params=("branc
 register(prims.scan_p, masks=scan_masks, kinds=scan_kinds, nested_params=("jaxpr",),
          masked_body=ScanBody(),
          body_inputs=scan_body_inputs, body_operands=scan_body_operands)
-register(prims.while_p, nested_params=("body_jaxpr",), body_inputs=while_body_inputs)
+register(prims.while_p, nested_params=("body_jaxpr",), body_inputs=while_body_inputs,
+         body_operands=while_body_operands)
 # collectives (in shard_map and pmap bodies): every lane live, as the other devices' lanes are
 # not seen; the sums, gathers and permutations are linear
 register(prims.psum_p, prims.all_gather_p, prims.all_to_all_p, prims.ppermute_p,

@@ -412,6 +412,15 @@ def scan_body_operands(eqn: JaxprEqn) -> BodyOperands:
             [(k, False) for k in range(n_consts + n_carry, n)]}
 
 
+def while_body_operands(eqn: JaxprEqn) -> BodyOperands:
+    """A while loop's body constants are the same in every iteration; its carries change (its
+    condition is a decision: nothing in it is differentiated)."""
+    n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    n_carry = len(eqn.invars) - n_cond - n_body
+    return {"body_jaxpr": [(k, True) for k in range(n_cond, n_cond + n_body)] +
+            [None] * n_carry}
+
+
 def scan_body_inputs(eqn: JaxprEqn, operands: list[bool]) -> dict[str, list[bool]]:
     n_consts, n_carry = scan_counts(eqn.params)
     consts, carry = operands[:n_consts], operands[n_consts:n_consts + n_carry]

@@ -358,6 +358,27 @@ def test_a_zero_one_mask_from_outside_a_body_masks_the_product_inside(body, made
                  rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("made_outside", [False, True], ids=["constant", "from a predicate"])
+def test_a_zero_one_mask_from_outside_a_while_loop_masks_the_product_inside(made_outside):
+    """The same in a `while_loop` (`fori_loop` with a traced trip count), which only forward
+    mode differentiates: the body's constants are the same in every iteration, so a 0/1 mask
+    closed over outside masks the product inside. Before, `jacfwd` was NaN in every lane."""
+    def loss(x, n):
+        m = (x > .1).astype(x.dtype) if made_outside else _MASK
+        return jnp.sum(lax.fori_loop(0, n, lambda i, c: c + m * jnp.sqrt(x) * x,
+                                     jnp.zeros_like(x)))
+
+    def live_lanes_only(x, n):
+        keep = np.array([1, 3, 4])
+        return n * jnp.sum(jnp.sqrt(x[keep]) * x[keep])
+
+    n = jnp.int32(3)
+    assert np.isnan(jax.jacfwd(loss)(_X, n)).any()  # the bug
+    _same_forward(loss, _X, n)
+    assert_close(jax.jacfwd(jaxsafe.nan_safe(loss))(_X, n), jax.jacfwd(live_lanes_only)(_X, n),
+                 rtol=1e-6, atol=1e-6)
+
+
 CHECKPOINTED = {
     "checkpoint": lambda h, w: jax.checkpoint(lambda h, w: h @ w)(h, w),
     "checkpoint, tanh": lambda h, w: jax.checkpoint(lambda h, w: jnp.tanh(h @ w))(h, w),
