@@ -38,27 +38,28 @@ def _no_leaked_tracers(request):
 
 
 # The files that take longest, longest first (worker seconds of `make test`'s main session,
-# from a --junitxml run on 2 busy cores, 2026-11-27, before the last trims of test_already_safe,
-# test_core and test_nonfinite_data; the table sweeps' other dtypes excluded):
+# from a --junitxml run on 2 cores shared with three other jobs, 2026-11-29; test_found_by_hunts
+# then checked for leaks, 257 s, about 70 without):
 # `make test` runs one worker per file (--dist loadfile, --no-loadscope-reorder) in this order,
 # so that a long file never starts last and runs alone at the end. Other files follow in
 # collection order. A stale order costs time, never a test.
 _LONGEST_FIRST = (
-    "test_transparency.py",        # 121 (float32, the stats functions' where checks apart)
-    "test_nn.py",                  # 104
-    "test_already_safe.py",        # 102
-    "test_nonfinite_data.py",      # 82
-    "test_backward_rules.py",      # 74
-    "test_drop_table.py",          # 62
-    "test_linalg.py",              # 48
-    "test_by_value.py",            # 46
-    "test_hostile.py",             # 45
-    "test_core.py",                # 44
-    "test_control_flow.py",        # 44
-    "test_composition.py",         # 42
-    "test_free_lanes.py",          # 40
-    "test_examples.py",            # 38
-    "test_choosers.py",            # 22
+    "test_nonfinite_data.py",      # 498
+    "test_already_safe.py",        # 247
+    "test_backward_rules.py",      # 225
+    "test_transparency.py",        # 202 (float32, the stats functions' where checks apart)
+    "test_nn.py",                  # 164
+    "test_linalg.py",              # 125
+    "test_found_by_hunts.py",
+    "test_drop_table.py",          # 66
+    "test_control_flow.py",        # 59
+    "test_choosers.py",            # 52
+    "test_by_value.py",            # 44
+    "test_free_lanes.py",          # 42
+    "test_lanewise.py",            # 41
+    "test_hostile.py",             # 40
+    "test_api.py",                 # 34
+    "test_composition.py",         # 34
     "test_x64_transparency.py",    # the x64 sessions
     "test_x64_where.py",
     "test_x64.py",
