@@ -21,6 +21,7 @@ from ._compat import (
     Jaxpr,
     Tracer,
     differentiated_while_staging,
+    differentiating_now,
     eval_jaxpr,
     with_leading_arg_names,
 )
@@ -333,6 +334,10 @@ class _Traced:
             self.evaluate = functools.partial(eval_jaxpr, closed.jaxpr, closed.consts)
         else:
             self.evaluate = values_of(original, lambda: self.closed)
+        # a call that a differentiating trace makes: a program with a custom_vjp call takes
+        # the reverse-only join only where a differentiated argument reaches it
+        self.evaluate_forward = self.evaluate if not use_jit else \
+            values_of(original, lambda: self.closed, forward_mode=True)
 
     def rewritten(self) -> tuple[ClosedJaxpr, Report]:
         with self._lock:
@@ -369,8 +374,7 @@ class NanSafeFunction:
         self._cache_size = cache_size
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._jitted: Callable | None = None
-        self._generation = -1
+        self._fronts: dict[bool, tuple[int, Callable]] = {}  # forward -> (generation, jit)
         self._leaf_jitted: Callable | None = None
         self._leaf_generation = -1
         self._static_leaves_seen = False  # a call had leaves that are not arrays
@@ -473,7 +477,7 @@ class NanSafeFunction:
         if cacheable and self._remember(self._cache, key, traced):
             # jax.jit keeps its own trace per signature: start a fresh front so that an
             # evicted signature's program is really released
-            self._jitted = None
+            self._fronts.clear()
         return traced, [*closed_over, *leaves]
 
     def _trace_by_value(self, flat_fun: Callable, leaves: list, values: list):
@@ -491,6 +495,11 @@ class NanSafeFunction:
         traced, leaves = self._trace(args, kwargs)
         return jax.tree_util.tree_unflatten(traced.out_tree, traced.evaluate(*leaves))
 
+    def _staged_forward(self, *args, **kwargs):
+        """`_staged` for a call that a differentiating trace makes (`_Traced.evaluate_forward`)."""
+        traced, leaves = self._trace(args, kwargs)
+        return jax.tree_util.tree_unflatten(traced.out_tree, traced.evaluate_forward(*leaves))
+
     def _replayed(self, args: tuple, kwargs: dict):
         """A call differentiated while the caller's program is staged: the rewritten program
         goes straight into the caller's trace (`_replay`), with neither the jit front nor the
@@ -501,17 +510,20 @@ class NanSafeFunction:
             outs = replay(closed.jaxpr, closed.consts, *leaves)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
-    def _front(self) -> Callable:
+    def _front(self, forward: bool = False) -> Callable:
         """`jax.jit` of the staged call: a cached call takes jit's C++ dispatch path, and a
-        new signature traces (and rewrites) once. Re-made when a guard is registered."""
-        if self._jitted is None or self._generation != _guards.GENERATION:
+        new signature traces (and rewrites) once. Re-made when a guard is registered. A call
+        that a differentiating trace makes has a front of its own (`_staged_forward`)."""
+        generation, jitted = self._fronts.get(forward, (-1, None))
+        if jitted is None or generation != _guards.GENERATION:
             # a new callable each time: jax.jit shares its trace cache between jits of one
             # function, and the old traces hold the programs rewritten before the registration
-            self._jitted = jax.jit(functools.partial(type(self)._staged, self),
-                                   static_argnums=self._static_argnums,
-                                   static_argnames=self._static_argnames)
-            self._generation = _guards.GENERATION
-        return self._jitted
+            staged = type(self)._staged_forward if forward else type(self)._staged
+            jitted = jax.jit(functools.partial(staged, self),
+                             static_argnums=self._static_argnums,
+                             static_argnames=self._static_argnames)
+            self._fronts[forward] = (_guards.GENERATION, jitted)
+        return jitted
 
     def _validate(self, args: tuple, kwargs: dict) -> None:
         """Raise nan_safe's own error for bad arguments (names them, says what to do)."""
@@ -531,18 +543,19 @@ class NanSafeFunction:
         return self._leaf_jitted
 
     def _staged_leaves(self, spec, *arrays):
-        tree, fixed, static_pos, static_kw, _ = spec
+        tree, fixed, static_pos, static_kw, _, forward = spec
         dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(tree, _merge(arrays, fixed))
         args = list(dyn_args)
         for i, v in static_pos:
             args.insert(i, v)
-        return self._staged(*args, **dyn_kwargs, **dict(static_kw))
+        staged = self._staged_forward if forward else self._staged
+        return staged(*args, **dyn_kwargs, **dict(static_kw))
 
-    def _call_by_leaves(self, args: tuple, kwargs: dict):
+    def _call_by_leaves(self, args: tuple, kwargs: dict, forward: bool):
         static_pos, static_kw, dyn_args, dyn_kwargs = self._split(args, kwargs)
         leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         arrays, fixed = _partition(leaves)
-        spec = (tree, fixed, static_pos, static_kw, _typed(static_pos, static_kw))
+        spec = (tree, fixed, static_pos, static_kw, _typed(static_pos, static_kw), forward)
         return self._leaf_front()(spec, *arrays)
 
     def __call__(self, *args, **kwargs):
@@ -550,10 +563,11 @@ class NanSafeFunction:
             return self._staged(*args, **kwargs)
         if differentiated_while_staging(args, kwargs):
             return self._replayed(args, kwargs)
+        forward = differentiating_now()
         try:
             if self._static_leaves_seen and self._has_static_leaves(args, kwargs):
-                return self._call_by_leaves(args, kwargs)
-            return self._front()(*args, **kwargs)
+                return self._call_by_leaves(args, kwargs, forward)
+            return self._front(forward)(*args, **kwargs)
         except (DataDependentShapeError, *_NEEDS_VALUES):
             # A shape or a branch that depends on the data: an eager call (or eager jax.grad)
             # has the values, and is traced at them outside the jit front.

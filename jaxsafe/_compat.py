@@ -107,6 +107,19 @@ def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any], params: dict | None = None) -
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+def custom_jvp_rule_of(eqn: JaxprEqn) -> Any:
+    """A `custom_jvp` call's rule, as the equation holds it (`jvp_jaxpr_fun`; before JAX 0.6,
+    `jvp_jaxpr_thunk`): what tells two calls of one body with different rules apart."""
+    params = eqn.params
+    return params["jvp_jaxpr_fun"] if "jvp_jaxpr_fun" in params else params.get("jvp_jaxpr_thunk")
+
+
+def custom_jvp_symbolic_zeros(eqn: JaxprEqn) -> bool:
+    """Whether a `custom_jvp` call's rule is handed symbolic zeros (it may then compute other
+    tangents than the ones a trace with every tangent given shows); True when not said."""
+    return bool(eqn.params.get("symbolic_zeros", True))
+
+
 def trace_to_jaxpr(fun: Any, avals: Sequence[Any]) -> ClosedJaxpr:
     """`jax.make_jaxpr` over abstract values (avals keep weak_type, ShapeDtypeStruct would not).
     Avals of a `shard_map` body vary over manual mesh axes (`{V:d}`), which `jax.make_jaxpr`
@@ -325,6 +338,13 @@ def differentiated_while_staging(args: tuple, kwargs: dict) -> bool:
             return True
         trace = getattr(trace, "parent_trace", None)
     return False
+
+
+def differentiating_now() -> bool:
+    """Whether the current trace differentiates (`jax.jvp`, `jax.grad`, `jax.linearize`): it
+    meets a custom_jvp's rule at once, before a transformation outside it (`vmap`) batches
+    the call."""
+    return isinstance(_TRACE_CONTEXT.trace, _DIFFERENTIATING_TRACES)
 
 
 def scan_counts(params: dict) -> tuple[int, int]:

@@ -81,9 +81,11 @@ def _proven_in_domain(eqn: JaxprEqn, anywhere: Set, bounds: Bounds) -> bool:
 
 def body_cotangents(eqn: JaxprEqn, bad: Set, anywhere: Set) -> dict[int, list[bool]]:
     """id(body jaxpr) -> which of its outputs' cotangents may be non-finite: all of them where
-    any output of `eqn` has such a cotangent or its derivative may make one (a loop hands its
-    carries' cotangents back to the body), none otherwise."""
-    any_bad = any(o in bad for o in eqn.outvars) or any(
+    any output of `eqn` has such a cotangent, or where its derivative may make one and it is a
+    loop (which hands its carries' cotangents back to the body), none otherwise. A body run
+    once (a `cond`'s branch, `jax.checkpoint`'s) receives the equation's outputs' cotangents."""
+    once = rule_for(eqn.primitive).runs_bodies_once
+    any_bad = any(o in bad for o in eqn.outvars) or not once and any(
         _partial_may_be_nonfinite(eqn, k, anywhere) for k in range(len(eqn.invars)))
     out: dict[int, list[bool]] = {}
     for body in sub_jaxprs(eqn):

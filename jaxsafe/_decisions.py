@@ -124,15 +124,16 @@ def _plan_equation(i: int, eqn: JaxprEqn, sweep: Sweep, sites: Mapping[int, Site
                           for d, v in zip(diff, eqn.invars, strict=True))
     if not (i in sites or operand_changed or safe_read or i in masked) or eqn.effects \
             or not read_differentiably:
-        picks = rule.chooser is not None and rule.chooser.picks  # a picker never weighs
-        if read_differentiably and not eqn.effects and not picks and selects_by_value(
+        chooser = rule.chooser
+        weighs = chooser is not None and not chooser.picks and (  # a picker never weighs
+            chooser.weighs is None or chooser.weighs(eqn, sweep))
+        if read_differentiably and not eqn.effects and weighs and selects_by_value(
                 eqn, sweep) and any(o in bad_cotangents for o in eqn.outvars) and any(
-                d and isinstance(v, Var) for d, v in zip(diff, eqn.invars, strict=True)) and not (
+                _carrying(eqn, sweep)) and not (
                 bounds is not None and never_weighed_by_zero(eqn, _carrying(eqn, sweep), bounds)):
             # its derivative weighs a cotangent that may be inf or NaN: select it instead
             out.selections.add(i)
             report.selections.append(eqn)
-            chooser = rule.chooser
             if chooser is not None and not chooser.keeps_dropped_values:
                 lanes.changed.update(o for o in eqn.outvars
                                      if is_float(o) and sweep.kind(o) != Kind.LIVE)

@@ -298,10 +298,22 @@ def format_report(report: Report) -> str:
         return "nothing to guard: the program runs unchanged"
     counts = report.equations
     if counts is not None:
-        n = len(guards)
-        lines.append(f"{n} guard{'s' if n != 1 else ''}; equations: {counts[0]} before, "
-                     f"{counts[1]} after")
+        n, k = len(guards), _selections(report)
+        chosen = f", {k} re-decided selection{'s' if k != 1 else ''}" if k else ""
+        lines.append(f"{n} guard{'s' if n != 1 else ''}{chosen}; equations: {counts[0]} "
+                     f"before, {counts[1]} after")
     return "\n".join(lines)
+
+
+def _selections(report: Report) -> int:
+    """The equations re-decided on original values, nested bodies' included: a program with
+    no guard can change for them alone."""
+    count, stack = 0, [report]
+    while stack:
+        current = stack.pop()
+        count += len(current.selections)
+        stack.extend(sub for _, sub in current.nested)
+    return count
 
 
 def _notes(report: Report) -> list[str]:

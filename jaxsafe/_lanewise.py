@@ -30,23 +30,37 @@ from typing import Any
 from ._atoms import shape_of
 from ._compat import ClosedJaxpr, JaxprEqn, scan_counts
 from ._masks import any_of, broadcast, broadcast_mask, reduce_any
-from ._nested import call_jaxpr
+from ._nested import call_jaxpr, sub_jaxprs
 from ._rules import Context, Kind, Mask, rule_for
 
 
 def _lane_to_lane(eqn: JaxprEqn) -> bool:
     """Elementwise or a per-lane selection, or a scalar broadcast to a lane shape."""
     rule = rule_for(eqn.primitive)
-    if rule.elementwise or rule.selection is not None:
+    if rule.elementwise or rule.selection is not None or rule.paired:
         return True
     return rule.broadcast and all(shape_of(v) == () for v in eqn.invars)
 
 
 def lane_shape(closed: ClosedJaxpr) -> tuple[int, ...] | None:
     """The one non-scalar shape of every value of a lane-by-lane body, or None when the body is
-    not lane by lane (a reduction, a reshape, a body other than an inlined call, two non-scalar
-    shapes, or only scalars, where there is nothing to gain). Inlined calls (`jnp.where`'s `jit`)
-    are looked into, with a worklist."""
+    not lane by lane (a reduction, a reshape, a nested loop, two non-scalar shapes, or only
+    scalars, where there is nothing to gain). Inlined calls (`jnp.where`'s `jit`) and the
+    bodies of equations that compute as their bodies do (`PrimitiveRule.runs_bodies_once`: a
+    `cond` on the step, a `jax.checkpoint`, a custom rule read as its primal body, as
+    `custom_rule_masks` reads it) are looked into, with a worklist."""
+    shapes = lane_shapes(closed)
+    if shapes is None:
+        return None
+    shapes.discard(())
+    if len(shapes) != 1:
+        return None
+    return shapes.pop()
+
+
+def lane_shapes(closed: ClosedJaxpr) -> set[tuple[int, ...]] | None:
+    """The shapes of the values of a body that computes lane by lane (`lane_shape`), scalars
+    included, or None when it does not."""
     shapes: set[tuple[int, ...]] = set()
     pending = [closed.jaxpr]
     while pending:
@@ -55,15 +69,15 @@ def lane_shape(closed: ClosedJaxpr) -> tuple[int, ...] | None:
         for eqn in jaxpr.eqns:
             if eqn.effects:
                 return None
-            if rule_for(eqn.primitive).inline:
+            rule = rule_for(eqn.primitive)
+            if rule.inline:
                 pending.append(call_jaxpr(eqn).jaxpr)
+            elif rule.runs_bodies_once:
+                pending.extend(body.jaxpr for body in sub_jaxprs(eqn))
             elif not _lane_to_lane(eqn):
                 return None
             shapes.update(shape_of(v) for v in (*eqn.invars, *eqn.outvars))
-    shapes.discard(())
-    if len(shapes) != 1:
-        return None
-    return shapes.pop()
+    return shapes
 
 
 # body jaxpr -> its lane shape: asked by every liveness sweep, plan and emission of the scan

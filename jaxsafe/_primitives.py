@@ -69,6 +69,15 @@ from ._compat import (
     transpose_to_zero_where_missing,
 )
 from ._compat import primitives as prims
+from ._custom_rules import (
+    confirms_selections,
+    custom_jvp_kinds,
+    custom_jvp_masks,
+    custom_jvp_syms,
+    rechoose,
+    weighs_tangents,
+    writes_its_zeros,
+)
 from ._diagonal import (
     broadcast_diagonal,
     difference_diagonal,
@@ -314,7 +323,7 @@ register_elementwise(prims.name_p, linear=True, bound=bounds.moved,
 # its output, placed or fenced (without these rows a drop after them did not reach the value
 # before them: `where(m, device_put(log(x)), 0.)` went unguarded)
 register(prims.device_put_p, lax.optimization_barrier_p, masks=paired_masks,
-         static=paired_syms, linear=True)
+         static=paired_syms, linear=True, paired=True)
 # `with_sharding_constraint`: the value itself, placed; re-emitted with its sharding
 register_elementwise(prims.sharding_constraint_p, linear=True, bound=bounds.moved)
 # `reshard` (Explicit mesh axes): its operand and output are typed with different shardings, so a
@@ -529,17 +538,23 @@ register(prims.linear_solve_p, masks=solve_masks, static=solve_syms,
 # --------------------------------------------------------------------------- bodies
 register(prims.jit_p, prims.closed_call_p, masks=call_masks, kinds=call_kinds, static=call_syms,
          inline=True)
-register(prims.remat_p, masks=opaque_call_masks, kinds=opaque_call_kinds,
+register(prims.remat_p, masks=opaque_call_masks, kinds=opaque_call_kinds, runs_bodies_once=True,
          nested_params=("jaxpr",), masked_body=RematBody(), body_inputs=direct_body_inputs,
          body_operands=direct_body_operands)
-register(prims.custom_jvp_call_p, masks=custom_rule_masks, kinds=custom_rule_kinds,
-         static=custom_rule_syms,
+register(prims.custom_jvp_call_p, masks=custom_jvp_masks, kinds=custom_jvp_kinds,
+         runs_bodies_once=True,
+         static=custom_jvp_syms,
+         chooser=Chooser(rechoose, applies=confirms_selections, weighs=weighs_tangents,
+                         guarded_results=False),
+         cut_needless=writes_its_zeros,
          custom_rule=True)
 register(prims.custom_vjp_call_p, masks=custom_rule_masks, kinds=custom_rule_kinds,
+         runs_bodies_once=True,
          static=custom_rule_syms,
          custom_rule=True, backward_param="bwd", forward_param="fwd_jaxpr_thunk",
          identity_param="out_trees")
 register(prims.cond_p, masks=cond_masks, kinds=cond_kinds, nested_params=("branches",),
+         runs_bodies_once=True,
          masked_body=CondBody(), body_inputs=cond_body_inputs, body_operands=cond_body_operands)
 register(prims.scan_p, masks=scan_masks, kinds=scan_kinds, nested_params=("jaxpr",),
          masked_body=ScanBody(),
@@ -556,6 +571,7 @@ register(prims.axis_index_p)
 # the per-device split yet), traced in shard_map's context (its mesh axes, varying types)
 if shard_map_p is not None:
     register(shard_map_p, nested_params=("jaxpr",), body_inputs=direct_body_inputs,
+             runs_bodies_once=True,
              body_operands=sliced_body_operands, body_context=shard_map_body_context)
 
 # --------------------------------------------------------------------------- structural zeros

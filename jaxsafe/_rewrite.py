@@ -133,7 +133,8 @@ def _failed(closed: ClosedJaxpr, error: Exception) -> Report:
     return Report(failure=text, original=closed, rewritten=closed)
 
 
-def values_of(original: ClosedJaxpr, rewritten: Callable[[], ClosedJaxpr]) -> Callable:
+def values_of(original: ClosedJaxpr, rewritten: Callable[[], ClosedJaxpr],
+              forward_mode: bool = False) -> Callable:
     """Original program for the values of a plain call, rewritten program under jvp/grad.
 
     A call that is not differentiated runs exactly `f`'s program: its values are bit for bit
@@ -142,10 +143,18 @@ def values_of(original: ClosedJaxpr, rewritten: Callable[[], ClosedJaxpr]) -> Ca
     is asked for only when the rule is traced. Under differentiation the rule runs the rewritten
     program once, for the values and the tangents together. The rewritten program's constants
     are concrete (the original's are: see `_api._Traced`), so the rule closes over them. A
-    program with a `custom_vjp` call in it (no forward mode) takes `_reverse_only`.
+    program with a `custom_vjp` call in it (no forward mode in JAX) takes `_reverse_only`;
+    with `forward_mode` (a call that a differentiating trace makes, which meets the rule at
+    once), only where a differentiated argument reaches that call, so that forward mode in the
+    others is JAX's, as for `f`. Elsewhere the custom_jvp would be wrong: under a `vmap`, outside
+    a jit too, JAX batches a custom_jvp's rule as a forward-mode program, where a custom_vjp call
+    raises.
     """
-    if any_equation(original, lambda e: rule_for(e.primitive).backward_param is not None):
+    has_backward_rule = any_equation(original, _has_backward_rule)
+    if has_backward_rule and not forward_mode:
         return _reverse_only(original, rewritten)
+    reverse = _reverse_only(original, rewritten) if has_backward_rule else None
+
     @jax.custom_jvp
     def run(orig_consts, *args):
         return eval_jaxpr(original.jaxpr, orig_consts, *args)
@@ -160,20 +169,42 @@ def values_of(original: ClosedJaxpr, rewritten: Callable[[], ClosedJaxpr]) -> Ca
         # in `w`). The constants are not differentiated either: a custom_vjp call that reads a
         # constant would otherwise count as differentiated with respect to a closed-over value
         # (closed-over tracers are arguments: `_api._tracers_as_arguments`).
-        program = rewritten()
         moving = [i for i, t in enumerate(t_args) if not isinstance(t, NoTangent)]
+        if reverse is not None and _reaches_backward_rule(original, moving):
+            run_program: Callable = reverse
+        else:
+            program = rewritten()
+            run_program = partial(eval_jaxpr, program.jaxpr, program.consts)
 
         def on_moving(*values):
             full = list(args)
             for i, value in zip(moving, values, strict=True):
                 full[i] = value
-            return eval_jaxpr(program.jaxpr, program.consts, *full)
+            return run_program(*full)
 
         return jax.jvp(on_moving, tuple(args[i] for i in moving),
                        tuple(t_args[i] for i in moving))
 
     run.defjvp(run_jvp, symbolic_zeros=True)
     return functools.partial(run, list(original.consts))
+
+
+def _has_backward_rule(eqn: JaxprEqn) -> bool:
+    return rule_for(eqn.primitive).backward_param is not None
+
+
+def _reaches_backward_rule(closed: ClosedJaxpr, moving: Sequence[int]) -> bool:
+    """Whether a value computed from the arguments `moving` reaches an equation with a
+    `custom_vjp` call in it (at any depth), whose forward mode JAX refuses."""
+    reached = {closed.jaxpr.invars[i] for i in moving}
+    for eqn in closed.jaxpr.eqns:
+        if not any(isinstance(v, Var) and v in reached for v in eqn.invars):
+            continue
+        if _has_backward_rule(eqn) or any(any_equation(sub, _has_backward_rule)
+                                          for sub in sub_jaxprs(eqn)):
+            return True
+        reached.update(eqn.outvars)
+    return False
 
 
 def _reverse_only(original: ClosedJaxpr, rewritten: Callable[[], ClosedJaxpr]) -> Callable:

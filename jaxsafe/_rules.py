@@ -274,6 +274,11 @@ class Chooser:
     operand lanes hold their original values (a live window may read them): a result of dropped
     lanes alone is the original's, NaN or inf included, and what reads it there is guarded if
     its derivative would weigh it (`h @ w` for `w`'s)."""
+    weighs: Callable[[JaxprEqn, Context], bool] | None = None
+    """Whether this equation's derivative may weigh a cotangent by a zero it chooses, so that a
+    non-finite cotangent makes `0 * inf` there and the equation is re-decided for it (None:
+    wherever it chooses, unless it `picks`). A custom rule whose tangent is a selection
+    (`jax.nn.relu`'s `select_n`) writes its zeros."""
     picks: bool = False
     """Its derivative picks one operand lane per output lane (pooling's select-and-gather), never
     weighs lanes: whatever tangent a dropped lane holds never reaches an output, and its zero
@@ -350,6 +355,8 @@ class PrimitiveRule:
     # -- values known when the rewrite is planned ---------------------------------------------
     elementwise: bool = False
     """Lane to lane (operands of rank 0 or with size-1 axes broadcast)."""
+    paired: bool = False
+    """Output k is operand k, unchanged (`device_put`, `optimization_barrier`): lane to lane."""
     foldable: bool = False
     """Evaluated at planning time on small constants (a predicate computed from literals)."""
     connective: Connective | None = None
@@ -396,6 +403,16 @@ class PrimitiveRule:
     body_context: Callable[[dict], contextlib.AbstractContextManager] | None = None
     """The context a body in `nested_params` is traced in, given the equation's parameters
     (`shard_map`: its mesh axes bound). None: none."""
+    runs_bodies_once: bool = False
+    """Its bodies take their inputs from its operands and give its outputs, run once, with no
+    step of their own (a `cond`'s branches, a `jax.checkpoint`, a custom rule's primal body,
+    `shard_map`'s per device): a body's outputs receive the equation's outputs' cotangents
+    (`_cotangents.body_cotangents`), and it computes lane by lane where every body does
+    (`_lanewise.lane_shape`: a `cond` on the step in a scan's body)."""
+    cut_needless: Callable[[JaxprEqn], bool] | None = None
+    """For a custom rule: whether this call's rule never weighs a zero cotangent by an
+    operand's value and makes no NaN itself, so its dropped operand lanes need no cut (None:
+    they do)."""
     custom_rule: bool = False
     """A call whose derivative is the user's rule (`custom_jvp`, `custom_vjp`): not rewritten;
     its dropped input lanes are cut from differentiation when its body is NaN-prone."""

@@ -97,6 +97,17 @@ def test_the_text_quotes_the_line_and_marks_the_call():
     assert lines[-1] == "1 guard; equations: 3 before, 5 after"
 
 
+def test_the_last_line_counts_the_selections_re_decided():
+    """A program can change for a re-decided selection alone (a `max` whose cotangent may be
+    inf): the count line says so, beside the guards."""
+    def f(x):
+        return jnp.sum(jnp.maximum(x, 0.) * x)
+
+    report = jaxsafe.explain(f)(jnp.array([1., -2.]))
+    assert not report.guards and len(report.selections) == 1
+    assert str(report).splitlines()[-1].startswith("0 guards, 1 re-decided selection; equations:")
+
+
 def test_a_hand_written_double_where_has_no_guards():
     report = jaxsafe.explain(fx.by_hand)(X)
     assert report.guards == ()

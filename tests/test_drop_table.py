@@ -30,6 +30,9 @@ from jax.extend import core as jex
 from jaxsafe import nan_safe
 from jaxsafe._rules import RULES, _never
 
+# a numerics sweep: the modules of nan_safe's tracing paths check for tracer leaks (conftest)
+pytestmark = pytest.mark.no_leak_check
+
 P = jex.primitives
 X = [-1., 0., 2., 3.]
 sg = lax.stop_gradient
@@ -76,6 +79,9 @@ ROWS: list[Drop] = [
          everywhere=False),
     Drop("clamp", P.clamp_p, lambda x, h: lax.clamp(0.5, h(x), 1.5).sum(),
          lambda x: (h(x) > 0.5) & (h(x) < 1.5), everywhere=False),
+    # a custom rule whose tangent follows its body's selection: relu's 0 wins (`_custom_rules.py`)
+    Drop("relu", P.custom_jvp_call_p, lambda x, h: jax.nn.relu(h(x) - 1.2).sum(),
+         lambda x: h(x) > 1.2),
     Drop("slice", P.slice_p, lambda x, h: h(x)[2:].sum(), lambda x: _idx(x) >= 2, everywhere=False),
     Drop("gather", P.gather_p, lambda x, h: h(x)[jnp.argsort(-x)[:2]].sum(),
          lambda x: _idx(x) >= 2, everywhere=False),
