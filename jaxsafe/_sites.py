@@ -180,10 +180,11 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
     nonfinite, coarse = ([], {}) if body_guards_itself or rule.cut_when_dropped else \
         _nonfinite_operands(eqn, rule, tangents, guarded, tainted, sweep, report, dropped, paid)
     coarse = _guard_nonfinite(nonfinite, coarse, guard, replace, reasons, cut)
-    if rule.custom_rule and not (rule.cut_needless is not None and rule.cut_needless(eqn)) and (
+    if rule.custom_rule and (
             any(_may_be_nonfinite(eqn, v, tainted) for v in eqn.invars)
             or any(contains_hazard(sub) for sub in sub_jaxprs(eqn))
-            or _reads_by_value(eqn, sweep, i)) or rule.cut_when_dropped:
+            or _reads_by_value(eqn, sweep, i)) and not (
+            rule.cut_needless is not None and rule.cut_needless(eqn)) or rule.cut_when_dropped:
         # The user's derivative rule may be singular in dropped lanes (its body is NaN-prone,
         # or an operand may be non-finite there), or the primitive's own derivative may be
         # (`cholesky`), and no safe value is known for it: cut those lanes from

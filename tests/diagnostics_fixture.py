@@ -54,7 +54,7 @@ def pooled(x):
 
 
 def nan_data(w, data, valid):
-    return jnp.sum(jnp.where(valid, jax.nn.relu(w * data), 0.0))  # mark: nan data
+    return jnp.sum(jnp.where(valid, jax.nn.softplus(w * data), 0.0))  # mark: nan data
 
 
 def in_shard_map(x):
