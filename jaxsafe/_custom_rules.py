@@ -18,7 +18,11 @@ the output's shape, a body that computes lane by lane (`_lanewise.lane_shapes`).
 output then reads lane i of each operand, so where an operand lane is dropped and the output
 lane live, the call reads the operand's original value there with no derivative (`rechoose`):
 the guarded program's value there may differ (a `sqrt` guarded to 1 before relu's `max`), and
-would flip the body's selection.
+would flip the body's selection. A rule declared with `symbolic_zeros` may take another branch
+than the trace shows, and is read structurally. A rule that only selects and moves its tangents
+and makes no NaN (relu's) never weighs a zero cotangent by an operand's value: it needs no cut
+and no re-decision for a non-finite cotangent (`writes_its_zeros`, `weighs_tangents`); one
+whose untaken branch may be NaN in the lanes it drops is cut there (`_sites._reads_by_value`).
 """
 
 from __future__ import annotations
