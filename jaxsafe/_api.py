@@ -27,7 +27,7 @@ from ._compat import (
 )
 from ._replay import replay
 from ._report import Report
-from ._rewrite import rewrite_with_report, values_of
+from ._rewrite import has_backward_rules, rewrite_with_report, values_of
 
 DEFAULT_CACHE_SIZE = 256
 """Signatures (shapes, dtypes, static values) remembered per `nan_safe` function."""
@@ -336,8 +336,8 @@ class _Traced:
             self.evaluate = values_of(original, lambda: self.closed)
         # a call that a differentiating trace makes: a program with a custom_vjp call takes
         # the reverse-only join only where a differentiated argument reaches it
-        self.evaluate_forward = self.evaluate if not use_jit else \
-            values_of(original, lambda: self.closed, forward_mode=True)
+        self.evaluate_forward = values_of(original, lambda: self.closed, forward_mode=True) \
+            if use_jit and has_backward_rules(original) else self.evaluate
 
     def rewritten(self) -> tuple[ClosedJaxpr, Report]:
         with self._lock:

@@ -22,12 +22,13 @@ would flip the body's selection. A rule declared with `symbolic_zeros` may take 
 than the trace shows, and is read structurally. A rule that only selects and moves its tangents
 and makes no NaN (relu's) never weighs a zero cotangent by an operand's value: it needs no cut
 and no re-decision for a non-finite cotangent (`writes_its_zeros`, `weighs_tangents`); one
-whose untaken branch may be NaN in the lanes it drops is cut there (`_sites._reads_by_value`).
+whose untaken branch may be NaN in the lanes it drops is cut there (`_sites._site`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -56,6 +57,19 @@ from ._nested import call_jaxpr
 from ._rules import Context, Kind, Mask, rule_for
 from ._symbolic import FALSE, Sym, sym_or
 from ._taint import contains_hazard
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tangents:
+    """A rule's tangent program, read once when it is traced."""
+
+    program: ClosedJaxpr
+    weighs: bool
+    """It multiplies or divides a tangent (`t * (x > 0)`), rather than only selecting and
+    moving tangents (`jax.nn.relu`'s `select_n`)."""
+    makes_nonfinite: bool
+    """It may make NaN or inf itself (`where(x > 0, t / sqrt(x), 0.)`)."""
+
 
 # call body -> [(the rule, its tangent program or None)], the rule compared by identity
 _TANGENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -95,9 +109,9 @@ def rule_tangents(eqn: JaxprEqn, ctx: Context) -> ClosedJaxpr | None:
     if tangents is None:
         return None
     with _reading(eqn):
-        if all(k == Kind.LIVE for k in _kinds(eqn, tangents, [Kind.LIVE], ctx)):
+        if all(k == Kind.LIVE for k in _kinds(eqn, tangents.program, [Kind.LIVE], ctx)):
             return None  # the rule reads every lane (`logaddexp`'s): nothing to re-decide
-    return tangents
+    return tangents.program
 
 
 def _kinds(eqn: JaxprEqn, tangents: ClosedJaxpr, out_kinds: list[Kind],
@@ -133,7 +147,7 @@ def _one_lane_shape(eqn: JaxprEqn) -> bool:
     return shapes is not None and shapes <= {(), shape}
 
 
-def _tangent_program(eqn: JaxprEqn) -> ClosedJaxpr | None:
+def _tangent_program(eqn: JaxprEqn) -> _Tangents | None:
     if custom_jvp_symbolic_zeros(eqn) or not all(is_float(v) for v in eqn.invars):
         return None  # a rule handed symbolic zeros may take another branch than the trace's
     body = call_jaxpr(eqn).jaxpr
@@ -147,7 +161,7 @@ def _tangent_program(eqn: JaxprEqn) -> ClosedJaxpr | None:
     return program
 
 
-def _traced_tangents(eqn: JaxprEqn) -> ClosedJaxpr | None:
+def _traced_tangents(eqn: JaxprEqn) -> _Tangents | None:
     """(primals, tangents) -> the call's tangent outputs, as the rule computes them; None where
     what it decides may read a tangent."""
     n = len(eqn.invars)
@@ -160,51 +174,46 @@ def _traced_tangents(eqn: JaxprEqn) -> ClosedJaxpr | None:
         program = dce(flatten(jax.make_jaxpr(tangents)(*avals, *avals)))
     except Exception:  # noqa: BLE001 - a rule that cannot be traced alone: read structurally
         return None
-    return None if _not_readable(program, n) else program
+    weighs = _weighs_if_readable(program, n)
+    if weighs is None:
+        return None
+    return _Tangents(program, weighs, contains_hazard(program))
 
 
-def _not_readable(program: ClosedJaxpr, n: int) -> bool:
-    """Whether an equation of `program` reads a value made from its inputs after the first `n`
-    (the tangents) other than linearly, as a case of a selection or a factor of a product; or
-    makes a float it passes no derivative through (`stop_gradient(scale)` as a factor): the
+def _weighs_if_readable(program: ClosedJaxpr, n: int) -> bool | None:
+    """None where an equation of `program` reads a value made from its inputs after the first
+    `n` (the tangents) other than linearly, as a case of a selection or a factor of a product;
+    or makes a float it passes no derivative through (`stop_gradient(scale)` as a factor): the
     liveness of the primal inputs does not count such a read of their values, which may be
-    NaN in a lane it would drop (`jaxsafe.nn`'s `_scale_tangent`)."""
+    NaN in a lane it would drop (`jaxsafe.nn`'s `_scale_tangent`). Otherwise whether a
+    tangent is a factor of a product or a quotient (`_Tangents.weighs`)."""
     tangent = set(program.jaxpr.invars[n:])
+    weighs = False
     for eqn in program.jaxpr.eqns:
         rule = rule_for(eqn.primitive)
         if rule.zero_derivative and any(is_float(o) for o in eqn.outvars):
-            return True
+            return None
         reads = [isinstance(v, Var) and v in tangent for v in eqn.invars]
         if not any(reads):
             continue
         if eqn.effects or rule.has_body or not all(is_float(o) for o in eqn.outvars):
-            return True
+            return None
         for k, read in enumerate(reads):
             if read and not _linear_in(rule, eqn, k):
-                return True
+                return None
+        weighs = weighs or not (rule.linear or rule.selection is not None)
         tangent.update(eqn.outvars)
-    return False
+    return weighs
 
 
 def weighs_tangents(eqn: JaxprEqn, ctx: Context) -> bool:
     """Whether the rule's tangent program multiplies or divides a tangent (`t * (x > 0)`): a
     non-finite cotangent then meets the zero it weighs by (`Chooser.weighs`). A rule that only
     selects and moves tangents (`jax.nn.relu`'s) writes its zeros."""
-    tangents = rule_tangents(eqn, ctx)
-    return tangents is not None and _weighs(tangents, len(eqn.invars))
-
-
-def _weighs(tangents: ClosedJaxpr, n: int) -> bool:
-    tangent = set(tangents.jaxpr.invars[n:])
-    for inner in tangents.jaxpr.eqns:
-        reads = [isinstance(v, Var) and v in tangent for v in inner.invars]
-        if not any(reads):
-            continue
-        rule = rule_for(inner.primitive)
-        if not rule.linear and rule.selection is None:
-            return True
-        tangent.update(inner.outvars)
-    return False
+    if rule_tangents(eqn, ctx) is None:
+        return False
+    tangents = _tangent_program(eqn)
+    return tangents is not None and tangents.weighs
 
 
 def writes_its_zeros(eqn: JaxprEqn) -> bool:
@@ -213,8 +222,7 @@ def writes_its_zeros(eqn: JaxprEqn) -> bool:
     operand's value, NaN or inf included, so its dropped lanes need no cut
     (`PrimitiveRule.cut_needless`)."""
     tangents = _tangent_program(eqn)
-    return tangents is not None and not _weighs(tangents, len(eqn.invars)) and \
-        not contains_hazard(tangents)
+    return tangents is not None and not tangents.weighs and not tangents.makes_nonfinite
 
 
 def _linear_in(rule: Any, eqn: JaxprEqn, k: int) -> bool:

@@ -150,10 +150,10 @@ def values_of(original: ClosedJaxpr, rewritten: Callable[[], ClosedJaxpr],
     a jit too, JAX batches a custom_jvp's rule as a forward-mode program, where a custom_vjp call
     raises.
     """
-    has_backward_rule = any_equation(original, _has_backward_rule)
-    if has_backward_rule and not forward_mode:
+    backward_rules = has_backward_rules(original)
+    if backward_rules and not forward_mode:
         return _reverse_only(original, rewritten)
-    reverse = _reverse_only(original, rewritten) if has_backward_rule else None
+    reverse = _reverse_only(original, rewritten) if backward_rules else None
 
     @jax.custom_jvp
     def run(orig_consts, *args):
@@ -191,6 +191,12 @@ def values_of(original: ClosedJaxpr, rewritten: Callable[[], ClosedJaxpr],
 
 def _has_backward_rule(eqn: JaxprEqn) -> bool:
     return rule_for(eqn.primitive).backward_param is not None
+
+
+def has_backward_rules(closed: ClosedJaxpr) -> bool:
+    """Whether `closed` calls a `custom_vjp` (at any depth): `values_of` then depends on
+    `forward_mode`."""
+    return any_equation(closed, _has_backward_rule)
 
 
 def _reaches_backward_rule(closed: ClosedJaxpr, moving: Sequence[int]) -> bool:

@@ -157,19 +157,19 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
         return None
     out_kinds = [sweep.kind(o) for o in eqn.outvars]
     free, free_cut = free_values.guards(i, eqn, rule) if rule.guard is not None else ({}, False)
-    has_dropped = any(is_float(o) and (k == Kind.MAYBE or k == Kind.DEAD and
-                                       sweep.reached_by_derivative(o))
-                      for k, o in zip(out_kinds, eqn.outvars, strict=True)) or (
-        # a custom rule read by value (`_custom_rules.py`): dropped operand lanes under live
-        # output lanes
-        rule.custom_rule and any(kind_of_sym(m) != Kind.LIVE for m in sweep.operand_syms[i]))
-    if not has_dropped:
-        return Site(eqn, {}, {}, frozenset(), free, free_cut) if free else None
-    diff = sweep.diff[i]
-    tangents = [d and v not in fixed for v, d in zip(eqn.invars, diff, strict=True)]
     # as the liveness pass read them: a batched `cholesky` whose every matrix keeps a live
     # lane gives its operand no dropped lane, though its output has some
     guarded = [kind_of_sym(m) != Kind.LIVE for m in sweep.operand_syms[i]]
+    drops_output = any(is_float(o) and (k == Kind.MAYBE or k == Kind.DEAD and
+                                        sweep.reached_by_derivative(o))
+                       for k, o in zip(out_kinds, eqn.outvars, strict=True))
+    # a custom rule read by value (`_custom_rules.py`): dropped operand lanes under live output
+    # lanes, where its rule may make NaN itself (`where(x > 0, t / sqrt(x), 0.)`)
+    by_value = rule.custom_rule and not drops_output and any(guarded)
+    if not (drops_output or by_value):
+        return Site(eqn, {}, {}, frozenset(), free, free_cut) if free else None
+    diff = sweep.diff[i]
+    tangents = [d and v not in fixed for v, d in zip(eqn.invars, diff, strict=True)]
     replace, reasons = _value_guards(eqn, rule, diff, guarded, tainted, dropped, bounds)
     cut, cut_output = _cut_before_a_picker(eqn, rule, sweep, dropped, replace, reasons)
     guard = guard_for(eqn)
@@ -183,7 +183,7 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
     if rule.custom_rule and (
             any(_may_be_nonfinite(eqn, v, tainted) for v in eqn.invars)
             or any(contains_hazard(sub) for sub in sub_jaxprs(eqn))
-            or _reads_by_value(eqn, sweep, i)) and not (
+            or by_value) and not (
             rule.cut_needless is not None and rule.cut_needless(eqn)) or rule.cut_when_dropped:
         # The user's derivative rule may be singular in dropped lanes (its body is NaN-prone,
         # or an operand may be non-finite there), or the primitive's own derivative may be
@@ -200,14 +200,6 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
     if not replace and not cut and not free:
         return None
     return Site(eqn, replace, reasons, frozenset(cut), free, free_cut, cut_output, coarse)
-
-
-def _reads_by_value(eqn: JaxprEqn, sweep: Sweep, i: int) -> bool:
-    """A custom rule whose operand lanes are dropped under live output lanes (read by value,
-    `_custom_rules.py`): its rule may make NaN there itself (`where(x > 0, t / sqrt(x), 0.)`),
-    which its transpose weighs by the zero cotangent."""
-    return all(sweep.kind(o) == Kind.LIVE for o in eqn.outvars) and any(
-        kind_of_sym(m) != Kind.LIVE for m in sweep.operand_syms[i])
 
 
 def _guard_nonfinite(nonfinite: list[int], coarse: dict[int, Sym], guard: Guard | None,
