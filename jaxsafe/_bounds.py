@@ -22,7 +22,14 @@ import numpy as np
 
 from ._atoms import dtype_of
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
-from ._constants import domain_holds_above, domain_holds_below, domain_holds_between, fold
+from ._constants import (
+    PROOF_ORDER,
+    domain_holds_above,
+    domain_holds_below,
+    domain_holds_between,
+    finite_with_derivatives,
+    fold,
+)
 from ._maxima import largest_term
 from ._ranges import Range, Ranges
 from ._rules import BoundRule, PrimitiveRule, rule_for
@@ -39,6 +46,15 @@ def constant_bound(value) -> Bound:
     return float(np.min(value))
 
 
+def at_or_below(lower: float, dtype: Any) -> np.ndarray:
+    """The largest value of `dtype` at or below `lower` (a bound the dtype holds: `0.001`
+    rounds up in float32)."""
+    point = np.asarray(lower, dtype)
+    if float(point) > lower:
+        point = np.nextafter(point, np.asarray(-np.inf, dtype))
+    return point
+
+
 def of_all(combine: Callable[..., float]) -> BoundRule:
     """`combine` of the operands' bounds, when each has one (`add`, `max`: the largest)."""
     def rule(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
@@ -46,18 +62,47 @@ def of_all(combine: Callable[..., float]) -> BoundRule:
     return rule
 
 
+def largest_known(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
+    """`max`: at least each operand, so at least the largest bound known, whatever the others
+    are (`jnp.maximum(x, 1e-6)` of an argument `x` is at least 1e-6)."""
+    known = [b for b in bounds if b is not None]
+    return max(known) if known else None
+
+
+def smallest(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
+    """`min`: at least the smallest operand's bound, when each has one."""
+    return None if any(b is None for b in bounds) else min(bounds)
+
+
+def clamped(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
+    """`clamp(lo, x, hi)`, `min(max(x, lo), hi)`: at least the smaller of `lo`'s bound (or
+    `x`'s, if larger) and `hi`'s."""
+    lo, x, hi = bounds
+    below = largest_known(eqn, [lo, x], consts)
+    return None if below is None or hi is None else min(below, hi)
+
+
 def of_cases(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
     """`select_n`: the smallest of the cases' bounds (the predicate has none)."""
     return None if any(b is None for b in bounds[1:]) else min(bounds[1:])
 
 
-def _scaled(value: Bound, factor: Bound, const) -> Bound:
-    """A non-negative value times (or over) a positive finite constant stays non-negative (the
-    exact bound is not kept: the result is rounded, and may underflow to 0)."""
+def _scaled(eqn: JaxprEqn, value: Bound, factor: Bound, const, divide: bool) -> Bound:
+    """A non-negative value times (or over) a positive finite constant stays non-negative; a
+    positive one stays above its bound scaled by the constant's smallest (largest) lane, less
+    the rounding (`2. * max(x, 1e-6)`), where that is a normal number (else 0: it may
+    underflow)."""
     if value is None or factor is None or const is None or factor <= 0 or \
             not np.all(np.isfinite(const)):
         return None
-    return 0.0
+    c = np.asarray(const, np.float64)
+    scaled = value / float(np.max(c)) if divide else value * float(np.min(c))
+    lower = scaled * (1 - _slack(eqn))
+    dtype = dtype_of(eqn.outvars[0])
+    if not np.issubdtype(dtype, np.floating) or not np.isfinite(lower) \
+            or lower < float(np.finfo(dtype).tiny):
+        return 0.0
+    return float(at_or_below(lower, dtype))
 
 
 def product(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
@@ -66,12 +111,12 @@ def product(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
     const = consts[1]
     if const is None and consts[0] is not None:
         value, factor, const = factor, value, consts[0]
-    return _scaled(value, factor, const)
+    return _scaled(eqn, value, factor, const, divide=False)
 
 
 def quotient(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
     """`div` by a positive finite constant."""
-    return _scaled(bounds[0], bounds[1], consts[1])
+    return _scaled(eqn, bounds[0], bounds[1], consts[1], divide=True)
 
 
 def even_power(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
@@ -326,7 +371,28 @@ def operand_in_domain(eqn: JaxprEqn, k: int, bounds: Bounds, tainted: Set) -> bo
     `exp(-alpha * r)` for r >= 0)."""
     rule = rule_for(eqn.primitive)
     return any(proof(eqn, k, rule, bounds, tainted)
-               for proof in (_bounded_into_domain, _ranged_into_domain, _ranged_below_domain))
+               for proof in (_bounded_into_domain, _ranged_into_domain, _ranged_below_domain,
+                             _bounded_divisor))
+
+
+def _bounded_divisor(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bounds,
+                     tainted: Set) -> bool:
+    """Whether operand k divides (`PrimitiveRule.divisor`) and is, for every finite input, at or
+    above a positive point where `eqn` and its derivatives are finite, the other operands
+    finite: `1 / d` and its derivatives only shrink as `d` grows."""
+    v = eqn.invars[k]
+    if rule.divisor != k or not isinstance(v, Var) or v in tainted or len(eqn.invars) != 2 \
+            or any(isinstance(u, Var) and u in tainted for u in eqn.invars):
+        return False
+    lower = bounds.of(v)
+    if lower is None or lower <= 0:
+        return False
+    dtype = dtype_of(v)
+    point = at_or_below(lower, dtype)
+    if not float(point) >= float(np.finfo(dtype).tiny):
+        return False
+    values = [point if j == k else np.asarray(1, dtype) for j in range(2)]
+    return all(finite_with_derivatives(eqn, values, PROOF_ORDER, wrt=j) for j in range(2))
 
 
 def _bounded_into_domain(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bounds,
@@ -339,8 +405,8 @@ def _bounded_into_domain(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bou
     lower = bounds.of(v)
     if lower is None or lower <= 0:
         return False
-    point = np.asarray(lower, dtype_of(v))
-    return bool(0 < float(point) <= lower) and domain_holds_above(eqn, point)
+    point = at_or_below(lower, dtype_of(v))
+    return bool(float(point) > 0) and domain_holds_above(eqn, point)
 
 
 def _ranged_below_domain(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bounds,

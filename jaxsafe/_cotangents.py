@@ -21,35 +21,111 @@ derivatives, and makes no such cotangent.
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+import dataclasses
+from collections.abc import Iterator, Sequence, Set
+from typing import Any
 
-from ._atoms import is_float
+import numpy as np
+
+from ._atoms import is_float, literal_value
 from ._bounds import Bounds, operand_in_domain
-from ._compat import ClosedJaxpr, JaxprEqn, Var
+from ._compat import ClosedJaxpr, JaxprEqn, Literal, Var
 from ._liveness import Sweep
 from ._nested import sub_jaxprs
 from ._rules import Context, guard_for, rule_for
 from ._taint import may_produce_nonfinite
 
 
+@dataclasses.dataclass
+class Cotangents:
+    """What the cotangent pass found."""
+
+    bad: set
+    """The variables whose cotangent may hold inf or NaN in some lane."""
+    own: set
+    """Those of `bad` whose cotangent may be non-finite only in lanes where their own value is
+    (`sqrt(max(x, 1e-6))`: the `sqrt`'s derivative is finite wherever its operand is)."""
+    anywhere: Set
+    """The values that may hold NaN or inf in some lane (`nonfinite_anywhere`)."""
+
+    def weighs_nonfinite(self, eqn: JaxprEqn, carrying: Sequence[bool]) -> bool:
+        """Whether a selection by value (`max`, `min`, `clamp`) may weigh a non-finite
+        cotangent by 0 for an operand that carries a derivative: not where its cotangent is
+        non-finite only where its own value is, and only one operand carries while the others
+        are finite. There the value is non-finite only where the carrying operand is: NaN,
+        where no operand wins alone (the lane is live, and JAX's weights stand), or inf, where
+        it wins; a finite winner makes a finite value and a finite cotangent."""
+        outs = [o for o in eqn.outvars if o in self.bad]
+        if not outs:
+            return False
+        selection = rule_for(eqn.primitive).selection
+        if selection is None or selection.by_predicate or any(o not in self.own for o in outs):
+            return True
+        others = [v for v, c in zip(eqn.invars, carrying, strict=True) if not c]
+        return sum(carrying) != 1 or not all(_finite(v, self.anywhere) for v in others)
+
+
 def nonfinite_cotangents(closed: ClosedJaxpr, sweep: Sweep, anywhere: Set,
-                         outputs: Sequence[bool], bounds: Bounds | None = None) -> set:
+                         outputs: Sequence[bool], bounds: Bounds | None = None) -> Cotangents:
     """The variables whose cotangent may hold inf or NaN in some lane. `anywhere`: the values
     that may (`nonfinite_anywhere`); `outputs`: which outputs' cotangents may; `bounds`: the
     program's bounds and ranges, where known (`expm1(min(x, 0.))`: a finite derivative)."""
     jaxpr = closed.jaxpr
     bad: set = {v for v, b in zip(jaxpr.outvars, outputs, strict=True)
                 if b and isinstance(v, Var)}
+    loose: set = set(bad)  # non-finite where their own value may be finite
     for i in range(len(jaxpr.eqns) - 1, -1, -1):
         eqn = jaxpr.eqns[i]
         if rule_for(eqn.primitive).zero_derivative:
             continue
         flows = any(o in bad for o in eqn.outvars)
+        flows_loose = any(o in loose for o in eqn.outvars)
         for k, (v, d) in enumerate(zip(eqn.invars, sweep.diff[i], strict=True)):
-            if d and isinstance(v, Var) and is_float(v) and v not in bad and (
-                    flows or _partial_may_be_nonfinite(eqn, k, anywhere, bounds)):
-                bad.add(v)
-    return bad
+            if not (d and isinstance(v, Var) and is_float(v)) or v in loose:
+                continue
+            if not (flows or _partial_may_be_nonfinite(eqn, k, anywhere, bounds)):
+                continue
+            bad.add(v)
+            if flows_loose or not _own_nonfinite_only(eqn, k, anywhere, bounds):
+                loose.add(v)
+    return Cotangents(bad, bad - loose, anywhere)
+
+
+def _finite(atom: Any, anywhere: Set) -> bool:
+    if isinstance(atom, Literal):
+        return bool(np.all(np.isfinite(np.asarray(literal_value(atom)))))
+    return atom not in anywhere
+
+
+class _Without(Set):
+    """`anywhere` less one value."""
+
+    def __init__(self, anywhere: Set, left_out: Any):
+        self.anywhere, self.left_out = anywhere, left_out
+
+    def __contains__(self, v: object) -> bool:
+        return v is not self.left_out and v in self.anywhere
+
+    def __iter__(self) -> Iterator[Any]:
+        return (v for v in self.anywhere if v is not self.left_out)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def _own_nonfinite_only(eqn: JaxprEqn, k: int, anywhere: Set, bounds: Bounds | None) -> bool:
+    """Whether lane to lane `eqn` makes operand k's cotangent non-finite only in lanes where
+    operand k itself is, given an output cotangent that is non-finite only where the output
+    is: its other operands are finite, it is finite where they all are (a NaN-prone primitive
+    proven inside its domain), and so is its derivative in operand k."""
+    rule = rule_for(eqn.primitive)
+    v = eqn.invars[k]
+    if bounds is None or len(eqn.outvars) != 1 or not (
+            rule.elementwise or rule.selection is not None):
+        return False
+    if not all(_finite(u, anywhere) for u in eqn.invars if u is not v):
+        return False
+    return not _partial_may_be_nonfinite(eqn, k, _Without(anywhere, v), bounds)
 
 
 def _partial_may_be_nonfinite(eqn: JaxprEqn, k: int, anywhere: Set,

@@ -20,14 +20,14 @@ the re-decided selections in the report.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Set
+from collections.abc import Mapping
 from typing import Any
 
 from ._atoms import is_float
 from ._bounds import Bounds, never_weighed_by_zero
 from ._carries import Carry
 from ._compat import ClosedJaxpr, JaxprEqn, Var
-from ._cotangents import selects_by_value
+from ._cotangents import Cotangents, selects_by_value
 from ._liveness import Sweep
 from ._report import Report, Site, note_failure
 from ._rules import Kind, alignment, rule_for
@@ -93,16 +93,18 @@ class ChangedLanes:
 
 def plan_decisions(closed: ClosedJaxpr, sweep: Sweep, sites: Mapping[int, Site],
                    masked: Mapping[int, list], report: Report,
-                   bad_cotangents: Set = frozenset(), bounds: Bounds | None = None) -> Decisions:
-    """Walk the equations forward, following the guarded values. `bad_cotangents`: the values
-    whose cotangent may be non-finite (`_cotangents.py`). `bounds`: the values' bounds, where
-    known (a `max` whose differentiable operand never loses weighs nothing by 0)."""
+                   cotangents: Cotangents | None = None,
+                   bounds: Bounds | None = None) -> Decisions:
+    """Walk the equations forward, following the guarded values. `cotangents`: the values
+    whose cotangent may be non-finite (`_cotangents.py`; None: none is). `bounds`: the
+    values' bounds, where known (a `max` whose differentiable operand never loses weighs
+    nothing by 0)."""
     out = Decisions()
     lanes = ChangedLanes(sweep)
     i = 0
     try:
         for i, eqn in enumerate(closed.jaxpr.eqns):
-            _plan_equation(i, eqn, sweep, sites, masked, lanes, out, report, bad_cotangents,
+            _plan_equation(i, eqn, sweep, sites, masked, lanes, out, report, cotangents,
                            bounds)
     except Exception as e:
         note_failure(e, closed.jaxpr.eqns[i], "decision")
@@ -112,7 +114,8 @@ def plan_decisions(closed: ClosedJaxpr, sweep: Sweep, sites: Mapping[int, Site],
 
 def _plan_equation(i: int, eqn: JaxprEqn, sweep: Sweep, sites: Mapping[int, Site],
                    masked: Mapping[int, list], lanes: ChangedLanes, out: Decisions,
-                   report: Report, bad_cotangents: Set, bounds: Bounds | None) -> None:
+                   report: Report, cotangents: Cotangents | None,
+                   bounds: Bounds | None) -> None:
     """Whether `eqn` is emitted again, and how it reads changed values."""
     rule = rule_for(eqn.primitive)
     diff = sweep.diff[i]
@@ -127,10 +130,11 @@ def _plan_equation(i: int, eqn: JaxprEqn, sweep: Sweep, sites: Mapping[int, Site
         chooser = rule.chooser
         weighs = chooser is not None and not chooser.picks and (  # a picker never weighs
             chooser.weighs is None or chooser.weighs(eqn, sweep))
-        if read_differentiably and not eqn.effects and weighs and selects_by_value(
-                eqn, sweep) and any(o in bad_cotangents for o in eqn.outvars) and any(
-                _carrying(eqn, sweep)) and not (
-                bounds is not None and never_weighed_by_zero(eqn, _carrying(eqn, sweep), bounds)):
+        if read_differentiably and not eqn.effects and weighs and cotangents is not None \
+                and selects_by_value(eqn, sweep) \
+                and cotangents.weighs_nonfinite(eqn, carrying := _carrying(eqn, sweep)) \
+                and any(carrying) and not (
+                bounds is not None and never_weighed_by_zero(eqn, carrying, bounds)):
             # its derivative weighs a cotangent that may be inf or NaN: select it instead
             out.selections.add(i)
             report.selections.append(eqn)

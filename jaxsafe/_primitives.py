@@ -254,7 +254,7 @@ register_elementwise(prims.sqrt_p, guard=ONE, decreasing=True,
 register_elementwise(prims.cbrt_p, guard=ONE, decreasing=True)
 register_elementwise(prims.rsqrt_p, prims.log_p, guard=POLE_AT_ONE, decreasing=True)
 register_elementwise(prims.log1p_p, guard=POLE_AT_ZERO)              # singular at -1
-register_elementwise(prims.div_p, guard=Guard({1: 1.0}, finite_at_singularities=False),
+register_elementwise(prims.div_p, guard=Guard({1: 1.0}, finite_at_singularities=False), divisor=1,
                      bound=bounds.quotient, preimage=bounds.quotient_preimage,
                      range=ranges.quotient_range,
                      derivative_reads=(frozenset({1}), frozenset({0, 1})))
@@ -382,14 +382,15 @@ register_selection(prims.select_n_p, masks=select_masks, static=select_syms,
 # bend the decision.
 register_selection(prims.max_p, masks=winner_masks, static=selected_syms, carries=WINNER,
                    selection=Selection(by_predicate=False, wins=max_wins, larger_wins=True),
-                   chooser=Chooser(by_wins), identity=-np.inf, bound=bounds.of_all(max),
+                   chooser=Chooser(by_wins), identity=-np.inf, bound=bounds.largest_known,
                    range=ranges.max_range, at_least=frozenset({0, 1}))
 register_selection(prims.min_p, masks=winner_masks, static=selected_syms, carries=WINNER,
                    selection=Selection(by_predicate=False, wins=min_wins, larger_wins=False),
-                   chooser=Chooser(by_wins), identity=np.inf, range=ranges.min_range)
+                   chooser=Chooser(by_wins), identity=np.inf, range=ranges.min_range,
+                   bound=bounds.smallest)
 register_selection(prims.clamp_p, masks=winner_masks, static=selected_syms, carries=WINNER,
                    selection=Selection(by_predicate=False, wins=clamp_wins),
-                   chooser=Chooser(by_wins))
+                   chooser=Chooser(by_wins), bound=bounds.clamped)
 
 # --------------------------------------------------------------------------- data movement
 register_movement(prims.slice_p, masks=slice_masks, static=slice_syms, drops=_always,

@@ -53,7 +53,12 @@ from ._compat import (
     source_summary,
     trace_to_jaxpr,
 )
-from ._cotangents import body_cotangents, needs_cotangents, nonfinite_cotangents
+from ._cotangents import (
+    Cotangents,
+    body_cotangents,
+    needs_cotangents,
+    nonfinite_cotangents,
+)
 from ._decisions import plan_decisions
 from ._emit import emit
 from ._explain import drops_from
@@ -262,14 +267,16 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
     anywhere = nonfinite_anywhere(closed, seeds) if cotangents or any(
         rule_for(e.primitive).body_inputs is not None for e in closed.jaxpr.eqns) else set()
     bad: set = set()
+    found: Cotangents | None = None
     if cotangents:
         outputs = bad_cotangents or [False] * len(closed.jaxpr.outvars)
-        bad = nonfinite_cotangents(closed, sweep, anywhere, outputs, bounds)
+        found = nonfinite_cotangents(closed, sweep, anywhere, outputs, bounds)
+        bad = found.bad
     nested = rewrite_nested_bodies(closed, sweep, report, sweeps, anywhere, bad)
     nested.update(guard_backward_rules(closed, sweep, report, anywhere, nested, in_body))
     sites = place_guards(closed, sweep, seeds, report, bounds)
     masked = plan_masked_bodies(closed, sweep, report, sweeps, anywhere, bad)
-    decisions = plan_decisions(closed, sweep, sites, masked, report, bad, bounds)
+    decisions = plan_decisions(closed, sweep, sites, masked, report, found, bounds)
     return Plan(closed, sweep, nested, sites, masked, decisions, report)
 
 

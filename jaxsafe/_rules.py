@@ -386,6 +386,10 @@ class PrimitiveRule:
     """Guarded operand 0 of a primitive whose value and derivative are finite for every operand
     at or above a positive point where they are finite (`sqrt`, `log`): bounded operands need
     no guard."""
+    divisor: int | None = None
+    """A guarded operand that divides: where it is at or above a positive point where the
+    value and derivatives are finite, they are finite for every finite other operand (a
+    quotient's denominator, `x / jnp.maximum(norm, 1e-12)`)."""
     increasing: bool = False
     """Guarded operand 0 of a primitive whose value and derivatives are finite for every
     operand at or below a point where they are finite (`exp`'s overflow): an operand whose

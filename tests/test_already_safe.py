@@ -904,3 +904,77 @@ def test_a_shift_by_what_is_not_the_maximum_keeps_the_guard(shift):
 
     explained = str(jaxsafe.explain(f, finite_args=True)(LOGITS))
     assert "guarded" in explained, explained
+
+
+# --------------------------------------------------------------------------- clamps before a pole
+# `sqrt(maximum(x, eps))` and its kin, with arguments that may hold NaN or inf (the default): the
+# clamp's constant keeps the NaN-prone primitive inside its domain wherever `x` is finite, so
+# its derivative is non-finite only where its own operand is, and there the clamp's value is
+# `x`'s own NaN (no one wins alone, the lane is live) or +inf (where `x` wins). Nothing to
+# re-decide.
+
+CLAMP_INPUT = jnp.array([jnp.nan, -1.0, 2.0, jnp.inf, -jnp.inf, 0.0, 1e-7, 0.25])
+
+CLAMPED = {
+    "sqrt of max": lambda x: jnp.sqrt(jnp.maximum(x, 1e-6)),
+    "log of max": lambda x: jnp.log(jnp.maximum(x, 1e-6)),
+    "rsqrt of max": lambda x: lax.rsqrt(jnp.maximum(x, 1e-6)),
+    "sqrt of clip": lambda x: jnp.sqrt(jnp.clip(x, 1e-6, 1.0)),
+    "sqrt of lax.clamp": lambda x: jnp.sqrt(lax.clamp(1e-6, x, 1.0)),
+    "sqrt of a scaled max": lambda x: jnp.sqrt(2.0 * jnp.maximum(x, 1e-6)),
+    "sqrt of max over 4": lambda x: jnp.sqrt(jnp.maximum(x, 1e-6) / 4.0),
+    "log of max plus eps": lambda x: jnp.log(jnp.maximum(x, 0.0) + 1e-6),
+    "reciprocal of clip": lambda x: 1.0 / jnp.clip(x, 1e-3, None),
+    "quotient by max": lambda x: 3.0 / jnp.maximum(x, 1e-3),
+}
+
+
+@pytest.mark.parametrize("name", list(CLAMPED))
+def test_a_clamp_before_a_pole_is_the_original_program(name):
+    f = lambda x: jnp.sum(CLAMPED[name](x))
+    x = CLAMP_INPUT
+    assert str(jaxsafe.explain(f)(x)) == "nothing to guard: the program runs unchanged"
+    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    grad = np.asarray(jax.grad(jaxsafe.nan_safe(f))(x))
+    # the clamp's constant wins where x is negative or -inf: the derivative there is 0
+    low = np.asarray(x < 0)
+    assert (grad[low] == 0).all()
+    np.testing.assert_array_equal(grad, np.asarray(jax.grad(f)(x)))
+
+
+def _sqrt_of_clamp_reference(x, y):
+    """`sqrt(max(x, 1e-6) + y)` with `x`'s losing lanes removed by hand."""
+    wins = x > 1e-6
+    return jnp.sum(jnp.sqrt(jnp.where(wins, x, 1e-6) + y))
+
+
+def test_a_clamp_whose_cotangent_another_value_makes_nan_is_still_re_decided():
+    """`sqrt(max(x, 1e-6) + y)`: where `y` is NaN the `sqrt`'s derivative is NaN whatever `x`
+    holds; where the constant wins there, JAX weighs that NaN by 0 for `x` (NaN). `x`'s lane is
+    dropped: its derivative is 0."""
+    f = lambda x, y: jnp.sum(jnp.sqrt(jnp.maximum(x, 1e-6) + y))
+    x = jnp.array([-1.0, 2.0, -3.0, 0.5])
+    y = jnp.array([jnp.nan, 1.0, 0.0, jnp.nan])
+    assert np.isnan(np.asarray(jax.grad(f)(x, y))[0])
+    got = np.asarray(jax.grad(jaxsafe.nan_safe(f))(x, y))
+    assert got[0] == 0.0 and got[2] == 0.0
+    ref = np.asarray(jax.grad(lambda x: _sqrt_of_clamp_reference(x, y))(x))
+    np.testing.assert_array_equal(got[:3], ref[:3])
+    assert np.isnan(got[3])  # x wins there: the NaN is its own (contract 3)
+    assert "re-decided max" in str(jaxsafe.explain(f)(x, y))
+
+
+def test_a_clamp_of_two_values_is_still_re_decided():
+    """`sqrt(max(x, y))`: both operands carry a derivative, so where `y` wins, `x`'s lane is
+    dropped whichever value is non-finite: the rewrite keeps the selection, and the derivative
+    is the hand fix's."""
+    f = lambda x, y: jnp.sum(jnp.sqrt(jnp.maximum(x, y)))
+    x = jnp.array([-1.0, 4.0, -jnp.inf, 1.0])
+    y = jnp.array([1.0, 0.25, 2.0, jnp.inf])
+    hand = lambda x, y: jnp.sum(jnp.where(x > y, jnp.sqrt(jnp.where(x > y, x, 1.0)),
+                                          jnp.sqrt(jnp.where(x > y, 1.0, y))))
+    got = jax.grad(jaxsafe.nan_safe(f), (0, 1))(x, y)
+    ref = jax.grad(hand, (0, 1))(x, y)
+    for a, b in zip(got, ref, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert "re-decided max" in str(jaxsafe.explain(f)(x, y))
