@@ -58,12 +58,16 @@ def _by_lane(eqn: JaxprEqn) -> bool:
 
 
 def carry_classes(jaxpr: Jaxpr, diff: Sequence[Sequence[bool]],
-                  fixed: Container = ()) -> dict[Any, Carry]:
+                  fixed: Container = (), inputs: Sequence[Carry] | None = None
+                  ) -> dict[Any, Carry]:
     """The class of every variable of `jaxpr` (its inputs: ALL, but those in `fixed`, a body's
-    inputs that carry no derivative in the program around it; constants: NONE). `diff`: the
-    differentiable operands of each equation (`differentiable_operands`)."""
-    out: dict[Any, Carry] = {v: Carry.ALL if is_float(v) and v not in fixed else Carry.NONE
-                             for v in jaxpr.invars}
+    inputs that carry no derivative in the program around it, or as `inputs` gives them, for an
+    inner program whose inputs carry in part; constants: NONE). `diff`: the differentiable
+    operands of each equation (`differentiable_operands`)."""
+    if inputs is None:
+        inputs = [Carry.NONE if v in fixed else Carry.ALL for v in jaxpr.invars]
+    out: dict[Any, Carry] = {v: c if is_float(v) else Carry.NONE
+                             for v, c in zip(jaxpr.invars, inputs, strict=True)}
     for eqn, d in zip(jaxpr.eqns, diff, strict=True):
         classes = [out.get(v, Carry.NONE) if isinstance(v, Var) and dk else Carry.NONE
                    for v, dk in zip(eqn.invars, d, strict=True)]

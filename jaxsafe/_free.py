@@ -77,7 +77,7 @@ def _distinct(values: Any) -> Held:
     return tuple(flat[j] for j in range(flat.size))
 
 
-def _union(parts: list[Held]) -> Held:
+def held_union(parts: list[Held]) -> Held:
     if any(p is None for p in parts):
         return None
     merged = [x for p in parts if p is not None for x in p]
@@ -193,7 +193,7 @@ class FreeValues:
         eqn, diff = self.eqns[i], self.sweep.diff[i]
         rule = rule_for(eqn.primitive)
         if rule.carries is not None:
-            if not rule.carries.selects:
+            if not rule.carries.selects_at(eqn):
                 return False
         elif not ((rule.selection is not None and rule.selection.by_predicate)
                   or rule.broadcast or (rule.elementwise and len(eqn.outvars) == 1)):
@@ -257,7 +257,7 @@ the third, as the bounds of the hand-guarded code (`_by_hand.py`), Hessians and 
 def _combined(eqn: JaxprEqn, rule: PrimitiveRule, classes: list, helds: list[Held]) -> Held:
     """What `eqn`'s output holds where it carries nothing, from its operands' such values."""
     if rule.selection is not None and rule.selection.by_predicate:
-        return _union([h for h, c in zip(helds[1:], classes[1:], strict=True)
+        return held_union([h for h, c in zip(helds[1:], classes[1:], strict=True)
                        if c != Carry.ALL])
     if rule.carries is not None and len(eqn.outvars) == 1:
         return rule.carries.held(eqn, classes, helds)
@@ -282,7 +282,7 @@ def evaluate_at(eqn: JaxprEqn, helds: list[Held]) -> Held:
     points = _points(helds)
     if points is None:
         return None
-    return _union([_distinct(fold(eqn, [np.asarray(x) for x in p])[0]) for p in points])
+    return held_union([_distinct(fold(eqn, [np.asarray(x) for x in p])[0]) for p in points])
 
 
 # --------------------------------------------------------------------------- rows' rules
@@ -290,7 +290,7 @@ def evaluate_at(eqn: JaxprEqn, helds: list[Held]) -> Held:
 
 def moved_held(eqn: JaxprEqn, classes: list, helds: list[Held]) -> Held:
     """A pad, concatenate, scatter, ...: what its operands' such lanes hold."""
-    return _union([h for u, c, h in zip(eqn.invars, classes, helds, strict=True)
+    return held_union([h for u, c, h in zip(eqn.invars, classes, helds, strict=True)
                    if is_float(u) and c != Carry.ALL])
 
 
@@ -305,7 +305,7 @@ def summed_held(eqn: JaxprEqn, classes: list, helds: list[Held]) -> Held:
     dtype = dtype_of(eqn.outvars[0])
     zero = np.zeros((), dtype)
     if all(float(x) == 0 for x in held):
-        return _union([held, (zero,)])
+        return held_union([held, (zero,)])
     shape = shape_of(eqn.invars[0])
     k = int(np.prod([shape[a] for a in eqn.params["axes"]], dtype=np.int64))
     if k == 0:
@@ -333,7 +333,7 @@ def _sums_exactly(a: Any, k: int, dtype: Any) -> bool:
 def winner_held(eqn: JaxprEqn, classes: list, helds: list[Held]) -> Held:
     """`max`, `min`, `clamp`: what the operands hold where they carry nothing (the lanes where
     such an operand wins alone)."""
-    return _union([h for u, c, h in zip(eqn.invars, classes, helds, strict=True)
+    return held_union([h for u, c, h in zip(eqn.invars, classes, helds, strict=True)
                    if is_float(u) and c != Carry.ALL])
 
 

@@ -69,6 +69,12 @@ from ._compat import (
     transpose_to_zero_where_missing,
 )
 from ._compat import primitives as prims
+from ._custom_carries import (
+    custom_jvp_held,
+    custom_jvp_lanes,
+    custom_jvp_selects,
+    custom_jvp_static,
+)
 from ._custom_rules import (
     confirms_selections,
     custom_jvp_kinds,
@@ -544,6 +550,8 @@ register(prims.remat_p, masks=opaque_call_masks, kinds=opaque_call_kinds, runs_b
          body_operands=direct_body_operands)
 register(prims.custom_jvp_call_p, masks=custom_jvp_masks, kinds=custom_jvp_kinds,
          runs_bodies_once=True,
+         carries=Carries(custom_jvp_static, custom_jvp_lanes, custom_jvp_held,
+                         selects=custom_jvp_selects),
          static=custom_jvp_syms,
          chooser=Chooser(rechoose, applies=confirms_selections, weighs=weighs_tangents,
                          guarded_results=False),

@@ -179,11 +179,14 @@ class Carries:
     static: CarryClassRule
     lanes: CarryLanesRule
     held: CarryHeldRule
-    selects: bool = True
+    selects: bool | Callable[[JaxprEqn], bool] = True
     """Whether its derivative hands a lane that carries nothing a zero by selection, not by a
     zero weight: its transpose never reads the cotangent there (a pad, a scatter; a `max` that
     a constant wins, emitted as a `select_n`), so a NaN that reaches that lane's cotangent
-    stops there. False for a product (`0 * NaN`)."""
+    stops there. False for a product (`0 * NaN`); per call for a custom rule."""
+
+    def selects_at(self, eqn: JaxprEqn) -> bool:
+        return self.selects(eqn) if callable(self.selects) else self.selects
 
 
 ZeroRule = Callable[[JaxprEqn, list, list], list]

@@ -56,6 +56,14 @@ CASES = {
                                      jnp.concatenate([jnp.abs(x[:4]), jnp.zeros(2)]))),
     "moved": (lambda x: jnp.sqrt(jnp.where(x > 0, x, 0.).reshape(2, 3).T).T.reshape(6),
               lambda x: _fixed(x <= 0, jnp.where(x > 0, x, 0.))),
+    # a custom_jvp whose rule selects its tangent (`_custom_carries.py`): relu's 0, as max's
+    "relu": (lambda x: jnp.sqrt(jax.nn.relu(x)),
+             lambda x: _fixed(x < 0, jnp.where(x > 0, x, 0.))),
+    "relu6": (lambda x: jnp.sqrt(jax.nn.relu6(x + 1.)),
+              lambda x: jnp.where(x + 1. > 6., jnp.sqrt(6.),
+                                  _fixed(x + 1. < 0, jnp.where(x + 1. > 0, x + 1., 0.)))),
+    "relu of a where": (lambda x: jnp.sqrt(jax.nn.relu(jnp.where(x > 1., x, 0.))),
+                        lambda x: _fixed(x <= 1., jnp.where(x > 1., x, 0.))),
 }
 
 
@@ -78,7 +86,7 @@ def test_forward_mode_matches_the_hand_fix(name):
     assert_close(jax.hessian(loss_safe)(X), jax.hessian(loss_hand)(X))
 
 
-@pytest.mark.parametrize("name", ["where", "maximum", "constant mask", "pad"])
+@pytest.mark.parametrize("name", ["where", "maximum", "constant mask", "pad", "relu"])
 def test_every_order_and_transformation_matches_the_hand_fix(name):
     """Under jit and vmap, reverse over reverse and forward over forward: one case of each
     kind (a selection, a comparison re-decided as one, a product, a lane mover)."""
