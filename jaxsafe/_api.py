@@ -20,9 +20,12 @@ from ._compat import (
     ClosedJaxpr,
     Jaxpr,
     Tracer,
+    axis_sizes_now,
+    batching_a_named_axis,
     differentiated_while_staging,
     differentiating_now,
     eval_jaxpr,
+    with_axis_sizes,
     with_leading_arg_names,
 )
 from ._replay import replay
@@ -357,6 +360,15 @@ class _Traced:
         return self.rewritten()[1]
 
 
+def _rewrite_where_traced(axis_sizes: Sequence[tuple[Any, int]], closed: ClosedJaxpr,
+                          finite: Sequence[bool]) -> tuple[ClosedJaxpr, Report]:
+    """The rewrite, with the named axes bound where the program was traced: it may run later,
+    outside them (`jax.grad(jax.jit(jax.vmap(nan_safe(f), axis_name="b")))`, whose rule JAX
+    traces after the `vmap`), and the program may name them (`psum(x, "b")`)."""
+    with with_axis_sizes(axis_sizes):
+        return rewrite_with_report(closed, finite)
+
+
 class NanSafeFunction:
     """`fun` with its dropped lanes made safe to differentiate; see `nan_safe`."""
 
@@ -471,7 +483,8 @@ class NanSafeFunction:
             finite = [f for i, f in enumerate(finite) if i not in skip]
         closed, closed_over = _tracers_as_arguments(closed)
         finite = [False] * len(closed_over) + list(finite)
-        traced = _Traced(closed, functools.partial(rewrite_with_report, closed, finite),
+        traced = _Traced(closed, functools.partial(_rewrite_where_traced, axis_sizes_now(),
+                                                   closed, finite),
                          jax.tree_util.tree_structure(out_shape), self._use_jit)
         cacheable = not closed_over and self._cache_size and not by_value
         if cacheable and self._remember(self._cache, key, traced):
@@ -564,6 +577,8 @@ class NanSafeFunction:
         if differentiated_while_staging(args, kwargs):
             return self._replayed(args, kwargs)
         forward = differentiating_now()
+        if batching_a_named_axis():  # no jit front (`batching_a_named_axis`)
+            return (self._staged_forward if forward else self._staged)(*args, **kwargs)
         try:
             if self._static_leaves_seen and self._has_static_leaves(args, kwargs):
                 return self._call_by_leaves(args, kwargs, forward)

@@ -71,7 +71,11 @@ def _rows_read(eqn: JaxprEqn, outs: list[Mask], axis: int) -> list[Mask]:
 def _pulled_back(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
                  widen: bool = False) -> list[Any]:
     """`pulled_back` at the original operands, their derivative cut. `widen`: in float32 at
-    least, so that a tie's share (1 / count) does not round to zero."""
+    least, so that a tie's share (1 / count) does not round to zero; not for a scatter, whose
+    combiner is typed in its operand's dtype (a narrow dtype's share is at least 2 ** -24 then,
+    from a count below 2 ** 24)."""
+    widen = widen and eqn.params.get("update_jaxpr") is None
+
     def primal(x: Any, var: Any) -> Any:
         x = lax.stop_gradient(jnp.asarray(x))
         if widen and jnp.finfo(x.dtype).bits < 32:
@@ -111,7 +115,7 @@ def _supported(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
             for c in _pulled_back(eqn, outs, invals, widen=widen)]
 
 
-ReadsRule = Callable[[JaxprEqn, jax.Array, Any], jax.Array]
+ReadsRule = Callable[[JaxprEqn, jax.Array, Any], Mask]
 """(equation, a mask of its outputs, the operand) -> the operand lanes those outputs read,
 whatever the values (the row, the prefix, the window)."""
 
@@ -129,7 +133,9 @@ def row_reads(eqn: JaxprEqn, out: jax.Array, x: Any) -> jax.Array:
 def reads_as(primitive: Any) -> ReadsRule:
     """Reads as the linear `primitive` with the same parameters does (by its transpose): a
     cumulative sum for `cummax`, a window sum for max pooling."""
-    def reads(eqn: JaxprEqn, out: jax.Array, x: Any) -> jax.Array:
+    def reads(eqn: JaxprEqn, out: jax.Array, x: Any) -> Mask:
+        if not is_float(eqn.invars[0]):
+            return None  # an integer `cummax` (a constant in a body): every lane
         twin = eqn.replace(primitive=primitive)
         return _nonzero(_pulled_back(twin, [out], [lax.full_like(x, 0)])[0])
     return reads

@@ -17,7 +17,7 @@ import dataclasses
 import importlib
 import inspect
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -336,6 +336,48 @@ def differentiated_while_staging(args: tuple, kwargs: dict) -> bool:
     while trace is not None:
         if isinstance(trace, _STAGING_TRACES):
             return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+_BATCH_TRACES = _trace_classes("jax._src.interpreters.batching", "BatchTrace")
+_EXTEND_AXIS_ENV = importlib.import_module("jax._src.core").extend_axis_env_nd
+
+
+def axis_sizes_now() -> tuple[tuple[Any, int], ...]:
+    """The named axes bound where a program is traced (a `vmap`'s `axis_name`), with their
+    sizes. A program traced there may name them (`psum(x, "b")`); its rewrite, traced later
+    (when JAX differentiates a call that an outer `jit` staged), binds them again
+    (`with_axis_sizes`). Private: the trace context's axis environment, which
+    `jax.make_jaxpr(axis_env=...)` extends."""
+    sizes = getattr(_TRACE_CONTEXT.axis_env, "axis_sizes", None) or {}
+    return tuple(sizes.items())
+
+
+@contextlib.contextmanager
+def with_axis_sizes(pairs: Sequence[tuple[Any, int]]) -> Iterator[None]:
+    """The named axes of `axis_sizes_now` bound again, for tracing."""
+    if not pairs:
+        yield
+        return
+    with _EXTEND_AXIS_ENV(pairs):
+        yield
+
+
+def batching_a_named_axis() -> bool:
+    """Whether a `vmap` with an axis name is among the current traces. JAX cannot
+    differentiate a `jit` of a custom_jvp call whose program names that axis (a `psum` over
+    it), once an outer `jit` has staged the batched call: `jax.grad(jax.jit(jax.vmap(
+    jax.jit(g), axis_name="b")))` raises NameError in JAX itself for a custom_jvp `g`. The
+    jit front is left out there (private: the trace context and `BatchTrace.axis_data`)."""
+    trace = _TRACE_CONTEXT.trace
+    while trace is not None:
+        if isinstance(trace, _BATCH_TRACES):
+            axis = getattr(trace, "axis_data", None)
+            name = getattr(axis, "name", None)  # an unnamed vmap's is a bare `object()`
+            if name is not None and type(name) is not object \
+                    or getattr(axis, "spmd_name", None) is not None:
+                return True
         trace = getattr(trace, "parent_trace", None)
     return False
 

@@ -198,7 +198,7 @@ def by_transpose_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     already knows where every operand lane goes (in float32 at zero: the op is linear).
     """
     masks = pulled_back_nonzero(eqn, outs, invals,
-                                lambda x, v: lax.full(shape_of(v), 0., jnp.float32))
+                                lambda x, v: lax.full(shape_of(v), 0., dtype_of(v)))
     if not ctx.structural or any(m is None for m in outs):
         return masks
     # where every read counts: integer lanes move as float ones do (a sort's permutation
@@ -239,13 +239,22 @@ def _scatter_index_mask(eqn: JaxprEqn, out: jax.Array) -> jax.Array:
     return place(rows, [mapping[d] for d in batch], shape_of(eqn.invars[1]))
 
 
-def _moved_as_float(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any]) -> jax.Array:
+def _moved_as_float(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any]) -> Mask:
     """The lanes of a movement's integer operand 0 that its live outputs read: the movement's
-    transpose on the mask, with the operand taken as float32."""
+    transpose on the mask, with the operand taken as float32. None (every lane) where the
+    movement takes other operands of that dtype with it (an integer scatter's updates, a
+    pad's padding value): it does not bind on a float operand 0 alone."""
+    if any(dtype_of(v) == dtype_of(eqn.invars[0]) and shape_of(v) != ()
+           for v in eqn.invars[1:]) or eqn.params.get("update_jaxpr") is not None:
+        return None
+
     def op(x: Any) -> list[Any]:
         return bind_eqn(eqn, [x, *invals[1:]])
 
-    results, vjp = jax.vjp(op, lax.full(shape_of(eqn.invars[0]), 0., jnp.float32))
+    try:
+        results, vjp = jax.vjp(op, lax.full(shape_of(eqn.invars[0]), 0., jnp.float32))
+    except (TypeError, ValueError):  # a same-dtype scalar the movement places (`pad`)
+        return None
     (pulled,) = vjp([lax.convert_element_type(materialize(m, r.shape), r.dtype)
                      for m, r in zip(outs, results, strict=True)])
     return lax.ne(pulled, lax.full_like(pulled, 0))
@@ -1512,7 +1521,12 @@ def custom_rule_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
             masks.append(b)
             continue
         shape = shape_of(v)
-        unread = None if kind == Kind.DEAD else not_mask(broadcast(r, shape))
+        if kind == Kind.DEAD:
+            unread = None
+        elif r is None:  # the body reads every lane (an integer constant it moves)
+            unread = zeros(shape)
+        else:
+            unread = not_mask(broadcast(r, shape))
         if anywhere is not None:
             anywhere_here = broadcast(anywhere, shape)
             unread = anywhere_here if unread is None else all_of([unread, anywhere_here])

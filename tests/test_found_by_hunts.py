@@ -725,3 +725,105 @@ def test_stacked_relus_with_nothing_to_guard_are_the_original_program(f):
     x = jnp.array([-jnp.inf, -1., -0., 0., .5, 2., jnp.inf, jnp.nan])
     assert str(jaxsafe.make_jaxpr(f)(x)) == str(jax.make_jaxpr(f)(x))
     assert_bitwise(jax.grad(jaxsafe.nan_safe(f))(x), jax.grad(f)(x))
+
+
+# ------------------------------------------------- integer and low-precision data movement
+# Hunt O: a movement's liveness rule evaluated its transpose on float32 zeros, so a scatter whose
+# combiner is typed in the operand's dtype (float16, bfloat16, float64) did not lower, and an
+# integer movement inside a body that re-runs as one unit (a checkpoint, a cond's branch, a
+# custom rule's primal) did not bind on a float32 operand 0 beside integer updates. The
+# analysis failed, and the original program ran with its NaN.
+
+SENDERS = jnp.array([0, 1, 2])  # closed over; segment 2 is padding
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("combine", ["sum", "max", "min"])
+def test_a_segment_reduction_of_constant_ids_in_a_narrow_dtype(dtype, combine):
+    segment = {"sum": jax.ops.segment_sum, "max": jax.ops.segment_max,
+               "min": jax.ops.segment_min}[combine]
+    f = lambda r2: jnp.sum(segment(jnp.sqrt(r2), SENDERS, num_segments=2))
+    kept = lambda r2: jnp.sum(jnp.sqrt(r2[:2]))  # the padding pair removed
+    r2 = jnp.array([4., 9., -1.], dtype)
+    _same_forward(f, r2)
+    got = jax.grad(jaxsafe.nan_safe(f))(r2)
+    want = jnp.concatenate([jax.grad(kept)(r2)[:2], jnp.zeros(1, dtype)])
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert not jaxsafe.explain(f)(r2).failure
+
+
+INTEGER_MOVEMENTS = {
+    "scatter": lambda: jnp.array([1, 2, 3]).at[1].set(5),
+    "scatter-add": lambda: jnp.zeros(3, jnp.int32).at[jnp.array([0, 1, 1])].add(1),
+    "bincount": lambda: jnp.bincount(jnp.array([0, 1, 1]), length=3),
+    "pad": lambda: jnp.pad(jnp.array([1, 2]), (1, 0)),
+    "dynamic_update_slice": lambda: lax.dynamic_update_slice(jnp.array([1, 2, 3]),
+                                                             jnp.array([7]), (1,)),
+    "cummax": lambda: lax.cummax(jnp.array([1, 3, 2])),
+    "gather": lambda: jnp.array([1, 2, 3])[jnp.array([2, 1, 0])],
+}
+
+
+def _in_custom_jvp(fn):
+    @jax.custom_jvp
+    def g(v):
+        return fn(v)
+
+    @g.defjvp
+    def g_jvp(primals, tangents):
+        return g(primals[0]), tangents[0] * 2.
+    return g
+
+
+WRAPPERS = {
+    "checkpoint": jax.checkpoint,
+    "cond": lambda fn: (lambda v: lax.cond(True, fn, lambda u: u * 0., v)),
+    "custom_jvp": _in_custom_jvp,
+}
+
+
+@pytest.mark.parametrize("wrap", list(WRAPPERS))
+@pytest.mark.parametrize("movement", list(INTEGER_MOVEMENTS))
+def test_an_integer_constant_moved_inside_a_body(movement, wrap):
+    """`where(x > 0, body(sqrt(x)), 0.)`, the body scaling by an integer array it builds: the
+    where's dropped lane is guarded (the hand fix's 0), not left NaN by a failed analysis."""
+    block = WRAPPERS[wrap](lambda v: v * INTEGER_MOVEMENTS[movement]())
+    f = lambda x: jnp.sum(jnp.where(x > 0, block(jnp.sqrt(x)), 0.))
+    hand = lambda x: f(jnp.where(x > 0, x, 1.))
+    x = jnp.array([4., 9., -1.])
+    _same_forward(f, x)
+    assert not jaxsafe.explain(f)(x).failure
+    assert_close(jax.grad(jaxsafe.nan_safe(f))(x), jax.grad(hand)(x))
+
+
+# ------------------------------------------------- a vmap's named axis, staged by a jit
+# Hunt P: `jax.grad(jax.jit(jax.vmap(nan_safe(f), axis_name="b")))` with a `psum` over "b" in
+# `f` raised NameError: JAX traces the call's derivative rule after the vmap, where "b" is
+# unbound, and the rewrite traced there too; and JAX cannot differentiate a jit of a
+# custom_jvp that names the axis (the jit front is left out under a named vmap).
+
+NAMED = {
+    "nothing to guard": (lambda r: r * lax.psum(r, "b"),
+                         lambda r: r * lax.psum(r, "b")),
+    "guarded": (lambda r: jnp.where(r > 0, jnp.sqrt(r), 0.) * lax.psum(r, "b"),
+                lambda r: jnp.where(r > 0, jnp.sqrt(jnp.where(r > 0, r, 1.)), 0.)
+                * lax.psum(r, "b")),
+    "mean": (lambda r: jnp.where(r > lax.pmean(r, "b"), jnp.log(r), 0.),
+             lambda r: jnp.where(r > lax.pmean(r, "b"),
+                                 jnp.log(jnp.where(r > lax.pmean(r, "b"), r, 1.)), 0.)),
+}
+
+
+@pytest.mark.parametrize("name", list(NAMED))
+def test_a_collective_over_a_named_vmap_axis_under_jit(name):
+    f, hand = NAMED[name]
+    x = jnp.array([[-1., 0.5, 4.], [1., 2., -3.]])
+
+    def loss(g):
+        return lambda x: jnp.sum(jax.jit(jax.vmap(g, axis_name="b"))(x))
+    assert_bitwise(jax.jit(jax.vmap(jaxsafe.nan_safe(f), axis_name="b"))(x),
+                   jax.jit(jax.vmap(f, axis_name="b"))(x))
+    assert_close(jax.grad(loss(jaxsafe.nan_safe(f)))(x), jax.grad(loss(hand))(x))
+    t = jnp.ones_like(x)
+    assert_close(jax.jvp(loss(jaxsafe.nan_safe(f)), (x,), (t,))[1],
+                 jax.jvp(loss(hand), (x,), (t,))[1])

@@ -94,3 +94,20 @@ def test_float64_boolean_index_traced_at_its_values_gives_the_hand_fix_gradient(
     assert jax.hessian(nan_safe(issue_19089))(x) == jax.hessian(issue_19089_hand_fix)(x)
     assert jax.grad(nan_safe(issue_19089))(x).dtype == jnp.float64
     assert_bitwise(nan_safe(issue_19089)(x), issue_19089(x))
+
+
+@pytest.mark.parametrize("combine", ["sum", "max"])
+def test_float64_segment_reduction_of_closed_over_ids(combine):
+    """A scatter's combiner is typed in its operand's dtype: its liveness rule reads it in
+    float64 (hunt O: it did not lower, and the analysis fell back to the original's NaN)."""
+    import jax
+
+    import jaxsafe
+    senders = jnp.array([0, 1, 2])  # segment 2 is padding
+    segment = jax.ops.segment_sum if combine == "sum" else jax.ops.segment_max
+    f = lambda r2: jnp.sum(segment(jnp.sqrt(r2), senders, num_segments=2))
+    r2 = jnp.array([4., 9., -1.], F64)
+    got = jax.grad(jaxsafe.nan_safe(f))(r2)
+    want = jnp.concatenate([jax.grad(lambda r: jnp.sum(jnp.sqrt(r[:2])))(r2)[:2], jnp.zeros(1)])
+    assert got.dtype == F64
+    assert jnp.array_equal(got, want)
