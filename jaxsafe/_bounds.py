@@ -391,8 +391,28 @@ def _bounded_divisor(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bounds,
     point = at_or_below(lower, dtype)
     if not float(point) >= float(np.finfo(dtype).tiny):
         return False
-    values = [point if j == k else np.asarray(1, dtype) for j in range(2)]
-    return all(finite_with_derivatives(eqn, values, PROOF_ORDER, wrt=j) for j in range(2))
+    ends = _numerator_ends(eqn, 1 - k, bounds)
+    if ends is None:
+        return False
+    points = [[point if j == k else np.asarray(end, dtype) for j in range(2)] for end in ends]
+    return all(finite_with_derivatives(eqn, p, PROOF_ORDER, wrt=j) for p in points
+               for j in range(2))
+
+
+def _numerator_ends(eqn: JaxprEqn, j: int, bounds: Bounds) -> tuple[float, float] | None:
+    """The smallest and largest value operand j (the numerator) takes, for every finite input:
+    a constant's lanes or a finite range (`1000. / max(x, .1)` overflows float16's derivative,
+    `1. / max(x, .1)` does not). None when unknown."""
+    value = bounds.constant_of(eqn.invars[j])
+    if value is not None:
+        value = np.asarray(value, np.float64)
+        if value.size == 0 or not np.all(np.isfinite(value)):
+            return None
+        return float(np.min(value)), float(np.max(value))
+    found = bounds.range_of(eqn.invars[j])
+    if found is None or not (np.isfinite(found[0]) and np.isfinite(found[1])):
+        return None
+    return float(found[0]), float(found[1])
 
 
 def _bounded_into_domain(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bounds,

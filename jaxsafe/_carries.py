@@ -58,12 +58,13 @@ def _by_lane(eqn: JaxprEqn) -> bool:
 
 
 def carry_classes(jaxpr: Jaxpr, diff: Sequence[Sequence[bool]],
-                  fixed: Container = (), inputs: Sequence[Carry] | None = None
-                  ) -> dict[Any, Carry]:
+                  fixed: Container = (), inputs: Sequence[Carry] | None = None,
+                  masking: bool = False) -> dict[Any, Carry]:
     """The class of every variable of `jaxpr` (its inputs: ALL, but those in `fixed`, a body's
     inputs that carry no derivative in the program around it, or as `inputs` gives them, for an
     inner program whose inputs carry in part; constants: NONE). `diff`: the differentiable
-    operands of each equation (`differentiable_operands`)."""
+    operands of each equation (`differentiable_operands`). `masking`: as the factors that mask
+    a product see them (`Carries.masks_products`)."""
     if inputs is None:
         inputs = [Carry.NONE if v in fixed else Carry.ALL for v in jaxpr.invars]
     out: dict[Any, Carry] = {v: c if is_float(v) else Carry.NONE
@@ -75,7 +76,8 @@ def carry_classes(jaxpr: Jaxpr, diff: Sequence[Sequence[bool]],
         if rule.selection is not None and rule.selection.by_predicate:
             cases = classes[1:]
             c = Carry(max(cases)) if len(set(cases)) == 1 else Carry.PART
-        elif rule.carries is not None and len(eqn.outvars) == 1:
+        elif rule.carries is not None and len(eqn.outvars) == 1 and (
+                rule.carries.masks_products or not masking):
             c = rule.carries.static(eqn, classes)
         elif _by_lane(eqn):
             c = Carry.ALL if Carry.ALL in classes else Carry(max(classes, default=Carry.NONE))
@@ -109,7 +111,7 @@ def carrying_lanes(atom: Any, classes: dict[Any, Carry], producer: dict[Any, Jax
             cases = [materialize(None if m is None else broadcast(m, shape), shape)
                      for m in masks[1:]]
             return lax.select_n(broadcast(pred, shape), *cases)
-        if row.carries is not None:
+        if row.carries is not None:  # a PART class: asked of this rule's lanes
             return row.carries.lanes(eqn, masks, lambda k: _value(eqn.invars[k], read))
         if row.broadcast:
             m = masks[0]

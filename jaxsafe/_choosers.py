@@ -333,7 +333,7 @@ def product_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
             env = getattr(invals, "env", None)
             if env is None:  # pragma: no cover - every caller reads operands from an env
                 continue
-            carries = ctx.carry_mask(factor, env)
+            carries = ctx.carry_mask(factor, env, masking=True)
             if carries is None:
                 continue
         nonzero = lax.ne(invals[j], lax.full_like(invals[j], 0))

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ._atoms import is_float, literal_value
+from ._atoms import dtype_of, is_float, literal_value
 from ._bounds import Bounds, operand_in_domain
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Var
 from ._liveness import Sweep
@@ -91,6 +91,17 @@ def nonfinite_cotangents(closed: ClosedJaxpr, sweep: Sweep, anywhere: Set,
     return Cotangents(bad, bad - loose, anywhere)
 
 
+def _narrow(atom: Any) -> bool:
+    """A float type narrower in range than float32 (float16): a finite cotangent times a
+    finite derivative overflows there at ordinary values (a loss scale of 2 ** 15 times
+    `sqrt`'s derivative at 0.01), so no cotangent is taken as non-finite only where its own
+    value is. In float32 and wider that takes values near 1e37, as elsewhere in the analysis
+    (overflow of finite values is not counted)."""
+    dtype = dtype_of(atom)
+    return np.issubdtype(dtype, np.floating) and \
+        float(np.finfo(dtype).max) < float(np.finfo(np.float32).max)
+
+
 def _finite(atom: Any, anywhere: Set) -> bool:
     if isinstance(atom, Literal):
         return bool(np.all(np.isfinite(np.asarray(literal_value(atom)))))
@@ -121,7 +132,7 @@ def _own_nonfinite_only(eqn: JaxprEqn, k: int, anywhere: Set, bounds: Bounds | N
     rule = rule_for(eqn.primitive)
     v = eqn.invars[k]
     if bounds is None or len(eqn.outvars) != 1 or not (
-            rule.elementwise or rule.selection is not None):
+            rule.elementwise or rule.selection is not None) or _narrow(v):
         return False
     if not all(_finite(u, anywhere) for u in eqn.invars if u is not v):
         return False

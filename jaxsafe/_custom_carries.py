@@ -18,6 +18,7 @@ from the body (`FreeValues`). Where the rule only selects and moves its tangents
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
@@ -26,20 +27,27 @@ import numpy as np
 from ._atoms import dtype_of, literal_value, shape_of
 from ._carries import Carry, carry_classes, carrying_lanes
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, bind_eqn
-from ._custom_rules import _body, _one_lane_shape, _tangent_program
+from ._custom_rules import (
+    flat_body,
+    one_lane_shape,
+    reading,
+    reading_a_rule,
+    tangent_program,
+)
 from ._free import FreeValues, Held, held_union
 from ._liveness import Sweeps, differentiable_operands
 from ._masks import any_of, known_false, zeros
+from ._nested import call_jaxpr
 from ._rules import Kind, Mask
 from ._walk import demand
 
 
 def _programs(eqn: JaxprEqn) -> tuple[ClosedJaxpr, ClosedJaxpr] | None:
     """The call's rule tangent program and its flattened body, where it is read by value."""
-    if not _one_lane_shape(eqn):
+    if not one_lane_shape(eqn):
         return None
-    tangents = _tangent_program(eqn)
-    return None if tangents is None else (tangents.program, _body(eqn))
+    tangents = tangent_program(eqn)
+    return None if tangents is None else (tangents.program, flat_body(eqn))
 
 
 def _classes(closed: ClosedJaxpr, inputs: Sequence[Carry]) -> dict:
@@ -72,15 +80,33 @@ def _joined(a: Carry, b: Carry) -> Carry:
     return Carry.NONE if a == b == Carry.NONE else Carry.PART
 
 
+# call body -> {its inputs' classes: its output's class}: asked by every carry pass of every
+# program that calls it
+_BODY_CLASS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def custom_jvp_static(eqn: JaxprEqn, classes: list) -> Carry:
-    """The call's output class: where its rule or its body may carry."""
-    programs = _programs(eqn)
-    if programs is None:
-        return Carry.ALL if any(classes) else Carry.NONE
-    tangents, body = programs
-    rule = _classes(tangents, _rule_inputs(classes))
-    inner = _classes(body, _body_inputs(classes))
-    return _joined(_output_class(tangents, rule), _output_class(body, inner))
+    """The call's output class: where its rule or its body may carry. The rule's tangent
+    program is read only where the body alone leaves some lane carrying nothing (relu's
+    `max` with 0): elsewhere the union carries in every lane anyway."""
+    if not any(classes):
+        return Carry.NONE
+    if not one_lane_shape(eqn):
+        return Carry.ALL
+    body = flat_body(eqn)
+    inputs = _body_inputs(classes)
+    known = _BODY_CLASS.setdefault(call_jaxpr(eqn).jaxpr, {})
+    key = tuple(inputs)
+    if key not in known:
+        known[key] = _output_class(body, _classes(body, inputs))
+    if known[key] == Carry.ALL or reading_a_rule():
+        return Carry.ALL
+    tangents = tangent_program(eqn)
+    if tangents is None:
+        return Carry.ALL
+    with reading(eqn):
+        rule = _classes(tangents.program, _rule_inputs(classes))
+    return _joined(_output_class(tangents.program, rule), known[key])
 
 
 def _output_class(closed: ClosedJaxpr, classes: dict) -> Carry:
@@ -180,6 +206,6 @@ def _held(body: ClosedJaxpr, inputs: Sequence[Carry], helds: list[Held]) -> Held
 
 def custom_jvp_selects(eqn: JaxprEqn) -> bool:
     """Whether the rule's zeros are selections (it only selects and moves tangents)."""
-    tangents = _tangent_program(eqn) if _one_lane_shape(eqn) else None
+    tangents = tangent_program(eqn) if one_lane_shape(eqn) else None
     return tangents is not None and not tangents.weighs
 

@@ -75,11 +75,13 @@ class _Tangents:
 _TANGENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # call body -> the same with its calls inlined
 _FLAT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# call body -> its lane shapes (`_lanewise.lane_shapes`)
+_LANE_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _READING = threading.local()  # the call bodies whose tangent programs are being read
 
 
 @contextlib.contextmanager
-def _reading(eqn: JaxprEqn) -> Iterator[None]:
+def reading(eqn: JaxprEqn) -> Iterator[None]:
     """While a call's tangent program is read, the same call inside it is read structurally
     (a rule that calls itself for its primal output)."""
     active = getattr(_READING, "bodies", None)
@@ -93,22 +95,31 @@ def _reading(eqn: JaxprEqn) -> Iterator[None]:
         active.discard(body)
 
 
+def reading_a_rule() -> bool:
+    """Whether a rule's tangent program is being read: a custom rule called inside it (the
+    primal of a nested rule, a rule that calls itself) is read by its structure. Each such
+    call is a new equation of a newly traced program, with a rule object of its own: read by
+    value, they would be traced again at every depth (`jax.scipy.stats.truncnorm.cdf`'s nested
+    `log_ndtr` took 19 seconds)."""
+    return bool(getattr(_READING, "bodies", None))
+
+
 def rule_tangents(eqn: JaxprEqn, ctx: Context) -> ClosedJaxpr | None:
     """The rule's tangent program of a call whose selections by value are read (the module's
     conditions), else None: the call is read structurally."""
-    if ctx.structural or not _one_lane_shape(eqn):
+    if ctx.structural or not one_lane_shape(eqn):
         return None
     body = call_jaxpr(eqn)
-    if body.jaxpr in getattr(_READING, "bodies", ()):
-        return None
+    if reading_a_rule():
+        return None  # a call inside a rule's tangent program: read by its structure
     if any(k != Kind.LIVE for k in ctx.inner_kinds(body, [Kind.LIVE], True)):
         return None  # an operand the body does not read: the rule may
-    if all(k == Kind.LIVE for k in ctx.inner_kinds(_body(eqn), [Kind.LIVE], False)):
+    if all(k == Kind.LIVE for k in ctx.inner_kinds(flat_body(eqn), [Kind.LIVE], False)):
         return None  # it selects nothing by value
-    tangents = _tangent_program(eqn)
+    tangents = tangent_program(eqn)
     if tangents is None:
         return None
-    with _reading(eqn):
+    with reading(eqn):
         if all(k == Kind.LIVE for k in _kinds(eqn, tangents.program, [Kind.LIVE], ctx)):
             return None  # the rule reads every lane (`logaddexp`'s): nothing to re-decide
     return tangents.program
@@ -118,13 +129,13 @@ def _kinds(eqn: JaxprEqn, tangents: ClosedJaxpr, out_kinds: list[Kind],
            ctx: Context) -> list[Kind]:
     """Each operand's kind: the union of the body's by value and the rule's, for its tangent
     and for its value."""
-    body = ctx.inner_kinds(_body(eqn), out_kinds, False)
+    body = ctx.inner_kinds(flat_body(eqn), out_kinds, False)
     rule = ctx.inner_kinds(tangents, out_kinds, False)
     n = len(eqn.invars)
     return [max(body[k], rule[k], rule[n + k]) for k in range(n)]
 
 
-def _body(eqn: JaxprEqn) -> ClosedJaxpr:
+def flat_body(eqn: JaxprEqn) -> ClosedJaxpr:
     """The call's body with its calls inlined (`relu`'s `jit`): read by value, its formulas
     keep the predicates of the program around the call (a call inside would make them
     unknowns)."""
@@ -136,18 +147,21 @@ def _body(eqn: JaxprEqn) -> ClosedJaxpr:
     return body if flat is None else flat
 
 
-def _one_lane_shape(eqn: JaxprEqn) -> bool:
+def one_lane_shape(eqn: JaxprEqn) -> bool:
     if len(eqn.outvars) != 1 or not is_float(eqn.outvars[0]):
         return False
     shape = shape_of(eqn.outvars[0])
     if not all(is_float(v) and (isinstance(v, Literal) or shape_of(v) == shape)
                for v in eqn.invars):
         return False
-    shapes = lane_shapes(call_jaxpr(eqn))
+    body = call_jaxpr(eqn)
+    if body.jaxpr not in _LANE_SHAPES:  # a walk of the body, asked by every pass
+        _LANE_SHAPES[body.jaxpr] = lane_shapes(body)
+    shapes = _LANE_SHAPES[body.jaxpr]
     return shapes is not None and shapes <= {(), shape}
 
 
-def _tangent_program(eqn: JaxprEqn) -> _Tangents | None:
+def tangent_program(eqn: JaxprEqn) -> _Tangents | None:
     if custom_jvp_symbolic_zeros(eqn) or not all(is_float(v) for v in eqn.invars):
         return None  # a rule handed symbolic zeros may take another branch than the trace's
     body = call_jaxpr(eqn).jaxpr
@@ -212,7 +226,7 @@ def weighs_tangents(eqn: JaxprEqn, ctx: Context) -> bool:
     selects and moves tangents (`jax.nn.relu`'s) writes its zeros."""
     if rule_tangents(eqn, ctx) is None:
         return False
-    tangents = _tangent_program(eqn)
+    tangents = tangent_program(eqn)
     return tangents is not None and tangents.weighs
 
 
@@ -221,7 +235,7 @@ def writes_its_zeros(eqn: JaxprEqn) -> bool:
     itself (`jax.nn.relu`'s `select_n(x > 0, 0, t)`): a zero cotangent is never weighed by an
     operand's value, NaN or inf included, so its dropped lanes need no cut
     (`PrimitiveRule.cut_needless`)."""
-    tangents = _tangent_program(eqn)
+    tangents = tangent_program(eqn)
     return tangents is not None and not tangents.weighs and not tangents.makes_nonfinite
 
 
@@ -251,8 +265,8 @@ def custom_jvp_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     tangents = rule_tangents(eqn, ctx)
     if tangents is None:
         return custom_rule_masks(eqn, outs, invals, ctx)
-    with _reading(eqn):
-        body = ctx.inner_masks(_body(eqn), invals, outs, False)
+    with reading(eqn):
+        body = ctx.inner_masks(flat_body(eqn), invals, outs, False)
         rule = ctx.inner_masks(tangents, [*invals, *_placeholders(eqn)], outs, False)
     n = len(eqn.invars)
     return [any_of([body[k], rule[k], rule[n + k]]) for k in range(n)]
@@ -263,7 +277,7 @@ def custom_jvp_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list
     tangents = rule_tangents(eqn, ctx)
     if tangents is None:
         return custom_rule_kinds(eqn, out_kinds, ctx)
-    with _reading(eqn):
+    with reading(eqn):
         return _kinds(eqn, tangents, out_kinds, ctx)
 
 
@@ -273,8 +287,8 @@ def custom_jvp_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> lis
     tangents = rule_tangents(eqn, ctx)
     if tangents is None:
         return custom_rule_syms(eqn, out_syms, ctx)
-    with _reading(eqn):
-        body = ctx.inner_syms(_body(eqn), out_syms, False)
+    with reading(eqn):
+        body = ctx.inner_syms(flat_body(eqn), out_syms, False)
         rule = ctx.inner_syms(tangents, out_syms, False)
     n = len(eqn.invars)
     return [FALSE if isinstance(v, Literal) else sym_or(sym_or(body[k], rule[k]), rule[n + k])

@@ -253,6 +253,7 @@ class Sweep:
         self._from_literals: set | None = None
         self._dropped_whole: set | None = None
         self._carries: dict | None = None  # carry classes and producers: on a product's demand
+        self._masking_carries: dict | None = None  # the same, as a product's masks see them
         self._producer_eqns: dict = {}
         self._numbering: dict | None = None  # same_as: on a predicate's demand
         self._free_values: FreeValues | None = None  # what lanes carrying nothing hold
@@ -404,7 +405,7 @@ class Sweep:
     def may_mask(self, atom: Any) -> bool:
         """Whether some lane of `atom` may carry no derivative and hold 0 there (a 0/1 mask;
         not `jnp.where(p, x, 1.)`)."""
-        if self._carry_classes().get(atom, Carry.NONE) == Carry.ALL:
+        if self._carry_classes(masking=True).get(atom, Carry.NONE) == Carry.ALL:
             return False
         held = self.held(atom)
         return held is None or any(h == 0 for h in held)
@@ -414,21 +415,28 @@ class Sweep:
             self._bounds = Bounds(self.jaxpr.eqns, self.producer, {})
         return never_loses(eqn, k, self._bounds)
 
-    def carry_mask(self, atom: Any, env: Any) -> Mask:
-        memo = scoped_memo("carries", id(self), id(env))  # tracers: never kept past the trace
+    def carry_mask(self, atom: Any, env: Any, masking: bool = False) -> Mask:
+        memo = scoped_memo("masking carries" if masking else "carries", id(self), id(env))
         memo.setdefault("env", env)  # held while the scope lives, so its id is not reused
-        return carrying_lanes(atom, self._carry_classes(), self._producer_eqns, memo,
+        return carrying_lanes(atom, self._carry_classes(masking), self._producer_eqns, memo,
                               lambda v: read(env, v))
 
     def carry_classes(self) -> dict:
         """Each variable's `Carry` class (one forward pass, on first demand)."""
         return self._carry_classes()
 
-    def _carry_classes(self) -> dict:
+    def _carry_classes(self, masking: bool = False) -> dict:
         if self._carries is None:  # one forward pass, the first time a product asks
             self._carries = carry_classes(self.jaxpr, self.diff, self.known_inputs)
             self._producer_eqns = {o: self.jaxpr.eqns[i] for o, i in self.producer.items()}
-        return self._carries
+            if all(_masks_products(e) for e in self.jaxpr.eqns):
+                self._masking_carries = self._carries  # the same classes
+        if not masking:
+            return self._carries
+        if self._masking_carries is None:
+            self._masking_carries = carry_classes(self.jaxpr, self.diff, self.known_inputs,
+                                                  masking=True)
+        return self._masking_carries
 
     # -- constants --------------------------------------------------------------------------
 
@@ -571,6 +579,12 @@ class RuntimeMasks:
             self.eqn_masks[i] = operand_masks(eqn, [self._settled(o) for o in eqn.outvars],
                                               operands, self.sweep)
         return self.eqn_masks[i]
+
+
+def _masks_products(eqn: JaxprEqn) -> bool:
+    """Whether `eqn`'s lanes that carry nothing count as masks too (`Carries.masks_products`)."""
+    carries = rule_for(eqn.primitive).carries
+    return carries is None or carries.masks_products
 
 
 def _value_numbers(jaxpr: Jaxpr) -> dict:

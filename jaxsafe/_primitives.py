@@ -551,7 +551,7 @@ register(prims.remat_p, masks=opaque_call_masks, kinds=opaque_call_kinds, runs_b
 register(prims.custom_jvp_call_p, masks=custom_jvp_masks, kinds=custom_jvp_kinds,
          runs_bodies_once=True,
          carries=Carries(custom_jvp_static, custom_jvp_lanes, custom_jvp_held,
-                         selects=custom_jvp_selects),
+                         selects=custom_jvp_selects, masks_products=False),
          static=custom_jvp_syms,
          chooser=Chooser(rechoose, applies=confirms_selections, weighs=weighs_tangents,
                          guarded_results=False),

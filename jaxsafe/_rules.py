@@ -88,7 +88,8 @@ class Context(Protocol):
         ...
 
     def may_mask(self, atom: Any) -> bool:
-        """Whether some lane of `atom` may carry no derivative of the inputs (`_carries.py`)."""
+        """Whether some lane of `atom` may carry no derivative of the inputs and hold 0 there,
+        as a factor that masks a product (`_carries.py`)."""
         ...
 
     def operand_never_loses(self, eqn: JaxprEqn, k: int) -> bool:
@@ -96,9 +97,10 @@ class Context(Protocol):
         for every input (`_bounds.never_loses`): it drops none of its lanes."""
         ...
 
-    def carry_mask(self, atom: Any, env: Any) -> Mask:
+    def carry_mask(self, atom: Any, env: Any, masking: bool = False) -> Mask:
         """The lanes of `atom` that carry a derivative, at run time (None: all may); `env` maps a
-        variable to its original value."""
+        variable to its original value. `masking`: as a factor that masks a product sees them
+        (`Carries.masks_products`)."""
         ...
 
 
@@ -184,6 +186,12 @@ class Carries:
     zero weight: its transpose never reads the cotangent there (a pad, a scatter; a `max` that
     a constant wins, emitted as a `select_n`), so a NaN that reaches that lane's cotangent
     stops there. False for a product (`0 * NaN`); per call for a custom rule."""
+
+    masks_products: bool = True
+    """Whether a zero in its lanes that carry nothing masks a product (`m * v` drops `v`'s lane
+    there). False for a custom rule read by value: relu's 0 carries nothing in forward mode,
+    but `relu(h) * g(relu(h))` (a gate, a norm after a ReLU) would have `g` guarded where relu
+    is 0, which `g` reads there itself (contract 4)."""
 
     def selects_at(self, eqn: JaxprEqn) -> bool:
         return self.selects(eqn) if callable(self.selects) else self.selects

@@ -978,3 +978,29 @@ def test_a_clamp_of_two_values_is_still_re_decided():
     for a, b in zip(got, ref, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert "re-decided max" in str(jaxsafe.explain(f)(x, y))
+
+
+def test_a_constant_numerator_over_a_clamp_in_float16_is_still_re_decided():
+    """`1000 / max(x, .1)` in float16: the derivative at the clamp is -1e5, past float16's
+    largest value (hunt Q): the quotient is proven finite only for the numerator it has, and
+    here it is not, so the dropped lanes' derivative is the hand fix's 0."""
+    h = jnp.float16
+    f = lambda x: jnp.sum(h(1000.) / jnp.maximum(x, h(0.1)))
+    hand = lambda x: jnp.sum(jnp.where(x > 0.1, h(1000.) / jnp.where(x > 0.1, x, h(1.)),
+                                       h(1000.) / h(0.1)))
+    x = jnp.array([-1., 0., 2.], h)
+    assert np.isnan(np.asarray(jax.grad(f)(x), np.float32)).any()
+    np.testing.assert_array_equal(np.asarray(jax.grad(jaxsafe.nan_safe(f))(x), np.float32),
+                                  np.asarray(jax.grad(hand)(x), np.float32))
+    assert "re-decided max" in str(jaxsafe.explain(f)(x))
+
+
+def test_a_scaled_clamp_before_a_pole_in_float16_is_still_re_decided():
+    """A loss scale times `sqrt`'s finite derivative at the clamp overflows float16 (2e4 * 5):
+    a float16 cotangent is not taken as non-finite only where its own value is."""
+    h = jnp.float16
+    f = lambda x: h(2e4) * jnp.sum(jnp.sqrt(jnp.maximum(x, h(0.01))))
+    x = jnp.array([-1., 0., 2.], h)
+    got = np.asarray(jax.grad(jaxsafe.nan_safe(f))(x), np.float32)
+    np.testing.assert_array_equal(got[:2], [0., 0.])
+    assert np.isfinite(got[2])

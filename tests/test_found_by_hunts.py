@@ -827,3 +827,25 @@ def test_a_collective_over_a_named_vmap_axis_under_jit(name):
     t = jnp.ones_like(x)
     assert_close(jax.jvp(loss(jaxsafe.nan_safe(f)), (x,), (t,))[1],
                  jax.jvp(loss(hand), (x,), (t,))[1])
+
+
+# Hunt Q: relu's 0 carries nothing in forward mode (`_custom_carries.py`), but as a factor of a
+# product it masks nothing: `g` below reads relu's own 0 where relu is 0, and guarding it there
+# put up to 31 equations into a ReLU followed by a norm or a gate (contract 4).
+RELU_THEN = {
+    "a gate": lambda h: jax.nn.relu(h) * jax.nn.sigmoid(jax.nn.relu(h)),
+    "a layer norm": lambda h: (lambda r: (r - r.mean()) * lax.rsqrt(r.var() + 1e-5))(
+        jax.nn.relu(h)),
+    "an RMS norm": lambda h: jax.nn.relu(h) / jnp.sqrt(jnp.mean(jax.nn.relu(h) ** 2) + 1e-6),
+    "exp of minus itself": lambda h: jax.nn.relu(h) * jnp.exp(-jax.nn.relu(h)),
+    "a tanh of its sum": lambda h: jax.nn.relu(h) * jnp.tanh(jnp.sum(jax.nn.relu(h))),
+}
+
+
+@pytest.mark.parametrize("name", list(RELU_THEN))
+def test_a_relu_then_a_norm_or_gate_is_the_original_program(name):
+    f = lambda h: jnp.sum(RELU_THEN[name](h))
+    h = jnp.array([0.5, -1.0, 2.0])
+    assert str(jaxsafe.make_jaxpr(f)(h)) == str(jax.make_jaxpr(f)(h))
+    edge = jnp.array([jnp.inf, -jnp.inf, nan, -1., 0.5])
+    assert_bitwise(jax.grad(jaxsafe.nan_safe(f))(edge), jax.jit(jax.grad(f))(edge))
