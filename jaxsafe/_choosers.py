@@ -28,6 +28,7 @@ of exactly zero by a `select_n`, not by a zero weight that an infinite cotangent
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,7 +40,13 @@ from jax import lax
 from ._atoms import dtype_of, is_float, literal_value, shape_of
 from ._compat import JaxprEqn, Literal, Var, bind_eqn
 from ._constants import fold_chain, lane_chain
-from ._liveness_rules import aligned_syms, elementwise_masks, pulled_back, top_k_axis
+from ._liveness_rules import (
+    aligned_syms,
+    dot_general_masks,
+    elementwise_masks,
+    pulled_back,
+    top_k_axis,
+)
 from ._masks import (
     all_of,
     any_of,
@@ -565,3 +572,93 @@ def by_original(eqn: JaxprEqn, guarded: list, originals: Sequence[Any],
         cut = all_of([cut, live_out])
     original = lax.stop_gradient(bind_eqn(eqn, list(originals))[0])
     return [lax.select_n(materialize(cut, shape), out, original)]
+
+
+# --------------------------------------------------------------------------- a masked contraction
+
+def _contraction_may_mask(eqn: JaxprEqn, k: int, ctx: Context) -> bool:
+    """Whether operand k of a `dot_general` may have a lane that every factor of the other
+    operand it meets masks: the other operand carries no derivative at all (a constant 0/1
+    weight, a one-hot, an adjacency or selection matrix) and may be 0. A value that carries in
+    part (`where(p, x, 0.)`, a padded row of queries) is left out: its zeros rarely cover a
+    lane's whole contraction, and the mask would be a contraction at the full size of the
+    product (an attention's logits). A constant known when the rewrite is planned masks a lane
+    only where all of its factors for that lane are 0: a pruned weight matrix with a zero here
+    and there drops nothing, and costs nothing."""
+    j = 1 - k
+    factor = eqn.invars[j]
+    if ctx.structural or not _maskable(eqn.invars[k]) or not ctx.carries_nothing(factor) \
+            or not _may_mask(factor, ctx):
+        return False
+    value = literal_value(factor) if isinstance(factor, Literal) else ctx.constant(factor)
+    if value is None:
+        return True
+    kept = _contracted_with(eqn, k, np.asarray(value) != 0)
+    return not bool(np.all(kept))
+
+
+def _contracted_with(eqn: JaxprEqn, k: int, keep: Any, live: Any = None) -> Any:
+    """The lanes of operand k that meet a kept lane of the other operand (`keep`, booleans) in
+    a live output lane (`live`; None: every one): the contraction's transpose in operand k, on
+    0/1 values. NumPy for a known `keep` and no `live`, else on the current trace."""
+    shape = shape_of(eqn.outvars[0])
+    if live is None and isinstance(keep, np.ndarray):
+        ones = np.ones(shape, np.float32)
+        keep_f = keep.astype(np.float32)
+    else:
+        ones = lax.convert_element_type(materialize(live, shape), jnp.float32)
+        keep_f = lax.convert_element_type(keep, jnp.float32)
+    params = dict(eqn.params)
+    if "preferred_element_type" in params:
+        params["preferred_element_type"] = jnp.float32
+
+    def op(x: Any) -> Any:
+        return bind_eqn(eqn, [x, keep_f] if k == 0 else [keep_f, x], params)[0]
+
+    with jax.ensure_compile_time_eval() if isinstance(keep_f, np.ndarray) else \
+            contextlib.nullcontext():
+        _, vjp = jax.vjp(op, jnp.zeros(shape_of(eqn.invars[k]), jnp.float32))
+        (pulled,) = vjp(jnp.asarray(ones))
+    if isinstance(keep_f, np.ndarray):
+        return np.asarray(pulled) != 0
+    return lax.ne(pulled, lax.full_like(pulled, 0))
+
+
+def contraction_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
+                      ctx: Context) -> list[Mask]:
+    """`dot_general` (`w @ v`, `einsum`, a one-hot matmul): an operand lane is live where it
+    meets, in a live output lane, a factor of the other operand that is not a zero carrying no
+    derivative (`product_masks`, summed over the contraction)."""
+    masks = dot_general_masks(eqn, outs, invals, ctx)
+    if outs[0] is not None and known_false(outs[0]):
+        return masks
+    for k in (0, 1):
+        if not _contraction_may_mask(eqn, k, ctx):
+            continue
+        factor = eqn.invars[1 - k]
+        if isinstance(factor, Literal):
+            carries: Mask = zeros(shape_of(factor))
+        else:
+            env = getattr(invals, "env", None)
+            if env is None:  # pragma: no cover - every caller reads operands from an env
+                continue
+            carries = ctx.carry_mask(factor, env, masking=True)
+            if carries is None:
+                continue
+        value = invals[1 - k]
+        keep = lax.bitwise_or(lax.ne(value, lax.full_like(value, 0)),
+                              broadcast(carries, np.shape(value)))
+        masks[k] = _contracted_with(eqn, k, keep, outs[0])
+    return masks
+
+
+def contraction_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
+    """Aligned, and decided at run time for an operand that the other may mask."""
+    syms = aligned_syms(eqn, out_syms, ctx)
+    if syms is None:
+        return syms
+    for k in (0, 1):
+        if syms[k] and _contraction_may_mask(eqn, k, ctx):
+            axes = [i for i, n in enumerate(shape_of(eqn.invars[k])) if n != 1]
+            syms[k] = sym_and_literal(syms[k], unknown(axes))
+    return syms

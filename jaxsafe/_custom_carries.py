@@ -80,8 +80,8 @@ def _joined(a: Carry, b: Carry) -> Carry:
     return Carry.NONE if a == b == Carry.NONE else Carry.PART
 
 
-# call body -> {its inputs' classes: its output's class}: asked by every carry pass of every
-# program that calls it
+# call body -> {(its inputs' classes, inside a rule): its output's class}: asked by every
+# carry pass of every program that calls it
 _BODY_CLASS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -96,7 +96,7 @@ def custom_jvp_static(eqn: JaxprEqn, classes: list) -> Carry:
     body = flat_body(eqn)
     inputs = _body_inputs(classes)
     known = _BODY_CLASS.setdefault(call_jaxpr(eqn).jaxpr, {})
-    key = tuple(inputs)
+    key = (tuple(inputs), reading_a_rule())  # inside a rule, nested calls carry everywhere
     if key not in known:
         known[key] = _output_class(body, _classes(body, inputs))
     if known[key] == Carry.ALL or reading_a_rule():
@@ -156,9 +156,10 @@ def custom_jvp_lanes(eqn: JaxprEqn, masks: list, value: Callable[[int], Any]) ->
     n = len(eqn.invars)
     operands = [value(k) for k in range(n)]
     classes = [_class_of(m) for m in masks]
-    rule = _lanes(tangents, _classes(tangents, _rule_inputs(classes)),
-                  [zeros(shape_of(v)) for v in eqn.invars] + list(masks),
-                  operands + [_zero_tangent(v) for v in eqn.invars])
+    with reading(eqn):  # as `custom_jvp_static` read it
+        rule = _lanes(tangents, _classes(tangents, _rule_inputs(classes)),
+                      [zeros(shape_of(v)) for v in eqn.invars] + list(masks),
+                      operands + [_zero_tangent(v) for v in eqn.invars])
     inputs = _body_inputs(classes)
     inner = _lanes(body, _classes(body, inputs),
                    [zeros(shape_of(v)) if c == Carry.NONE else m if c == Carry.PART else None

@@ -410,6 +410,11 @@ class Sweep:
         held = self.held(atom)
         return held is None or any(h == 0 for h in held)
 
+    def carries_nothing(self, atom: Any) -> bool:
+        if isinstance(atom, Literal):
+            return True
+        return self._carry_classes(masking=True).get(atom, Carry.NONE) == Carry.NONE
+
     def operand_never_loses(self, eqn: JaxprEqn, k: int) -> bool:
         if self._bounds is None:  # the literals' values only: a sweep sees no constants
             self._bounds = Bounds(self.jaxpr.eqns, self.producer, {})

@@ -43,6 +43,8 @@ from ._choosers import (
     by_top_k,
     by_wins,
     comparison_masks,
+    contraction_masks,
+    contraction_syms,
     product_applies,
     product_masks,
     product_syms,
@@ -122,7 +124,6 @@ from ._liveness_rules import (
     custom_rule_masks,
     custom_rule_syms,
     dot_general_alignment,
-    dot_general_masks,
     dynamic_slice_syms,
     dynamic_update_slice_syms,
     elementwise_masks,
@@ -500,8 +501,8 @@ register(prims.cumsum_p, masks=cumulative_masks, static=along_axes_syms(cumulati
          linear=True, foldable=True)
 register(prims.cumprod_p, prims.cumlogsumexp_p,
          masks=cumulative_masks, static=along_axes_syms(cumulative_axis), foldable=True)
-register(prims.dot_general_p, masks=dot_general_masks, align=dot_general_alignment,
-         static=aligned_syms, foldable=True, derivative_reads=BILINEAR)
+register(prims.dot_general_p, masks=contraction_masks, align=dot_general_alignment,
+         static=contraction_syms, foldable=True, derivative_reads=BILINEAR)
 # windows: a window sum (average pooling) and a convolution read their live windows' lanes
 register(prims.reduce_window_sum_p, masks=windowed_masks(WINDOW_SUM),
          static=along_axes_syms(window_axes), drops=window_drops(WINDOW_SUM), linear=True,

@@ -92,6 +92,11 @@ class Context(Protocol):
         as a factor that masks a product (`_carries.py`)."""
         ...
 
+    def carries_nothing(self, atom: Any) -> bool:
+        """Whether no lane of `atom` carries a derivative of the inputs (a constant, a one-hot
+        of integers), as a factor that masks a product sees it."""
+        ...
+
     def operand_never_loses(self, eqn: JaxprEqn, k: int) -> bool:
         """Whether operand k of a selection by value (`max`, `min`) wins or ties in every lane,
         for every input (`_bounds.never_loses`): it drops none of its lanes."""

@@ -849,3 +849,47 @@ def test_a_relu_then_a_norm_or_gate_is_the_original_program(name):
     assert str(jaxsafe.make_jaxpr(f)(h)) == str(jax.make_jaxpr(f)(h))
     edge = jnp.array([jnp.inf, -jnp.inf, nan, -1., 0.5])
     assert_bitwise(jax.grad(jaxsafe.nan_safe(f))(edge), jax.jit(jax.grad(f))(edge))
+
+
+# ------------------------------------------------------------- a contraction with zero weights
+# Hunts O and R: `w * v` summed drops `v`'s lanes where the constant `w` is 0, but the same sum
+# spelled as a `dot_general` (`w @ v`, `einsum`, a 0/1 selection matrix, a one-hot matmul)
+# kept every lane live: NaN in every derivative of a padded row's `sqrt(0)`.
+
+PADDED = jnp.array([[1., 2.], [0., 0.], [3., 4.]])  # row 1 is padding: its norm is sqrt(0)
+WEIGHTS = jnp.array([0.5, 0., 0.5])
+SELECTION = jnp.array([[1., 0., 0.], [0., 0., 1.]])
+_norms = lambda x: jnp.linalg.norm(x, axis=-1)  # noqa: E731
+
+CONTRACTIONS = {
+    "matmul": lambda x: WEIGHTS @ _norms(x),
+    "einsum": lambda x: jnp.einsum("i,i->", WEIGHTS, _norms(x)),
+    "vdot": lambda x: jnp.vdot(_norms(x), WEIGHTS),
+    "selection matrix": lambda x: jnp.sum(SELECTION @ _norms(x)),
+    "one-hot": lambda x: jnp.sum(jax.nn.one_hot(jnp.array([0, 2]), 3) @ _norms(x)),
+    "a where's zeros": lambda x: jnp.sum(jnp.where(jnp.array([True, False, True]), 1., 0.)
+                                         @ _norms(x)),
+}
+
+
+@pytest.mark.parametrize("name", list(CONTRACTIONS))
+def test_a_contraction_with_zero_weights_drops_the_lanes_they_meet(name):
+    f = CONTRACTIONS[name]
+    kept = lambda x: jnp.sum(_norms(x[jnp.array([0, 2])]) * (0.5 if name in (
+        "matmul", "einsum", "vdot") else 1.))  # the padded row removed
+    _same_forward(f, PADDED)
+    safe = jaxsafe.nan_safe(f)
+    want = jax.grad(kept)(PADDED)  # 0 in the padded row, which `kept` does not read
+    assert np.isnan(np.asarray(jax.grad(f)(PADDED))).any()
+    assert_close(jax.grad(safe)(PADDED), want)
+    assert_close(jax.jacfwd(safe)(PADDED), want)
+    assert np.isfinite(np.asarray(jax.hessian(safe)(PADDED))).all()
+
+
+def test_a_contraction_whose_weights_meet_every_lane_is_the_original_program():
+    """A constant weight matrix with zeros but no all-zero row masks no lane: nothing to guard,
+    and the padded row's `sqrt(0)` is a live singularity (plain JAX's NaN stays)."""
+    w = jnp.array([[1., 0.], [0., 2.], [1., 1.]])
+    f = lambda x: jnp.sum(_norms(x) @ w)
+    assert str(jaxsafe.make_jaxpr(f)(PADDED)) == str(jax.make_jaxpr(f)(PADDED))
+    assert np.isnan(np.asarray(jax.grad(jaxsafe.nan_safe(f))(PADDED))[1]).all()
