@@ -12,7 +12,7 @@ help:
 	@echo "Targets:"
 	@echo "  make demo    build $(VENV) and run examples/quickstart.py"
 	@echo "  make test    build $(VENV), run the house checks (make lint) and the test suite (not slow)"
-	@echo "  make test-tables  the table sweeps in float16, bfloat16 and float64, and the stats functions behind a where (make test runs the rest in float32; CI runs both)"
+	@echo "  make test-tables  the table sweeps in float16, bfloat16 and float64, and the stats functions behind a where, the longest sweeps' later cases (make test runs the rest; CI runs both)"
 	@echo "  make test-libs  install the heavy libraries (jax-md, Flax) and run their tests (CI runs it)"
 	@echo "  make test-jax-min  the core and composition tests on the lowest JAX supported, in its own venv (CI runs it)"
 	@echo "  make test-jax-newest  the same on the newest JAX checked (needs PYTHON312=python3.12; not in CI)"
@@ -50,9 +50,14 @@ test: lint
 
 # The table sweeps in their other dtypes (float16, bfloat16; float64 with x64): `make test` runs
 # every case of the tables in float32 (tests/conftest.py marks the rest `tables`). CI runs both.
+# The longest other sweeps run their first cases in `make test`, the rest here
+# (tests/conftest.py `_SAMPLED`: its modules are the second command's).
 test-tables: $(STAMP)
 	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "tables and not slow" \
 		tests/test_transparency.py tests/test_guard_table.py
+	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "tables and not slow" \
+		tests/test_backward_rules.py tests/test_found_by_hunts.py tests/test_hostile.py \
+		tests/test_linalg.py tests/test_nonfinite_data.py
 	JAX_ENABLE_X64=1 $(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder \
 		-m "tables and not slow" tests/test_x64.py tests/test_x64_transparency.py \
 		tests/test_x64_where.py
