@@ -587,12 +587,18 @@ def _contraction_may_mask(eqn: JaxprEqn, k: int, ctx: Context) -> bool:
     and there drops nothing, and costs nothing."""
     j = 1 - k
     factor = eqn.invars[j]
-    if ctx.structural or not _maskable(eqn.invars[k]) or not ctx.carries_nothing(factor) \
-            or not _may_mask(factor, ctx):
+    if ctx.structural or not _maskable(eqn.invars[k]) or not ctx.carries_nothing(factor):
         return False
-    value = literal_value(factor) if isinstance(factor, Literal) else ctx.constant(factor)
+    if isinstance(factor, Literal):
+        value = literal_value(factor)
+    else:
+        value = ctx.constant(factor)
+        value = ctx.weight(factor) if value is None else value
     if value is None:
-        return True
+        # computed at run time: masks only where the program's structure puts zeros (a
+        # one-hot, an indicator), not a weight matrix whose values are unknown here
+        held = ctx.held(factor)
+        return held is not None and any(h == 0 for h in held)
     kept = _contracted_with(eqn, k, np.asarray(value) != 0)
     return not bool(np.all(kept))
 

@@ -211,20 +211,23 @@ class Sweeps:
     def get(self, jaxpr: Jaxpr, out_kinds: Sequence[Kind], structural: bool,
             consts: Mapping[Var, Any] | None = None,
             out_syms: Sequence[Sym] | None = None,
-            known_inputs: Mapping[Var, Any] | None = None) -> Sweep:
+            known_inputs: Mapping[Var, Any] | None = None,
+            weights: Mapping[Var, Any] | None = None) -> Sweep:
         """`consts`: the values of constants the rules may read (`Sweep.constant`);
+        `weights`: concrete float constants (`Sweep.weight`);
         `out_syms`: the outputs' formulas, where they are known (else from `out_kinds`);
         `known_inputs`: inputs that carry no derivative in the program around, with what they
         hold (`FreeValues.held`)."""
         # a body called at two sites sees two sets of constants and inputs: two sweeps
         known = (tuple(sorted((id(v), id(c)) for v, c in (consts or {}).items())),
-                 tuple(sorted((id(v), repr(c)) for v, c in (known_inputs or {}).items())))
+                 tuple(sorted((id(v), repr(c)) for v, c in (known_inputs or {}).items())),
+                 tuple(sorted((id(v), id(c)) for v, c in (weights or {}).items())))
         key = (id(jaxpr), tuple(out_kinds), structural, None if out_syms is None else
                tuple(out_syms), known)
         hit = self._sweeps.get(key)
         if hit is None:
             hit = self._sweeps[key] = Sweep(jaxpr, out_kinds, structural, self, consts, out_syms,
-                                            known_inputs)
+                                            known_inputs, weights)
         assert hit.jaxpr is jaxpr
         return hit
 
@@ -240,8 +243,12 @@ class Sweep:
     def __init__(self, jaxpr: Jaxpr, out_kinds: Sequence[Kind], structural: bool,
                  sweeps: Sweeps, consts: Mapping[Var, Any] | None = None,
                  out_syms: Sequence[Sym] | None = None,
-                 known_inputs: Mapping[Var, Any] | None = None):
+                 known_inputs: Mapping[Var, Any] | None = None,
+                 weights: Mapping[Var, Any] | None = None):
         self.jaxpr = jaxpr
+        # concrete float constants (closed-over weights): a contraction's mask rule reads which
+        # lanes their zeros mask (`weight`); set before the static liveness that asks
+        self.weights = dict(weights or {})
         self.structural = structural
         self.sweeps = sweeps
         self._known = dict(consts or {})
@@ -409,6 +416,10 @@ class Sweep:
             return False
         held = self.held(atom)
         return held is None or any(h == 0 for h in held)
+
+    def weight(self, atom: Any) -> Any:
+        """The value of a concrete float constant of the program, else None."""
+        return self.weights.get(atom) if isinstance(atom, Var) else None
 
     def carries_nothing(self, atom: Any) -> bool:
         if isinstance(atom, Literal):

@@ -195,7 +195,8 @@ def by_transpose_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     """Lanes that a linear data-movement op reads for live outputs: its transpose on the mask.
 
     The transpose of gather is scatter-add, of dynamic_slice is dynamic_update_slice, ...: JAX
-    already knows where every operand lane goes (in float32 at zero: the op is linear).
+    already knows where every operand lane goes (at zero, in the operand's dtype: the op is
+    linear, and a scatter's combiner is typed in that dtype).
     """
     masks = pulled_back_nonzero(eqn, outs, invals,
                                 lambda x, v: lax.full(shape_of(v), 0., dtype_of(v)))

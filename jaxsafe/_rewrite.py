@@ -254,8 +254,12 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
     exact, fixed = known_inputs or ({}, {})
     invars = closed.jaxpr.invars
     consts.update((invars[k], value) for k, value in exact.items())
+    weights = {v: c for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
+               if not isinstance(c, Tracer) and np.size(c) <= MAX_WEIGHT
+               and np.issubdtype(dtype_of(v), np.floating)}
     sweep = sweeps.get(closed.jaxpr, out_kinds, False, consts, out_syms=out_syms,
-                       known_inputs={invars[k]: held for k, held in fixed.items()})
+                       known_inputs={invars[k]: held for k, held in fixed.items()},
+                       weights=weights)
     report = Report(drops_of=functools.partial(drops_from, sweep))
     if finite_invars is None:
         finite_invars = [False] * len(closed.jaxpr.invars)
@@ -278,6 +282,11 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
     masked = plan_masked_bodies(closed, sweep, report, sweeps, anywhere, bad)
     decisions = plan_decisions(closed, sweep, sites, masked, report, found, bounds)
     return Plan(closed, sweep, nested, sites, masked, decisions, report)
+
+
+MAX_WEIGHT = 1 << 16
+"""Float constants up to this many lanes are read when the rewrite is planned (a contraction
+with a closed-over weight matrix: which lanes its zeros mask)."""
 
 
 def _small_integer_constants(closed: ClosedJaxpr) -> dict:

@@ -92,6 +92,16 @@ class Context(Protocol):
         as a factor that masks a product (`_carries.py`)."""
         ...
 
+    def held(self, atom: Any) -> Any:
+        """The values `atom` holds in its lanes that carry no derivative (`FreeValues.held`;
+        None: unknown)."""
+        ...
+
+    def weight(self, atom: Any) -> Any:
+        """The value of a concrete float constant of the program (a closed-over weight
+        matrix), else None."""
+        ...
+
     def carries_nothing(self, atom: Any) -> bool:
         """Whether no lane of `atom` carries a derivative of the inputs (a constant, a one-hot
         of integers), as a factor that masks a product sees it."""

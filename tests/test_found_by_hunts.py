@@ -893,3 +893,13 @@ def test_a_contraction_whose_weights_meet_every_lane_is_the_original_program():
     f = lambda x: jnp.sum(_norms(x) @ w)
     assert str(jaxsafe.make_jaxpr(f)(PADDED)) == str(jax.make_jaxpr(f)(PADDED))
     assert np.isnan(np.asarray(jax.grad(jaxsafe.nan_safe(f))(PADDED))[1]).all()
+
+
+def test_a_network_with_closed_over_weights_and_nothing_to_guard_is_the_original_program():
+    """Closed-over float weights carry no derivative, and a contraction with them masks only
+    the lanes their zeros meet whole: weights with no zero row mask nothing, and nothing is
+    guarded (the first version of the contraction rule guarded the `tanh` here)."""
+    w = jnp.arange(1., 7.).reshape(3, 2)
+    f = lambda x: jnp.sum(jnp.tanh(jax.nn.relu(x @ w.T @ w)) @ w.T)
+    x = jnp.ones(2)
+    assert str(jaxsafe.make_jaxpr(f)(x)) == str(jax.make_jaxpr(f)(x))
