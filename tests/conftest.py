@@ -101,7 +101,7 @@ def _in_tables(item) -> bool:
 
 # The longest parametrized sweeps outside the tables: `make test` runs the first cases of each
 # (in collection order), the rest are `tables` too (`make test-tables`, CI). Together they took
-# 270 of make test's 1206 worker-seconds (2026-11-29); the first cases cover each sweep's
+# 340 of make test's 1206 worker-seconds (2026-11-29); the first cases cover each sweep's
 # mechanism, the others its variants (more matrices, ops, distributions, wrappers).
 _SAMPLED = {
     ("test_linalg.py", "test_one_dropped_singular_matrix_of_a_batched_solve_is_cut"): 4,
@@ -116,6 +116,13 @@ _SAMPLED = {
      "test_a_rule_whose_hazard_is_in_an_output_the_program_does_not_read"): 1,
     ("test_hostile.py", "test_debug_nans_raises_no_false_alarm_on_value_guarded_lanes"): 6,
     ("test_found_by_hunts.py", "test_an_integer_constant_moved_inside_a_body"): 7,
+    ("test_linalg.py", "test_dropped_batch_elements_contribute_zero"): 3,
+    ("test_choosers.py", "test_a_running_extreme_reads_no_lane_after_its_last_live_output"): 2,
+    ("test_nonfinite_data.py", "test_an_activation_between_padded_rows_and_a_row_where"): 3,
+    ("test_found_by_hunts.py",
+     "test_a_custom_rule_whose_body_indexes_by_its_own_values_cuts_a_dropped_row"): 6,
+    ("test_composition.py", "test_transform_of_nan_safe_equals_transform_of_hand_fix"): 5,
+    ("test_already_safe.py", "test_hand_guarded_code_is_left_as_it_is"): 5,
 }
 
 
