@@ -331,22 +331,30 @@ def product_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
         return masks
     shape = shape_of(eqn.outvars[0])
     for k, j in ((0, 1), (1, 0)):
-        factor = eqn.invars[j]
-        if not _maskable(eqn.invars[k]) or not _may_mask(factor, ctx):
+        if not _maskable(eqn.invars[k]) or not _may_mask(eqn.invars[j], ctx):
             continue
-        if isinstance(factor, Literal):
-            carries: Mask = zeros(shape_of(factor))
-        else:
-            env = getattr(invals, "env", None)
-            if env is None:  # pragma: no cover - every caller reads operands from an env
-                continue
-            carries = ctx.carry_mask(factor, env, masking=True)
-            if carries is None:
-                continue
-        nonzero = lax.ne(invals[j], lax.full_like(invals[j], 0))
-        keeps = broadcast(lax.bitwise_or(nonzero, broadcast(carries, np.shape(nonzero))), shape)
-        masks[k] = fit(all_of([materialize(outs[0], shape), keeps]), shape_of(eqn.invars[k]))
+        kept = _kept_factor(eqn.invars[j], invals, j, ctx)
+        if kept is not None:
+            masks[k] = fit(all_of([materialize(outs[0], shape), broadcast(kept, shape)]),
+                           shape_of(eqn.invars[k]))
     return masks
+
+
+def _kept_factor(factor: Any, invals: Sequence[Any], j: int, ctx: Context) -> Mask:
+    """The lanes of a factor (operand j) that keep what they multiply: nonzero, or carrying a
+    derivative. None where every lane may."""
+    if isinstance(factor, Literal):
+        carries: Mask = zeros(shape_of(factor))
+    else:
+        env = getattr(invals, "env", None)
+        if env is None:  # pragma: no cover - every caller reads operands from an env
+            return None
+        carries = ctx.carry_mask(factor, env, masking=True)
+        if carries is None:
+            return None
+    value = invals[j]
+    return lax.bitwise_or(lax.ne(value, lax.full_like(value, 0)),
+                          broadcast(carries, np.shape(value)))
 
 
 def _may_mask(factor: Any, ctx: Context) -> bool:
@@ -641,20 +649,9 @@ def contraction_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     for k in (0, 1):
         if not _contraction_may_mask(eqn, k, ctx):
             continue
-        factor = eqn.invars[1 - k]
-        if isinstance(factor, Literal):
-            carries: Mask = zeros(shape_of(factor))
-        else:
-            env = getattr(invals, "env", None)
-            if env is None:  # pragma: no cover - every caller reads operands from an env
-                continue
-            carries = ctx.carry_mask(factor, env, masking=True)
-            if carries is None:
-                continue
-        value = invals[1 - k]
-        keep = lax.bitwise_or(lax.ne(value, lax.full_like(value, 0)),
-                              broadcast(carries, np.shape(value)))
-        masks[k] = _contracted_with(eqn, k, keep, outs[0])
+        kept = _kept_factor(eqn.invars[1 - k], invals, 1 - k, ctx)
+        if kept is not None:
+            masks[k] = _contracted_with(eqn, k, kept, outs[0])
     return masks
 
 
