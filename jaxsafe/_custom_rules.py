@@ -77,22 +77,18 @@ _TANGENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _FLAT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # call body -> its lane shapes (`_lanewise.lane_shapes`)
 _LANE_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_READING = threading.local()  # the call bodies whose tangent programs are being read
+_READING = threading.local()  # `depth`: how many rules' tangent programs are being read
 
 
 @contextlib.contextmanager
 def reading(eqn: JaxprEqn) -> Iterator[None]:
-    """While a call's tangent program is read, the same call inside it is read structurally
-    (a rule that calls itself for its primal output)."""
-    active = getattr(_READING, "bodies", None)
-    if active is None:
-        active = _READING.bodies = set()
-    body = call_jaxpr(eqn).jaxpr
-    active.add(body)
+    """While a call's tangent program is read, every custom rule called inside it is read
+    structurally (`reading_a_rule`); nested readings count, so leaving one keeps the outer."""
+    _READING.depth = getattr(_READING, "depth", 0) + 1
     try:
         yield
     finally:
-        active.discard(body)
+        _READING.depth -= 1
 
 
 def reading_a_rule() -> bool:
@@ -101,7 +97,7 @@ def reading_a_rule() -> bool:
     call is a new equation of a newly traced program, with a rule object of its own: read by
     value, they would be traced again at every depth (`jax.scipy.stats.truncnorm.cdf`'s nested
     `log_ndtr` took 19 seconds)."""
-    return bool(getattr(_READING, "bodies", None))
+    return getattr(_READING, "depth", 0) > 0
 
 
 def rule_tangents(eqn: JaxprEqn, ctx: Context) -> ClosedJaxpr | None:
