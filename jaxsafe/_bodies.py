@@ -17,8 +17,9 @@ import jax
 from jax import lax
 
 from ._compat import ClosedJaxpr, JaxprEqn, eval_jaxpr, scan_counts
-from ._lanewise import carry_kinds, carry_masks
+from ._lanewise import carry_kinds, carry_masks, carry_syms
 from ._rules import Kind, Mask
+from ._symbolic import Sym, foreign_keys_unknown
 
 PlanBody = Callable[[ClosedJaxpr, list[Kind]], Any]
 """(body, its outputs' kinds) -> the body's plan, or None when it needs no change."""
@@ -35,6 +36,12 @@ def _any_plan(plans: list) -> list | None:
     return plans if any(p is not None for p in plans) else None
 
 
+def _same_outputs(eqn: JaxprEqn, syms: Sequence[Sym]) -> list[Sym | None]:
+    """A body whose outputs are the equation's: a row that a `where` drops after a checkpoint
+    is a row inside it (a matmul's operand there is guarded without a run-time reduction)."""
+    return [foreign_keys_unknown(s, ()) for s in syms]
+
+
 def _body_fn(plan: Any, closed: ClosedJaxpr, emit_body: EmitBody) -> Callable:
     if plan is None:
         return lambda args, masks: eval_jaxpr(closed.jaxpr, closed.consts, *args)
@@ -44,7 +51,7 @@ def _body_fn(plan: Any, closed: ClosedJaxpr, emit_body: EmitBody) -> Callable:
 class RematBody:
     """`jax.checkpoint`: one body, re-staged through `jax.checkpoint` (it stays a checkpoint)."""
 
-    same_outputs = True
+    outside_syms = staticmethod(_same_outputs)
 
     def plan(self, eqn: JaxprEqn, out_kinds: Sequence[Kind], plan_body: PlanBody) -> list | None:
         return _any_plan([plan_body(ClosedJaxpr(eqn.params["jaxpr"], ()),
@@ -60,7 +67,7 @@ class RematBody:
 class CondBody:
     """`cond`: every branch, re-staged through `lax.switch`."""
 
-    same_outputs = True
+    outside_syms = staticmethod(_same_outputs)
 
     def plan(self, eqn: JaxprEqn, out_kinds: Sequence[Kind], plan_body: PlanBody) -> list | None:
         kinds = _body_out_kinds(out_kinds)
@@ -74,11 +81,11 @@ class CondBody:
 
 class ScanBody:
     """`scan`: the masks of the stacked outputs are scanned over with the inputs. The carries
-    stay live (their liveness would need a fixed point across iterations), except in a body that
-    computes lane by lane, where a carry's mask is the scan's lane mask at every step
-    (`_lanewise.py`)."""
+    stay live (their liveness would need a fixed point across iterations), except along the
+    axes that the body keeps aligned, where a carry's mask is the same at every step
+    (`_lanewise.py`, `_aligned.py`)."""
 
-    same_outputs = False
+    outside_syms = staticmethod(carry_syms)
 
     def plan(self, eqn: JaxprEqn, out_kinds: Sequence[Kind], plan_body: PlanBody) -> list | None:
         _, n_carry = scan_counts(eqn.params)

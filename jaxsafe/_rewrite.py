@@ -70,7 +70,7 @@ from ._plan import Plan
 from ._report import AnalysisFailedWarning, Report, failure_text, note_failure, strict
 from ._rules import Kind, rule_for
 from ._sites import place_guards
-from ._symbolic import Sym, foreign_keys_unknown
+from ._symbolic import Sym
 from ._taint import contains_hazard, nonfinite_anywhere, nonfinite_seeds
 
 
@@ -544,13 +544,13 @@ def plan_masked_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
     finite: dict[int, list[bool]] = {}
     cotangents: dict[int, list[bool]] = {}
     known: dict[int, BodyFacts] = {}
-    outside: list[Sym] | None = None
+    outside: list[Sym | None] | None = None
 
     unchanged: list[Report] = []  # what a body that guards nothing left, for the diagnostics
 
     def plan_body(body: ClosedJaxpr, out_kinds: list[Kind]) -> Plan | None:
         out_syms = None if outside is None else [
-            sym if kind_of_sym(sym) == kind else sym_of_kind(kind)
+            sym if sym is not None and kind_of_sym(sym) == kind else sym_of_kind(kind)
             for sym, kind in zip(outside, out_kinds, strict=True)]
         plan = plan_program(flatten(body), out_kinds, sweeps, finite.get(id(body.jaxpr)),
                             cotangents.get(id(body.jaxpr)), in_body=True,
@@ -577,8 +577,7 @@ def plan_masked_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
             known = _known_body_inputs(eqn, closed, sweep)
             # a row that a `where` drops after a checkpoint is a row inside it: a matmul's
             # operand there is guarded without a run-time reduction (the mask runs along rows)
-            outside = [foreign_keys_unknown(sweep.sym(o), ()) for o in eqn.outvars] \
-                if handler.same_outputs else None
+            outside = handler.outside_syms(eqn, [sweep.sym(o) for o in eqn.outvars])
             plans = handler.plan(eqn, out_kinds, plan_body)
         except Exception as e:
             note_failure(e, eqn, "masked-body")

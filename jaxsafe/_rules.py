@@ -316,9 +316,12 @@ class MaskedBody(Protocol):
     """A primitive whose body is rewritten again when the program around it drops some of its
     output lanes (liveness flows in from outside): `remat`, `cond`, `scan`."""
 
-    same_outputs: bool
-    """Each body's outputs are the equation's, lane for lane (a checkpoint, a cond branch; not
-    a scan's stacked outputs): the formulas outside carry in, as unknowns on the same axes."""
+    def outside_syms(self, eqn: JaxprEqn, syms: Sequence[Sym]) -> list[Sym | None]:
+        """The static formulas the body's outputs get from the equation's outputs' `syms` (None:
+        the formula of the output's kind). A checkpoint's or a cond branch's outputs are the
+        equation's, lane for lane: the formulas outside carry in, as unknowns on the same axes;
+        a scan's carries are the same along the axes its body does not keep aligned."""
+        ...
 
     def plan(self, eqn: JaxprEqn, out_kinds: Sequence[Kind],
              plan_body: Callable[[ClosedJaxpr, list[Kind]], Any]) -> list | None:

@@ -147,3 +147,36 @@ def test_jax_md_parameters_are_read_as_literals(monkeypatch):
     from jaxsafe import _rewrite
     monkeypatch.setattr(_rewrite, "inline_scalar_constants", lambda closed: closed)
     assert inlined < count()
+
+
+def test_flax_nn_scan_over_layers_with_padded_rows():
+    """Flax's scan over layers (`nn.scan` of a Dense + LayerNorm block): the padded rows of the
+    batch (NaN features) are dropped after the model, and every parameter's gradient is the one
+    of the same model on the real rows alone."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return nn.LayerNorm()(jnp.tanh(nn.Dense(4)(h))), None
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                            length=3)
+            return stack()(x, None)[0]
+
+    live = np.array([True, False, True, True, False])
+    x = jax.random.normal(jax.random.PRNGKey(0), (5, 4)).at[1].set(jnp.nan).at[4].set(jnp.inf)
+    model = Model()
+    params = model.init(jax.random.PRNGKey(1), x[live])
+
+    def loss(params, x, live):
+        out = model.apply(params, x)
+        return jnp.sum(jnp.where(live[:, None], out, 0.) ** 2)
+
+    safe = jaxsafe.nan_safe(loss)
+    assert np.isnan(jax.tree.leaves(jax.grad(loss)(params, x, live))[0]).all()
+    reference = jax.grad(loss)(params, x[live], jnp.ones(live.sum(), bool))
+    assert_close(jax.grad(safe)(params, x, jnp.asarray(live)), reference, rtol=2e-5, atol=1e-6)

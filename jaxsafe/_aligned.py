@@ -1,0 +1,260 @@
+"""Axes of a loop body that keep their lanes: row i stays row i through every equation.
+
+A scan over the layers of a network carries a batch of rows `h` of shape (B, D): every step
+contracts `h`'s feature axis with a weight (`h @ w`), normalizes along it, adds a bias, but never
+mixes two rows. Lane (i, *) of every value of the body then depends only on row i of the
+carries, of the constants and of the step's inputs that have that axis, and on the values that
+have no such axis at all. Liveness crosses such a scan as it crosses an elementwise one: row i of
+the operands is live exactly where row i of some output is, at some step.
+
+`aligned_axes` finds those axes with a union-find over (value, axis) pairs. Every equation
+joins the axes its row's `align` rule says run along each other (an elementwise operation's,
+a matmul's batch and free axes, a reduction's kept axes, a transpose's); an axis of more than one
+lane that an equation reduces, contracts or reads in any other way (a slice, a gather, a cumsum,
+a primitive without an `align` rule, a nested loop) *spoils* its class, and with it every axis
+joined to it. A class is also spoiled where two axes of one value fall in it (`h @ h.T`), or where
+two joined axes differ in size. Calls and the bodies of equations that run them once (`jit`, a
+`cond` on the step, a checkpoint, a custom rule's primal body) are joined to their operands and
+read with a worklist; a scan's carries are joined to the carries it returns.
+
+What is left is sound because no rule loses a class it keeps: a value without a class never
+depends on a value with it, and an output lane depends only on operand lanes at the same
+coordinate in every class they share. A body's inputs and outputs are given their classes as
+*groups* (classes that meet in one input or output, kept together so that a 2-D lane-by-lane
+scan keeps a 2-D mask), and a mask is formed per group and combined with `and` over the groups
+of a value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ._atoms import shape_of
+from ._compat import ClosedJaxpr, Jaxpr, Literal
+from ._nested import call_jaxpr, sub_jaxprs
+from ._rules import alignment, rule_for
+
+Node = tuple[Any, int]
+"""(a variable of the body, one of its axes)."""
+
+Placement = tuple["tuple[int, int] | None", ...]
+"""For each axis of a value: (its group, its place in the group), or None for an axis that
+keeps no class (spoiled, a single lane, or on its own)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Aligned:
+    """The classes of a body's inputs and outputs: the sizes of each group, in its order, and
+    where each input's and output's axes fall."""
+
+    groups: tuple[tuple[int, ...], ...]
+    inputs: tuple[Placement, ...]
+    outputs: tuple[Placement, ...]
+
+    def groups_of(self, placement: Placement) -> list[int]:
+        """The groups a value has an axis in."""
+        return sorted({a[0] for a in placement if a is not None})
+
+
+class _Classes:
+    """A union-find over (variable, axis) pairs, with the spoiled classes."""
+
+    def __init__(self) -> None:
+        self.parent: dict[Node, Node] = {}
+        self.size: dict[Node, int] = {}
+        self.spoiled: set[Node] = set()
+
+    def find(self, node: Node) -> Node:
+        root = node
+        while self.parent.setdefault(root, root) != root:
+            root = self.parent[root]
+        while node != root:  # path compression
+            up = self.parent[node]
+            self.parent[node] = root
+            node = up
+        return root
+
+    def add(self, var: Any) -> None:
+        for axis, n in enumerate(shape_of(var)):
+            self.size.setdefault((var, axis), n)
+
+    def spoil(self, var: Any, axis: int) -> None:
+        if isinstance(var, Literal) or shape_of(var)[axis] == 1:
+            return
+        self.add(var)
+        self.spoiled.add(self.find((var, axis)))
+
+    def spoil_all(self, var: Any) -> None:
+        for axis in range(len(shape_of(var))):
+            self.spoil(var, axis)
+
+    def join(self, a: Any, i: int, b: Any, j: int) -> None:
+        if isinstance(a, Literal) or isinstance(b, Literal):
+            return
+        self.add(a)
+        self.add(b)
+        ra, rb = self.find((a, i)), self.find((b, j))
+        if ra == rb:
+            return
+        self.parent[rb] = ra
+        if self.size[ra] != self.size[rb] or rb in self.spoiled:
+            self.spoiled.add(ra)
+
+    def join_values(self, a: Any, b: Any) -> bool:
+        """Join two values of one shape axis by axis; False (nothing joined) otherwise."""
+        if shape_of(a) != shape_of(b):
+            return False
+        for axis in range(len(shape_of(a))):
+            self.join(a, axis, b, axis)
+        return True
+
+    def kept(self, var: Any, axis: int) -> Node | None:
+        """The class of an axis that keeps one (of more than one lane, not spoiled)."""
+        if isinstance(var, Literal) or shape_of(var)[axis] == 1:
+            return None
+        self.add(var)
+        root = self.find((var, axis))
+        return None if root in self.spoiled else root
+
+
+def _link(classes: _Classes, outer_in: Sequence[Any], outer_out: Sequence[Any],
+          body: Jaxpr) -> None:
+    """Join a call's operands and results to its body's (the body reads the last operands: a
+    `cond`'s index comes first); any mismatch spoils the operands."""
+    n = len(body.invars)
+    ins = list(outer_in[len(outer_in) - n:]) if n <= len(outer_in) else None
+    if ins is None or len(body.outvars) != len(outer_out) or not all(
+            shape_of(a) == shape_of(b) for a, b in
+            (*zip(ins, body.invars, strict=True), *zip(outer_out, body.outvars, strict=True))):
+        for v in outer_in:
+            classes.spoil_all(v)
+        return
+    for a, b in (*zip(ins, body.invars, strict=True), *zip(outer_out, body.outvars, strict=True)):
+        classes.join_values(a, b)
+
+
+def _join_equation(classes: _Classes, eqn: Any) -> list[Jaxpr]:
+    """Join and spoil the axes of one equation; the bodies it runs once, to read next."""
+    rule = rule_for(eqn.primitive)
+    if rule.inline or rule.runs_bodies_once:
+        bodies = [call_jaxpr(eqn).jaxpr] if rule.inline else [b.jaxpr for b in sub_jaxprs(eqn)]
+        for body in bodies:
+            _link(classes, eqn.invars, eqn.outvars, body)
+        return bodies
+    if rule.paired:
+        for a, b in zip(eqn.invars, eqn.outvars, strict=True):
+            if not classes.join_values(a, b):
+                classes.spoil_all(a)
+        return []
+    for k, v in enumerate(eqn.invars):
+        along = alignment(eqn, k)
+        if along is None:
+            classes.spoil_all(v)
+            continue
+        for axis, out_axis in enumerate(along):
+            if out_axis is None:
+                classes.spoil(v, axis)
+            else:
+                classes.join(v, axis, eqn.outvars[0], out_axis)
+    return []
+
+
+def _read(classes: _Classes, closed: ClosedJaxpr) -> bool:
+    """Join and spoil along every equation of `closed` and the bodies it runs once (a
+    worklist); False for a body with effects (nothing is claimed of it)."""
+    pending, seen = [closed.jaxpr], {id(closed.jaxpr)}
+    while pending:
+        for eqn in pending.pop().eqns:
+            if eqn.effects:
+                return False
+            for body in _join_equation(classes, eqn):
+                if id(body) not in seen:
+                    seen.add(id(body))
+                    pending.append(body)
+    return True
+
+
+def _values(closed: ClosedJaxpr) -> Iterable[Any]:
+    """Every variable of `closed` and of the bodies it holds (iterative)."""
+    pending = [closed.jaxpr]
+    while pending:
+        jaxpr = pending.pop()
+        yield from jaxpr.invars
+        for eqn in jaxpr.eqns:
+            yield from eqn.outvars
+            pending.extend(body.jaxpr for body in sub_jaxprs(eqn))
+
+
+def _spoil_repeats(classes: _Classes, closed: ClosedJaxpr) -> None:
+    """A class that two axes of one value fall in (`h @ h.T`) has no one coordinate there."""
+    for v in _values(closed):
+        if isinstance(v, Literal):
+            continue
+        seen: set[Node] = set()
+        for axis in range(len(shape_of(v))):
+            root = classes.kept(v, axis)
+            if root is not None and root in seen:
+                classes.spoiled.add(root)
+            elif root is not None:
+                seen.add(root)
+
+
+def _groups(classes: _Classes, values: Sequence[Any]) -> list[list[Node]]:
+    """The classes of `values`, grouped: the classes that meet in one value form a component;
+    kept together, in the order of the first value that holds them all, or one group per class
+    where no value does."""
+    per_value = [[classes.kept(v, a) for a in range(len(shape_of(v)))]
+                 if not isinstance(v, Literal) else [] for v in values]
+    component: dict[Node, Node] = {}
+
+    def root(c: Node) -> Node:
+        while component.setdefault(c, c) != c:
+            c = component[c]
+        return c
+
+    for kept in per_value:
+        present = [c for c in kept if c is not None]
+        for c in present[1:]:
+            component[root(c)] = root(present[0])
+    members: dict[Node, list[Node]] = {}
+    for kept in per_value:
+        for c in kept:
+            if c is not None and c not in members.setdefault(root(c), []):
+                members[root(c)].append(c)
+    groups: list[list[Node]] = []
+    for part in members.values():
+        whole = next((kept for kept in per_value if set(part) <= set(kept)), None)
+        if whole is None:
+            groups.extend([c] for c in part)
+        else:
+            groups.append([c for c in whole if c in part])
+    return groups
+
+
+def aligned_axes(closed: ClosedJaxpr, loops: Sequence[tuple[int, int]] = ()) -> Aligned | None:
+    """The classes of `closed`'s inputs and outputs, `loops` (input, output) pairs joined (a
+    scan's carries), or None when no input or output keeps one (or the body has effects)."""
+    classes = _Classes()
+    jaxpr = closed.jaxpr
+    for i, o in loops:
+        if not classes.join_values(jaxpr.invars[i], jaxpr.outvars[o]):
+            classes.spoil_all(jaxpr.invars[i])  # pragma: no cover - a scan's carries match
+    if not _read(classes, closed):
+        return None
+    _spoil_repeats(classes, closed)
+    values = [*jaxpr.invars, *jaxpr.outvars]
+    groups = _groups(classes, values)
+    if not groups:
+        return None
+    where = {c: (g, i) for g, members in enumerate(groups) for i, c in enumerate(members)}
+
+    def placement(v: Any) -> Placement:
+        if isinstance(v, Literal):
+            return ()
+        return tuple(where.get(classes.kept(v, a)) for a in range(len(shape_of(v))))  # type: ignore[arg-type]
+
+    return Aligned(groups=tuple(tuple(classes.size[c] for c in g) for g in groups),
+                   inputs=tuple(placement(v) for v in jaxpr.invars),
+                   outputs=tuple(placement(v) for v in jaxpr.outvars))
