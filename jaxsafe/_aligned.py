@@ -17,12 +17,14 @@ two joined axes differ in size. Calls and the bodies of equations that run them 
 `cond` on the step, a checkpoint, a custom rule's primal body) are joined to their operands and
 read with a worklist; a scan's carries are joined to the carries it returns.
 
-What is left is sound because no rule loses a class it keeps: a value without a class never
-depends on a value with it, and an output lane depends only on operand lanes at the same
-coordinate in every class they share. A body's inputs and outputs are given their classes as
-*groups* (classes that meet in one input or output, kept together so that a 2-D lane-by-lane
-scan keeps a 2-D mask), and a mask is formed per group and combined with `and` over the groups
-of a value.
+A custom rule's derivative need not follow its primal body: a `custom_jvp`'s tangent program
+(traced once, `PrimitiveRule.rule_program`) is joined as well where it is not lane to lane, and
+a rule that cannot be read (a `custom_vjp`'s backward function) spoils its operands' axes.
+
+What is left is sound because no rule loses a class it keeps: a value never depends on a value
+with a class it lacks, and a lane depends only on the lanes of what it reads at the same
+coordinates in every class they share. So an input's lane is live exactly where some output
+that has all of the input's classes is live at those coordinates (`_lanewise.py`).
 """
 
 from __future__ import annotations
@@ -39,23 +41,21 @@ from ._rules import alignment, rule_for
 Node = tuple[Any, int]
 """(a variable of the body, one of its axes)."""
 
-Placement = tuple["tuple[int, int] | None", ...]
-"""For each axis of a value: (its group, its place in the group), or None for an axis that
-keeps no class (spoiled, a single lane, or on its own)."""
+Placement = tuple["int | None", ...]
+"""For each axis of a value: its class, or None for an axis that keeps none (spoiled, or a
+single lane)."""
+
+
+def classes_of(placement: Placement) -> frozenset[int]:
+    return frozenset(c for c in placement if c is not None)
 
 
 @dataclasses.dataclass(frozen=True)
 class Aligned:
-    """The classes of a body's inputs and outputs: the sizes of each group, in its order, and
-    where each input's and output's axes fall."""
+    """The classes of each axis of a body's inputs and outputs."""
 
-    groups: tuple[tuple[int, ...], ...]
     inputs: tuple[Placement, ...]
     outputs: tuple[Placement, ...]
-
-    def groups_of(self, placement: Placement) -> list[int]:
-        """The groups a value has an axis in."""
-        return sorted({a[0] for a in placement if a is not None})
 
 
 class _Classes:
@@ -139,10 +139,7 @@ def _join_equation(classes: _Classes, eqn: Any) -> list[Jaxpr]:
     """Join and spoil the axes of one equation; the bodies it runs once, to read next."""
     rule = rule_for(eqn.primitive)
     if rule.inline or rule.runs_bodies_once:
-        bodies = [call_jaxpr(eqn).jaxpr] if rule.inline else [b.jaxpr for b in sub_jaxprs(eqn)]
-        for body in bodies:
-            _link(classes, eqn.invars, eqn.outvars, body)
-        return bodies
+        return _join_bodies(classes, eqn, rule)
     if rule.paired:
         for a, b in zip(eqn.invars, eqn.outvars, strict=True):
             if not classes.join_values(a, b):
@@ -159,6 +156,34 @@ def _join_equation(classes: _Classes, eqn: Any) -> list[Jaxpr]:
             else:
                 classes.join(v, axis, eqn.outvars[0], out_axis)
     return []
+
+
+def _join_bodies(classes: _Classes, eqn: Any, rule: Any) -> list[Jaxpr]:
+    """A call's or a once-run body's axes joined to the equation's (a custom rule's derivative
+    too); the bodies, to read next."""
+    bodies = [call_jaxpr(eqn).jaxpr] if rule.inline else [b.jaxpr for b in sub_jaxprs(eqn)]
+    for body in bodies:
+        _link(classes, eqn.invars, eqn.outvars, body)
+    if rule.custom_rule:
+        bodies += _join_rule(classes, eqn, rule)
+    return bodies
+
+
+def _join_rule(classes: _Classes, eqn: Any, rule: Any) -> list[Jaxpr]:
+    """A custom rule's derivative, joined to the call where it may mix lanes its primal keeps
+    apart: its tangent program's primal and tangent inputs to the operands, its tangents to the
+    results. A rule that cannot be read spoils the operands (a `custom_vjp`'s backward may hand
+    a row's cotangent to another row)."""
+    readable, program = (False, None) if rule.rule_program is None else rule.rule_program(eqn)
+    n = len(eqn.invars)
+    if not readable or program is not None and len(program.jaxpr.invars) != 2 * n:
+        for v in eqn.invars:
+            classes.spoil_all(v)
+        return []
+    if program is None:
+        return []  # lane to lane: the primal body stands for it
+    _link(classes, [*eqn.invars, *eqn.invars], eqn.outvars, program.jaxpr)
+    return [program.jaxpr]
 
 
 def _read(classes: _Classes, closed: ClosedJaxpr) -> bool:
@@ -201,38 +226,6 @@ def _spoil_repeats(classes: _Classes, closed: ClosedJaxpr) -> None:
                 seen.add(root)
 
 
-def _groups(classes: _Classes, values: Sequence[Any]) -> list[list[Node]]:
-    """The classes of `values`, grouped: the classes that meet in one value form a component;
-    kept together, in the order of the first value that holds them all, or one group per class
-    where no value does."""
-    per_value = [[classes.kept(v, a) for a in range(len(shape_of(v)))]
-                 if not isinstance(v, Literal) else [] for v in values]
-    component: dict[Node, Node] = {}
-
-    def root(c: Node) -> Node:
-        while component.setdefault(c, c) != c:
-            c = component[c]
-        return c
-
-    for kept in per_value:
-        present = [c for c in kept if c is not None]
-        for c in present[1:]:
-            component[root(c)] = root(present[0])
-    members: dict[Node, list[Node]] = {}
-    for kept in per_value:
-        for c in kept:
-            if c is not None and c not in members.setdefault(root(c), []):
-                members[root(c)].append(c)
-    groups: list[list[Node]] = []
-    for part in members.values():
-        whole = next((kept for kept in per_value if set(part) <= set(kept)), None)
-        if whole is None:
-            groups.extend([c] for c in part)
-        else:
-            groups.append([c for c in whole if c in part])
-    return groups
-
-
 def aligned_axes(closed: ClosedJaxpr, loops: Sequence[tuple[int, int]] = ()) -> Aligned | None:
     """The classes of `closed`'s inputs and outputs, `loops` (input, output) pairs joined (a
     scan's carries), or None when no input or output keeps one (or the body has effects)."""
@@ -244,17 +237,16 @@ def aligned_axes(closed: ClosedJaxpr, loops: Sequence[tuple[int, int]] = ()) -> 
     if not _read(classes, closed):
         return None
     _spoil_repeats(classes, closed)
-    values = [*jaxpr.invars, *jaxpr.outvars]
-    groups = _groups(classes, values)
-    if not groups:
-        return None
-    where = {c: (g, i) for g, members in enumerate(groups) for i, c in enumerate(members)}
+    ids: dict[Node, int] = {}
 
     def placement(v: Any) -> Placement:
         if isinstance(v, Literal):
             return ()
-        return tuple(where.get(classes.kept(v, a)) for a in range(len(shape_of(v))))  # type: ignore[arg-type]
+        kept = [classes.kept(v, a) for a in range(len(shape_of(v)))]
+        return tuple(None if c is None else ids.setdefault(c, len(ids)) for c in kept)
 
-    return Aligned(groups=tuple(tuple(classes.size[c] for c in g) for g in groups),
-                   inputs=tuple(placement(v) for v in jaxpr.invars),
-                   outputs=tuple(placement(v) for v in jaxpr.outvars))
+    inputs = tuple(placement(v) for v in jaxpr.invars)
+    outputs = tuple(placement(v) for v in jaxpr.outvars)
+    if not ids:
+        return None
+    return Aligned(inputs=inputs, outputs=outputs)

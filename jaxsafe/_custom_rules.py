@@ -171,6 +171,22 @@ def tangent_program(eqn: JaxprEqn) -> _Tangents | None:
     return program
 
 
+def derivative_program(eqn: JaxprEqn) -> tuple[bool, ClosedJaxpr | None]:
+    """`PrimitiveRule.rule_program`: whether the rule's tangent program can be read, and the
+    program where it is not lane to lane (`lane_shapes`: one shape, elementwise equations; the
+    primal body then stands for it, at every order: it is the same rule)."""
+    tangents = tangent_program(eqn)
+    if tangents is None:
+        return False, None
+    program = tangents.program
+    shapes = _LANE_SHAPES.get(program.jaxpr, False)
+    if shapes is False:
+        shapes = _LANE_SHAPES[program.jaxpr] = lane_shapes(program)
+    if shapes is not None and len(shapes - {()}) <= 1:
+        return True, None
+    return True, program
+
+
 def _traced_tangents(eqn: JaxprEqn) -> _Tangents | None:
     """(primals, tangents) -> the call's tangent outputs, as the rule computes them; None where
     what it decides may read a tangent."""

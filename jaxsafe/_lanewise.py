@@ -1,24 +1,25 @@
-"""Scans that compute lane by lane: liveness crosses them, carries included.
+"""Scans whose axes stay aligned: liveness crosses them, carries included.
 
 A scan's carries in general need a fixed point over the iterations to know which of their lanes
 are live, so a scan is treated conservatively (every operand lane live where any output lane is,
-carries live in the body). But many scans compute lane by lane: Horner's rule over a vector
-(`jnp.polyval`, and with it `scipy.special.erfcx`, `dawsn`, `ndtri`), an iterated map over an
-array of states, an explicit integrator of elementwise dynamics. In such a body every value has
-one *lane shape* S (or is a scalar), and every equation is elementwise, so lane i of a carry at
-step t depends only on lane i of the carries, the S-shaped constants and the step's S-shaped
-inputs, and on the scalars. The fixed point is then immediate: lane i of every S-shaped operand is
-live exactly when lane i of some S-shaped output is live, at any step; scalar operands are live
-when anything is.
+carries live in the body). But many scans keep some axes aligned (`_aligned.py`): Horner's rule
+over a vector (`jnp.polyval`, and with it `scipy.special.erfcx`, `dawsn`, `ndtri`) and an
+iterated map keep every axis; a scan over layers keeps the rows of its batch through matmuls
+and norms; an RNN over time its batch rows. Lane i of a value along its aligned axes at step t
+depends only on lane i of what it reads, at that step and the ones before, so the fixed point is
+immediate: an operand's lane is live exactly where some output that has all of its classes is
+live at the same coordinates, at some step; an operand with no aligned axis is live where
+anything is.
 
-`lane_shape` recognizes such bodies (anything else: None, and the scan stays conservative);
-`scan_masks` / `scan_kinds` are the scan row's liveness rules; `carry_masks` gives the body's
-carries their masks when the body is rewritten (`_bodies.ScanBody`).
+`scan_masks` / `scan_kinds` are the scan row's liveness rules; `carry_masks` and `carry_syms`
+give the body's carries their masks and formulas when the body is rewritten
+(`_bodies.ScanBody`). `lane_shape` / `lane_shapes` (one shape, elementwise equations only) are
+what a custom rule's body is read by (`_custom_rules.py`).
 
 A scan without carries (`lax.map`) computes step by step, whatever its body: step t's outputs
 read step t's inputs and the constants only. A step of its stacked inputs is live exactly when
-some output of that step is (lane by lane too, for a lane-by-lane body), so a drop after a
-second `lax.map` reaches the first one's steps.
+some output of that step is (along its aligned axes too), so a drop after a second `lax.map`
+reaches the first one's steps.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from ._aligned import Aligned, Placement, aligned_axes
+from ._aligned import Aligned, Placement, aligned_axes, classes_of
 from ._atoms import shape_of
 from ._compat import ClosedJaxpr, JaxprEqn, scan_counts
-from ._masks import all_of, any_of, broadcast, broadcast_mask, place, reduce_any
+from ._masks import any_of, broadcast, broadcast_mask, place, reduce_any
 from ._nested import call_jaxpr, sub_jaxprs
 from ._rules import Context, Kind, Mask, rule_for
 from ._symbolic import Sym, unknown
@@ -103,59 +104,36 @@ def _per_step(k: int, stacked_from: int, shape: tuple) -> tuple:
 
 
 class _Anything:
-    """A group that no output has an axis in: its operands are live where anything is."""
+    """An operand with aligned axes that no output has all of: live where anything is."""
 
 
 ANYTHING = _Anything()
 
 
-def _group_masks(eqn: JaxprEqn, al: Aligned, outs: Sequence[Mask], steps: int | None
-                 ) -> list[Any]:
-    """Per group, its lanes live in some output: a lane of the group is live where some output
-    lane at its coordinates is (an output with only some of the group's axes is the same along
-    the others). `steps`: keep the step axis of that length (a scan without carries), else any
-    step counts."""
+def _projected(eqn: JaxprEqn, al: Aligned, outs: Sequence[Mask], placed: Placement,
+               shape: tuple, stacked: bool, steps: int | None) -> Mask | _Anything:
+    """The mask of a value with aligned axes (an operand, or a carry the body returns): its lane
+    is live where some output that has all of its classes is live at the same coordinates, at
+    some step (at that step, for a stacked input of a scan without carries: `steps`). An
+    output without one of its classes never reads it."""
+    mine = classes_of(placed)
     _, n_carry = scan_counts(eqn.params)
-    per_group: list[list[Mask]] = [[] for _ in al.groups]
-    for k, (m, placed) in enumerate(zip(outs, al.outputs, strict=True)):
-        stacked = int(k >= n_carry)
-        for g in al.groups_of(placed):
-            if m is None:
-                per_group[g].append(None)
-                continue
-            axes = [(j + stacked, a[1]) for j, a in enumerate(placed)
-                    if a is not None and a[0] == g]
-            kept = {j for j, _ in axes} | ({0} if steps is not None and stacked else set())
-            core = reduce_any(m, [d for d in range(m.ndim) if d not in kept])
-            lead = 1 if steps is not None else 0
-            to = ([0] if steps is not None and stacked else []) + [c + lead for _, c in axes]
-            shape = ((steps,) if steps is not None else ()) + al.groups[g]
-            per_group[g].append(place(core, to, shape))
-    return [any_of(masks) if masks else ANYTHING for masks in per_group]
-
-
-def _projected(groups: Sequence[Any], al: Aligned, placed: Placement, shape: tuple,
-               stacked: bool, steps: int | None) -> Mask | _Anything:
-    """The mask of an operand from its groups' masks: the and over its groups of the group's
-    lanes at the operand's coordinates (with the step axis for a stacked operand of a scan
-    without carries; reduced over the steps for any other)."""
-    lead = int(stacked)
+    where = {c: j + int(stacked) for j, c in enumerate(placed) if c is not None}
+    by_step = steps is not None and stacked
     parts: list[Mask] = []
-    for g in al.groups_of(placed):
-        gm = groups[g]
-        if gm is ANYTHING:
-            return ANYTHING
-        if gm is None:
+    for k, (m, theirs) in enumerate(zip(outs, al.outputs, strict=True)):
+        if not mine <= classes_of(theirs):
             continue
-        here = {a[1]: j + lead for j, a in enumerate(placed) if a is not None and a[0] == g}
-        step = 1 if steps is not None else 0
-        missing = [c + step for c in range(len(al.groups[g])) if c not in here]
-        if steps is not None and not stacked:
-            missing.append(0)
-        core = reduce_any(gm, missing)
-        to = ([0] if steps is not None and stacked else []) + [here[c] for c in sorted(here)]
+        if m is None:
+            return None
+        lead = int(k >= n_carry)
+        kept = {j + lead: c for j, c in enumerate(theirs) if c in mine}
+        if by_step:
+            kept[0] = -1  # the step axis
+        core = reduce_any(m, [d for d in range(m.ndim) if d not in kept])
+        to = [0 if kept[d] == -1 else where[kept[d]] for d in sorted(kept)]
         parts.append(place(core, to, shape))
-    return all_of(parts) if parts else None
+    return any_of(parts) if parts else ANYTHING
 
 
 def _anything(outs: Sequence[Mask]) -> Mask:
@@ -192,14 +170,13 @@ def scan_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     n_lead = sum(scan_counts(eqn.params))
     by_step = _step_by_step(eqn)
     steps = eqn.params["length"] if by_step else None
-    groups = _group_masks(eqn, al, outs, steps) if al is not None else []
     masks: list[Mask] = []
     for k, v in enumerate(eqn.invars):
         shape = shape_of(v)
         stacked = k >= n_lead
         m: Any = ANYTHING
-        if al is not None:
-            m = _projected(groups, al, al.inputs[k], shape, stacked, steps)
+        if al is not None and classes_of(al.inputs[k]):
+            m = _projected(eqn, al, outs, al.inputs[k], shape, stacked, steps)
         if m is ANYTHING and by_step and stacked:
             m = _step_mask(outs, shape)
         elif m is ANYTHING:
@@ -208,22 +185,16 @@ def scan_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     return masks
 
 
-def _group_kinds(eqn: JaxprEqn, al: Aligned, out_kinds: Sequence[Kind]) -> list[Kind | None]:
-    """Per group, the union of the kinds of the outputs with an axis in it (None: no output
-    has; an output that no lane reaches, such as an unused final carry, adds nothing)."""
-    kinds: list[Kind | None] = [None] * len(al.groups)
-    for placed, kind in zip(al.outputs, out_kinds, strict=True):
-        for g in al.groups_of(placed):
-            kinds[g] = kind if kinds[g] is None else max(kinds[g], kind)  # type: ignore[type-var]
-    return kinds
-
-
-def _aligned_kind(groups: Sequence[Kind | None], al: Aligned, placed: Placement) -> Kind | None:
-    """The kind of a value with aligned axes (None: it has none, or a group no output has)."""
-    mine = [groups[g] for g in al.groups_of(placed)]
-    if not mine or any(k is None for k in mine):
+def _aligned_kind(al: Aligned, placed: Placement, out_kinds: Sequence[Kind]) -> Kind | None:
+    """The kind of a value with aligned axes: the union of the kinds of the outputs that have
+    all of its classes (None: it has no class, or no output has them all; an output that no
+    lane reaches, such as an unused final carry, adds nothing)."""
+    mine = classes_of(placed)
+    if not mine:
         return None
-    return max(mine)  # type: ignore[type-var]
+    kinds = [kind for theirs, kind in zip(al.outputs, out_kinds, strict=True)
+             if mine <= classes_of(theirs)]
+    return max(kinds, default=None)
 
 
 def scan_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]:
@@ -233,10 +204,9 @@ def scan_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]
     al = scan_alignment(eqn)
     n_lead = sum(scan_counts(eqn.params))
     step = max(out_kinds) if _step_by_step(eqn) else None  # any step of any output
-    groups = _group_kinds(eqn, al, out_kinds) if al is not None else []
     kinds = []
     for k in range(len(eqn.invars)):
-        aligned = None if al is None else _aligned_kind(groups, al, al.inputs[k])
+        aligned = None if al is None else _aligned_kind(al, al.inputs[k], out_kinds)
         if aligned is not None:
             kinds.append(aligned)
         elif step is not None and k >= n_lead:
@@ -253,8 +223,7 @@ def carry_kinds(eqn: JaxprEqn, out_kinds: Sequence[Kind]) -> list[Kind]:
     al = scan_alignment(eqn)
     if al is None:
         return [Kind.LIVE] * n_carry
-    groups = _group_kinds(eqn, al, out_kinds)
-    kinds = [_aligned_kind(groups, al, al.outputs[i]) for i in range(n_carry)]
+    kinds = [_aligned_kind(al, al.outputs[i], out_kinds) for i in range(n_carry)]
     return [Kind.LIVE if k in (None, Kind.LIVE) else Kind.MAYBE for k in kinds]
 
 
@@ -266,17 +235,17 @@ def carry_masks(eqn: JaxprEqn, outs: Sequence[Mask]) -> list[Mask]:
     al = scan_alignment(eqn)
     if al is None:
         return [None] * n_carry
-    groups = _group_masks(eqn, al, outs, None)
     masks: list[Mask] = []
     for v, placed in zip(eqn.outvars[:n_carry], al.outputs, strict=False):
-        m = _projected(groups, al, placed, shape_of(v), False, None)
+        m = _projected(eqn, al, outs, placed, shape_of(v), False, None) \
+            if classes_of(placed) else None
         masks.append(None if m is ANYTHING else m)
     return masks
 
 
 def carry_syms(eqn: JaxprEqn, syms: Sequence[Sym]) -> list[Sym | None]:
     """The static formulas of the body's carry outputs: a carry with aligned axes is live along
-    them alone (its mask is a projection of the groups' masks: the same along its other axes,
+    them alone (its mask is a projection of the outputs' masks: the same along its other axes,
     so a matmul's operand there is guarded without a run-time reduction); the per-step outputs
     get their kinds' formulas."""
     n_carry = scan_counts(eqn.params)[1]

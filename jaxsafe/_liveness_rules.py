@@ -876,7 +876,7 @@ def reshape_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     return squeeze_masks(eqn, outs, invals, ctx)
 
 
-def reshape_alignment(eqn: JaxprEqn, k: int) -> list[int | None] | None:
+def squeeze_alignment(eqn: JaxprEqn, k: int) -> list[int | None] | None:
     """Only reshapes that insert or remove size-1 axes keep the other axes' lanes."""
     if k != 0:
         return None
@@ -889,6 +889,13 @@ def reshape_alignment(eqn: JaxprEqn, k: int) -> list[int | None] | None:
     for i, o in zip(big_in, big_out, strict=True):
         align[i] = o
     return align
+
+
+def reshape_alignment(eqn: JaxprEqn, k: int) -> list[int | None] | None:
+    """As `squeeze_alignment`, for a reshape that does not transpose first (`dimensions`)."""
+    if eqn.params.get("dimensions") is not None:
+        return None
+    return squeeze_alignment(eqn, k)
 
 
 def concatenate_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],

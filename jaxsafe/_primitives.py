@@ -82,6 +82,7 @@ from ._custom_rules import (
     custom_jvp_kinds,
     custom_jvp_masks,
     custom_jvp_syms,
+    derivative_program,
     rechoose,
     weighs_tangents,
     writes_its_zeros,
@@ -160,6 +161,7 @@ from ._liveness_rules import (
     sort_axis,
     split_masks,
     split_syms,
+    squeeze_alignment,
     squeeze_masks,
     stack_masks,
     stack_syms,
@@ -417,7 +419,7 @@ register_movement(prims.transpose_p, masks=transpose_masks, align=transpose_alig
 register_movement(prims.reshape_p, masks=reshape_masks, align=reshape_alignment,
                   static=reshape_syms, scalar_move=reshaped_scalar, bound=bounds.moved,
                   range=ranges.same_range, carries=MOVED, at_least=ZEROTH)
-register_movement(prims.squeeze_p, masks=squeeze_masks, align=reshape_alignment,
+register_movement(prims.squeeze_p, masks=squeeze_masks, align=squeeze_alignment,
                   static=aligned_syms, scalar_move=same_scalar, bound=bounds.moved,
                   range=ranges.same_range, carries=MOVED, at_least=ZEROTH)
 register_movement(prims.broadcast_in_dim_p, masks=broadcast_in_dim_masks,
@@ -557,7 +559,7 @@ register(prims.custom_jvp_call_p, masks=custom_jvp_masks, kinds=custom_jvp_kinds
          chooser=Chooser(rechoose, applies=confirms_selections, weighs=weighs_tangents,
                          guarded_results=False),
          cut_needless=writes_its_zeros,
-         custom_rule=True)
+         custom_rule=True, rule_program=derivative_program)
 register(prims.custom_vjp_call_p, masks=custom_rule_masks, kinds=custom_rule_kinds,
          runs_bodies_once=True,
          static=custom_rule_syms,

@@ -449,6 +449,11 @@ class PrimitiveRule:
     custom_rule: bool = False
     """A call whose derivative is the user's rule (`custom_jvp`, `custom_vjp`): not rewritten;
     its dropped input lanes are cut from differentiation when its body is NaN-prone."""
+    rule_program: Callable[[JaxprEqn], tuple[bool, ClosedJaxpr | None]] | None = None
+    """For a custom rule: whether its derivative can be read as a program, (primals, tangents)
+    -> tangents (a `custom_jvp`'s rule, traced once), and that program where it may mix lanes
+    its primal body keeps apart (None: it is lane to lane, the body stands for it). A row
+    without it (a `custom_vjp`, whose backward is a function) cannot be read."""
 
     zeros: Zeros | None = None
     """How structural zeros of a backward program pass through it (None: no output lane is

@@ -166,21 +166,83 @@ def test_a_live_padded_row_keeps_its_nan():
 
 def _placements(body, *args, loops=()):
     al = aligned_axes(jax.make_jaxpr(body)(*args), loops)
-    return None if al is None else (al.groups, al.inputs, al.outputs)
+    return None if al is None else (al.inputs, al.outputs)
 
 
 def test_aligned_axes_keeps_rows_and_spoils_what_mixes_them():
     h, w, v = jnp.ones((5, 4)), jnp.ones((4, 3)), jnp.ones(5)
-    groups, ins, outs = _placements(lambda h, w: jnp.tanh(h @ w), h, w)
-    assert groups == ((5, 3),) and ins[0] == ((0, 0), None) and ins[1] == (None, (0, 1))
-    assert outs[0] == ((0, 0), (0, 1))
-    # reductions along the rows, reversals, cumulative sums, h @ h.T: no class left for rows
-    assert _placements(lambda h: h.sum(0), h)[1][0] == (None, (0, 0))
-    assert _placements(lambda h: h[::-1] * 2., h)[1][0][0] is None
-    assert _placements(lambda h: jnp.cumsum(h, 0), h)[1][0][0] is None
+    ins, outs = _placements(lambda h, w: jnp.tanh(h @ w), h, w)
+    rows, cols = outs[0]
+    assert ins[0] == (rows, None) and ins[1] == (None, cols) and rows != cols
+    # a reduction along the rows keeps the features; reversals, cumulative sums, h @ h.T and a
+    # reshape that transposes first leave no class for the rows
+    assert _placements(lambda h: h.sum(0), h)[0][0][0] is None
+    assert _placements(lambda h: h[::-1] * 2., h)[0][0][0] is None
+    assert _placements(lambda h: jnp.cumsum(h, 0), h)[0][0][0] is None
     assert _placements(lambda h: (h @ h.T) @ h, h) is None
-    # a transpose keeps the class on another axis; a row vector broadcast along features too
-    groups, ins, outs = _placements(lambda h, v: h.T * v[None, :], h, v)
-    assert ins[0] == ((0, 0), (0, 1)) and ins[1] == ((0, 0),) and outs[0] == ((0, 1), (0, 0))
+    assert _placements(lambda h: lax.reshape(h, (4, 5), dimensions=(1, 0)), h)[0][0] == (None,
+                                                                                         None)
+    # a transpose keeps the classes on other axes; a row vector broadcast along features too
+    ins, outs = _placements(lambda h, v: h.T * v[None, :], h, v)
+    assert ins[1] == (ins[0][0],) and outs[0] == ins[0][::-1]
     # a loop whose carry comes back transposed cannot keep its rows
     assert _placements(lambda c: c.T, jnp.ones((3, 3)), loops=[(0, 0)]) is None
+
+
+def test_an_output_without_the_row_axis_does_not_keep_rows_live():
+    """A per-feature carry `s` (D,) never reads the (B, D) state: its liveness says nothing of
+    the state's rows, so the padded rows stay dropped (hunt S)."""
+    rows = jnp.asarray(LIVE)
+    x = jnp.where(rows[:, None], jax.random.normal(jax.random.PRNGKey(2), (5, 3)), nan)
+    a = jax.random.normal(jax.random.PRNGKey(4), (3, 3))
+    s0 = jax.random.normal(jax.random.PRNGKey(5), (3,))
+
+    def f(x, s0, a):
+        def step(carry, at):
+            h, s = carry
+            return (jnp.sqrt(h * h + 0.3) * s[None, :] + at[None, :], jnp.sin(s)), None
+        (h, s), _ = lax.scan(step, (x, s0), a)
+        return jnp.sum(jnp.where(rows[:, None], h, 0.)) + jnp.sum(s)
+
+    hand = lambda x, s0, a: f(jnp.where(rows[:, None], x, 1.), s0, a)  # noqa: E731
+    assert np.isnan(np.asarray(jax.grad(f, argnums=1)(x, s0, a))).all()
+    assert_close(jax.grad(jaxsafe.nan_safe(f), argnums=(1, 2))(x, s0, a),
+                 jax.grad(hand, argnums=(1, 2))(x, s0, a), rtol=2e-5, atol=1e-6)
+
+
+def _row_mixing_custom_vjp():
+    @jax.custom_vjp
+    def mix(h):
+        return h
+    mix.defvjp(lambda h: (h, None), lambda _, g: (g + g.mean(0, keepdims=True),))
+    return mix
+
+
+def _row_mixing_custom_jvp():
+    @jax.custom_jvp
+    def mix(h):
+        return h
+    mix.defjvp(lambda p, t: (p[0], t[0] + t[0].mean(0, keepdims=True)))
+    return mix
+
+
+@pytest.mark.parametrize("mix", [
+    lambda h: lax.reshape(h, h.shape[::-1], dimensions=(1, 0)),  # a transpose, as a reshape
+    _row_mixing_custom_vjp(),                                    # a rule that mixes rows
+    _row_mixing_custom_jvp(),
+], ids=["reshape_dimensions", "custom_vjp", "custom_jvp"])
+def test_rows_that_a_rule_or_a_transposing_reshape_mixes_stay_live(mix):
+    """Hunt S: the primal of each keeps rows apart (or seems to), its derivative or the
+    reshape's `dimensions` does not: with finite values nan_safe's gradient is plain JAX's."""
+    live = jnp.array([True, True, False, True])
+    w = jax.random.normal(jax.random.PRNGKey(0), (3, 4, 4)) * .5
+    x = jax.random.normal(jax.random.PRNGKey(2), (4, 4)) * .5
+
+    def f(w, x):
+        def layer(h, ww):
+            return jnp.tanh(mix(h) @ ww) + jnp.sqrt(h * h + 0.5), None
+        h, _ = lax.scan(layer, x, w)
+        return jnp.sum(jnp.where(live[:, None], h, 0.) ** 2)
+
+    assert_close(jax.grad(jaxsafe.nan_safe(f), argnums=(0, 1))(w, x),
+                 jax.grad(f, argnums=(0, 1))(w, x), rtol=2e-5, atol=1e-7)
