@@ -17,7 +17,7 @@ import jax
 from jax import lax
 
 from ._compat import ClosedJaxpr, JaxprEqn, eval_jaxpr, scan_counts
-from ._lanewise import carry_kinds, carry_masks, carry_syms
+from ._lanewise import body_syms, carry_kinds, carry_masks
 from ._rules import Kind, Mask
 from ._symbolic import Sym, foreign_keys_unknown
 
@@ -85,7 +85,7 @@ class ScanBody:
     axes that the body keeps aligned, where a carry's mask is the same at every step
     (`_lanewise.py`, `_aligned.py`)."""
 
-    outside_syms = staticmethod(carry_syms)
+    outside_syms = staticmethod(body_syms)
 
     def plan(self, eqn: JaxprEqn, out_kinds: Sequence[Kind], plan_body: PlanBody) -> list | None:
         _, n_carry = scan_counts(eqn.params)

@@ -11,7 +11,7 @@ immediate: an operand's lane is live exactly where some output that has all of i
 live at the same coordinates, at some step; an operand with no aligned axis is live where
 anything is.
 
-`scan_masks` / `scan_kinds` are the scan row's liveness rules; `carry_masks` and `carry_syms`
+`scan_masks` / `scan_kinds` are the scan row's liveness rules; `carry_masks` and `body_syms`
 give the body's carries their masks and formulas when the body is rewritten
 (`_bodies.ScanBody`). `lane_shape` / `lane_shapes` (one shape, elementwise equations only) are
 what a custom rule's body is read by (`_custom_rules.py`).
@@ -34,7 +34,7 @@ from ._compat import ClosedJaxpr, JaxprEqn, scan_counts
 from ._masks import any_of, broadcast, broadcast_mask, place, reduce_any
 from ._nested import call_jaxpr, sub_jaxprs
 from ._rules import Context, Kind, Mask, rule_for
-from ._symbolic import Sym, unknown
+from ._symbolic import Sym, one_step, unknown
 
 
 def _lane_to_lane(eqn: JaxprEqn) -> bool:
@@ -243,14 +243,16 @@ def carry_masks(eqn: JaxprEqn, outs: Sequence[Mask]) -> list[Mask]:
     return masks
 
 
-def carry_syms(eqn: JaxprEqn, syms: Sequence[Sym]) -> list[Sym | None]:
-    """The static formulas of the body's carry outputs: a carry with aligned axes is live along
-    them alone (its mask is a projection of the outputs' masks: the same along its other axes,
-    so a matmul's operand there is guarded without a run-time reduction); the per-step outputs
-    get their kinds' formulas."""
+def body_syms(eqn: JaxprEqn, syms: Sequence[Sym]) -> list[Sym | None]:
+    """The static formulas of the body's outputs (`MaskedBody.outside_syms`). A carry with
+    aligned axes is live along them alone: its mask is a projection of the outputs' masks, the
+    same along its other axes, so a matmul's operand there is guarded without a run-time
+    reduction. A per-step output has, at each step, its mask outside at that step: the same
+    along the axes its formula outside does not run along (`one_step`). Other carries get their
+    kinds' formulas."""
     n_carry = scan_counts(eqn.params)[1]
     al = scan_alignment(eqn)
-    out: list[Sym | None] = [None] * len(eqn.outvars)
+    out: list[Sym | None] = [None] * n_carry + [one_step(s) for s in syms[n_carry:]]
     if al is None:
         return out
     for i in range(n_carry):

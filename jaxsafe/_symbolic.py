@@ -117,6 +117,19 @@ def foreign_keys_unknown(sym: Sym, own: Container) -> Sym:
     return _simplify({frozenset(local(lit) for lit in term) for term in sym})
 
 
+def one_step(sym: Sym) -> Sym:
+    """The formula of one step of a stacked value whose formula is `sym` (axis 0 the step): each
+    literal an unknown over the other axes, moved down one (a literal along the steps is a
+    different mask at each step, still the same along the axes it does not run along)."""
+    def step(lit: Lit) -> Lit:
+        embed = lit[2]
+        return (Unknown(), True,
+                None if embed is None else tuple(e - 1 for e in embed if e is not None and e != 0))
+    if sym in (TRUE, FALSE):
+        return sym
+    return _simplify({frozenset(step(lit) for lit in term) for term in sym})
+
+
 def negate(lit: Lit) -> Lit:
     return (lit[0], not lit[1], lit[2])
 

@@ -246,3 +246,23 @@ def test_rows_that_a_rule_or_a_transposing_reshape_mixes_stay_live(mix):
 
     assert_close(jax.grad(jaxsafe.nan_safe(f), argnums=(0, 1))(w, x),
                  jax.grad(f, argnums=(0, 1))(w, x), rtol=2e-5, atol=1e-7)
+
+
+def test_per_step_outputs_computed_from_the_new_rows():
+    """The per-step output is computed from the carry the step returns, and only it is read
+    after the scan: the body's per-step masks run along the rows alone (their formula outside,
+    at one step), so the first matmul's operand in a padded row is guarded (hunt S)."""
+    params, x = _weights(6), _rows()
+    live = jnp.asarray(LIVE)
+
+    def f(params, x, live):
+        def layer(h, wb):
+            h = jnp.tanh(h @ wb[0] + wb[1][None, :])
+            return h, jnp.log1p(h ** 2)
+        _, ys = lax.scan(layer, x, params)
+        return jnp.sum(jnp.where(live[None, :, None], ys, 0.))
+
+    safe = jaxsafe.nan_safe(f)
+    assert np.isnan(np.asarray(jax.grad(f)(params, x, live)[0])).all()
+    reference = jax.grad(f)(params, x[LIVE], jnp.ones(LIVE.sum(), bool))
+    assert_close(jax.grad(safe)(params, x, live), reference, rtol=2e-5, atol=1e-6)
