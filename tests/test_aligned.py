@@ -266,3 +266,18 @@ def test_per_step_outputs_computed_from_the_new_rows():
     assert np.isnan(np.asarray(jax.grad(f)(params, x, live)[0])).all()
     reference = jax.grad(f)(params, x[LIVE], jnp.ones(LIVE.sum(), bool))
     assert_close(jax.grad(safe)(params, x, live), reference, rtol=2e-5, atol=1e-6)
+
+
+def test_a_step_dropped_whole_guards_a_matmul_in_the_body():
+    """A per-step output dropped whole at one step (`where(step_mask[:, None, None], ys, 0.)`):
+    at that step the body's mask is the same in every lane, so `x @ w`'s operand holding NaN
+    there is guarded without a run-time reduction (it was left before)."""
+    def f(w, xs):
+        ys = lax.scan(lambda c, x: (c, x @ w), 0., xs)[1]
+        return jnp.sum(jnp.where(jnp.array([True, False])[:, None, None], ys, 0.) ** 2)
+
+    w = jax.random.normal(jax.random.PRNGKey(8), (2, 2))
+    xs = jax.random.normal(jax.random.PRNGKey(9), (2, 2, 2)).at[1].set(nan)
+    assert np.isnan(np.asarray(jax.grad(f)(w, xs))).all()
+    reference = jax.grad(lambda w: jnp.sum((xs[0] @ w) ** 2))(w)
+    assert_close(jax.grad(jaxsafe.nan_safe(f))(w, xs), reference, rtol=1e-5)
