@@ -463,6 +463,37 @@ def _euler(quick: bool) -> Workload:
                     argnums=(0, 1))
 
 
+# --------------------------------------------------------------------------- 11. scan over layers
+
+def _layer_stack(clean_rows: bool):
+    """A pre-norm residual MLP scanned over its layers (`lax.scan`, as Flax's `nn.scan` and
+    Equinox stack them), on a batch whose padded rows hold NaN; the loss drops them after the
+    model. The hand fix cleans the padded rows before the scan."""
+    def loss(params, x, live):
+        if clean_rows:
+            x = jnp.where(live[:, None], x, 0.)
+
+        def layer(h, wb):
+            w, b = wb
+            mu = h.mean(-1, keepdims=True)
+            z = (h - mu) / jnp.sqrt(((h - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
+            return h + jnp.tanh(z @ w + b[None, :]), None
+        h, _ = jax.lax.scan(layer, x, params)
+        return jnp.sum(jnp.where(live[:, None], h, 0.) ** 2)
+    return loss
+
+
+def _scan_layers(quick: bool) -> Workload:
+    n, d, layers = (256, 64, 4) if quick else (4096, 256, 12)
+    k1, k2, k3 = jax.random.split(jax.random.key(11), 3)
+    params = (jax.random.normal(k1, (layers, d, d), jnp.float32) / math.sqrt(d),
+              0.1 * jax.random.normal(k2, (layers, d), jnp.float32))
+    live = jnp.arange(n) % 4 != 3                      # a quarter of the rows is padding
+    x = jnp.where(live[:, None], jax.random.normal(k3, (n, d), jnp.float32), jnp.nan)
+    return Workload("scan over layers, padded rows", f"{n} rows, d={d}, {layers} layers",
+                    _layer_stack(False), _layer_stack(True), (params, x, live))
+
+
 # --------------------------------------------------------------------------- 10. jax-md pairs
 
 def _jax_md(quick: bool) -> Workload | None:
@@ -480,7 +511,7 @@ def _jax_md(quick: bool) -> Workload | None:
 
 
 BUILDERS = (_piecewise, _lennard_jones, _attention, _gaussian, _transformer, _physics,
-            _pool_cnn, _moe, _euler, _jax_md)
+            _pool_cnn, _moe, _euler, _jax_md, _scan_layers)
 
 
 def workloads(quick: bool) -> list[Workload]:

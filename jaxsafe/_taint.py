@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence, Set
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from jax import lax
@@ -31,6 +31,7 @@ from ._atoms import dtype_of, is_float, is_nonfinite_literal, literal_value, sha
 from ._bounds import (
     Bounds,
     of_program,
+    operand_in_domain,
     value_finite_above_bound,
     value_finite_in_range,
 )
@@ -294,20 +295,23 @@ def nonfinite_anywhere(closed: ClosedJaxpr, seeds: set) -> set:
         if reads and rule_for(eqn.primitive).selection is not None:
             reads = [k for k in reads
                      if not selected_only_where_finite(eqn, k, producer.get, bounds_of(), tainted)]
-        if reads or may_produce_nonfinite(eqn) and not _proven_finite(eqn, bounds_of):
+        if reads or may_produce_nonfinite(eqn) and not _proven_finite(eqn, bounds_of, tainted):
             tainted.update(o for o in eqn.outvars if is_float(o))
     return tainted
 
 
-def _proven_finite(eqn: JaxprEqn, bounds_of: Callable[[], Bounds]) -> bool:
+def _proven_finite(eqn: JaxprEqn, bounds_of: Callable[[], Bounds], tainted: set) -> bool:
     """Whether a NaN-prone `eqn` is finite in every lane for finite operands, by a bound or a
     range of what it reads: `sqrt` of a sum of squares, `(1 - where(d < 1, d, 0)) ** 2.5` of a
     distance and `exp(-alpha * (r - sigma))` of a distance r >= 0 (their ranges' ends are
-    finite)."""
+    finite), a softmax's quotient by a sum at least 1 of terms at most 1 (a bounded divisor)."""
     rule = rule_for(eqn.primitive)
+    divisor = rule.divisor
     checks: list[tuple[bool, Callable[[JaxprEqn, Any], bool]]] = [
         (rule.decreasing, value_finite_above_bound),
-        (rule.range is not None, value_finite_in_range)]
+        (rule.range is not None, value_finite_in_range),
+        (divisor is not None,
+         lambda eqn, bounds: operand_in_domain(eqn, cast(int, divisor), bounds, tainted))]
     if rule.finite_when is not None:
         checks.append((True, rule.finite_when))
     return any(applies and check(eqn, bounds_of()) for applies, check in checks)

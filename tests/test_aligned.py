@@ -281,3 +281,19 @@ def test_a_step_dropped_whole_guards_a_matmul_in_the_body():
     assert np.isnan(np.asarray(jax.grad(f)(w, xs))).all()
     reference = jax.grad(lambda w: jnp.sum((xs[0] @ w) ** 2))(w)
     assert_close(jax.grad(jaxsafe.nan_safe(f))(w, xs), reference, rtol=1e-5)
+
+
+def test_softmax_layers_with_finite_arguments_are_the_original():
+    """Contract 4 (hunt T): with `finite_args`, a carry that a softmax makes is finite (its
+    quotient has a divisor at least 1 and a numerator at most 1), so the body's matmul of the
+    carry needs no guard in the rows dropped after the scan; unrolled, it never did."""
+    live = jnp.array([True, True, False, True])
+    w = jax.random.normal(jax.random.PRNGKey(0), (3, 3, 3)) * .5
+    x = jax.random.normal(jax.random.PRNGKey(2), (4, 3))
+
+    def f(w, x):
+        h, _ = lax.scan(lambda h, ww: (jax.nn.softmax(h @ ww, axis=1), None), x, w)
+        return jnp.sum(jnp.where(live[:, None], h, 0.) ** 2)
+
+    assert structure(jaxsafe.make_jaxpr(f, finite_args=True)(w, x)) == \
+        structure(jax.make_jaxpr(f)(w, x))
