@@ -13,8 +13,8 @@ anything is.
 
 `scan_masks` / `scan_kinds` are the scan row's liveness rules; `carry_masks` and `body_syms`
 give the body's carries their masks and formulas when the body is rewritten
-(`_bodies.ScanBody`). `lane_shape` / `lane_shapes` (one shape, elementwise equations only) are
-what a custom rule's body is read by (`_custom_rules.py`).
+(`_bodies.ScanBody`). `lane_shapes` (one shape, elementwise equations only) is what a custom
+rule's body is read by (`_custom_rules.py`).
 
 A scan without carries (`lax.map`) computes step by step, whatever its body: step t's outputs
 read step t's inputs and the constants only. A step of its stacked inputs is live exactly when
@@ -45,25 +45,11 @@ def _lane_to_lane(eqn: JaxprEqn) -> bool:
     return rule.broadcast and all(shape_of(v) == () for v in eqn.invars)
 
 
-def lane_shape(closed: ClosedJaxpr) -> tuple[int, ...] | None:
-    """The one non-scalar shape of every value of a lane-by-lane body, or None when the body is
-    not lane by lane (a reduction, a reshape, a nested loop, two non-scalar shapes, or only
-    scalars, where there is nothing to gain). Inlined calls (`jnp.where`'s `jit`) and the
-    bodies of equations that compute as their bodies do (`PrimitiveRule.runs_bodies_once`: a
-    `cond` on the step, a `jax.checkpoint`, a custom rule read as its primal body, as
-    `custom_rule_masks` reads it) are looked into, with a worklist."""
-    shapes = lane_shapes(closed)
-    if shapes is None:
-        return None
-    shapes.discard(())
-    if len(shapes) != 1:
-        return None
-    return shapes.pop()
-
-
 def lane_shapes(closed: ClosedJaxpr) -> set[tuple[int, ...]] | None:
-    """The shapes of the values of a body that computes lane by lane (`lane_shape`), scalars
-    included, or None when it does not."""
+    """The shapes of the values of a body that computes lane by lane (every equation elementwise,
+    a per-lane selection or a scalar broadcast; inlined calls and the bodies of equations that
+    run them once are looked into, with a worklist), scalars included, or None when it does
+    not."""
     shapes: set[tuple[int, ...]] = set()
     pending = [closed.jaxpr]
     while pending:
@@ -96,11 +82,6 @@ def scan_alignment(eqn: JaxprEqn) -> Aligned | None:
         loops = [(n_consts + i, i) for i in range(n_carry)]
         _ALIGNED[body.jaxpr] = aligned_axes(body, loops)
     return _ALIGNED[body.jaxpr]
-
-
-def _per_step(k: int, stacked_from: int, shape: tuple) -> tuple:
-    """The shape one step sees of input or output k (stacked ones lose their step axis)."""
-    return shape[1:] if k >= stacked_from else shape
 
 
 class _Anything:

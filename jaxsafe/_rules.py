@@ -440,8 +440,9 @@ class PrimitiveRule:
     """Its bodies take their inputs from its operands and give its outputs, run once, with no
     step of their own (a `cond`'s branches, a `jax.checkpoint`, a custom rule's primal body,
     `shard_map`'s per device): a body's outputs receive the equation's outputs' cotangents
-    (`_cotangents.body_cotangents`), and it computes lane by lane where every body does
-    (`_lanewise.lane_shape`: a `cond` on the step in a scan's body)."""
+    (`_cotangents.body_cotangents`), and its bodies' axes are joined to its operands' where a
+    scan's body is read for aligned axes (`_aligned.py`: a `cond` on the step in a scan's
+    body)."""
     cut_needless: Callable[[JaxprEqn], bool] | None = None
     """For a custom rule: whether this call's rule never weighs a zero cotangent by an
     operand's value and makes no NaN itself, so its dropped operand lanes need no cut (None:

@@ -254,9 +254,9 @@ def walk(node):
 
 
 def lanewise(node, env: dict) -> bool:
-    """Whether a scan's body computes lane by lane (jaxsafe's `_lanewise.lane_shape`): its
-    carry is a vector (not a scalar) and every operation in it is elementwise; the only
-    non-elementwise operation a body can hold is an iota-built mask."""
+    """Whether a scan's body computes lane by lane (the elementwise case of jaxsafe's
+    `_aligned.py`): its carry is a vector (not a scalar) and every operation in it is
+    elementwise; the only non-elementwise operation a body can hold is an iota-built mask."""
     _, xs, _, t, y, _ = node
     if shape_of(xs, env) != "M":
         return False

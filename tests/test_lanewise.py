@@ -14,7 +14,7 @@ from helpers import assert_bitwise, assert_close, structure
 from jax import lax
 
 import jaxsafe
-from jaxsafe._lanewise import lane_shape
+from jaxsafe._aligned import aligned_axes
 
 # a numerics sweep: the modules of nan_safe's tracing paths check for tracer leaks (conftest)
 pytestmark = pytest.mark.no_leak_check
@@ -112,7 +112,7 @@ def test_a_body_that_mixes_lanes_stays_conservative():
         return jnp.sum(jnp.where(x > 0, c, 0.))
 
     x = jnp.array([1., -1., 4.])
-    assert lane_shape(jax.make_jaxpr(lambda c: jnp.sqrt(c) + c.sum())(x)) is None
+    assert _aligned(lambda c: jnp.sqrt(c) + c.sum(), x) is None
     assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
     assert_close(jax.grad(jaxsafe.nan_safe(f))(x), jax.grad(f)(x))
 
@@ -126,13 +126,20 @@ def test_a_scan_whose_every_lane_is_live_is_unchanged():
     assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
 
 
-def test_lane_shape_recognizes_lane_by_lane_bodies_only():
+def _aligned(step, *args):
+    """The aligned axes of a scan body `step` whose first input comes back as its output."""
+    return aligned_axes(jax.make_jaxpr(step)(*args), [(0, 0)])
+
+
+def test_aligned_axes_of_lane_by_lane_bodies():
     v = jnp.ones(3)
-    assert lane_shape(jax.make_jaxpr(lambda c, s: jnp.where(c > s, c * s, 1.))(v, 2.)) == (3,)
-    assert lane_shape(jax.make_jaxpr(lambda c: c[::-1])(v)) is None            # moves lanes
-    assert lane_shape(jax.make_jaxpr(lambda c: c @ c * c)(v)) is None          # contracts
-    assert lane_shape(jax.make_jaxpr(lambda c, m: c + m.sum())(v, jnp.ones((2, 3)))) is None
-    assert lane_shape(jax.make_jaxpr(lambda s: s * 2.)(2.)) is None            # scalars only
+    al = _aligned(lambda c, s: jnp.where(c > s, c * s, 1.), v, 2.)
+    assert al.inputs[0] == al.outputs[0] and al.inputs[0][0] is not None and al.inputs[1] == ()
+    assert _aligned(lambda c: c[::-1], v) is None                 # moves lanes
+    assert _aligned(lambda c: c @ c * c, v) is None               # contracts
+    assert _aligned(lambda s: s * 2., 2.) is None                 # scalars only
+    al = _aligned(lambda c, m: c + m.sum(), v, jnp.ones((2, 3)))  # a scalar of other values
+    assert al.inputs[0][0] is not None and al.inputs[1] == (None, None)
 
 
 def test_an_unused_final_carry_drops_nothing():
