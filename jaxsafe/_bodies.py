@@ -16,8 +16,10 @@ from typing import Any
 import jax
 from jax import lax
 
+from ._atoms import shape_of
 from ._compat import ClosedJaxpr, JaxprEqn, eval_jaxpr, scan_counts
 from ._lanewise import body_syms, carry_kinds, carry_masks
+from ._masks import Placed, factor
 from ._rules import Kind, Mask
 from ._symbolic import Sym, foreign_keys_unknown
 
@@ -46,6 +48,11 @@ def _body_fn(plan: Any, closed: ClosedJaxpr, emit_body: EmitBody) -> Callable:
     if plan is None:
         return lambda args, masks: eval_jaxpr(closed.jaxpr, closed.consts, *args)
     return lambda args, masks: emit_body(plan, masks, args)
+
+
+def _placed(mask: Mask, shape: tuple) -> Placed:
+    core, axes = factor(mask)
+    return Placed(core, tuple(shape), tuple(axes))
 
 
 class RematBody:
@@ -100,7 +107,11 @@ class ScanBody:
         consts, init, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
                             invals[n_consts + n_carry:])
         fn = _body_fn(plans[0], params["jaxpr"], emit_body)
-        carried = carry_masks(eqn, out_masks)
+        # a carry's mask runs along its aligned axes: its core enters the loop, and is broadcast
+        # in the body's trace, where what reduces it reduces the core (no OR over a padded row's
+        # features at every step)
+        carried = [None if m is None else _placed(m, shape_of(v))
+                   for m, v in zip(carry_masks(eqn, out_masks), eqn.outvars, strict=False)]
 
         def body(carry, x_and_masks):
             x, masks = x_and_masks

@@ -27,6 +27,7 @@ from ._atoms import is_float, literal_value, shape_of
 from ._compat import Literal, Var, bind_eqn
 from ._liveness import LazyOperands, RuntimeMasks
 from ._masks import (
+    Placed,
     all_of,
     broadcast,
     mask_scope,
@@ -52,6 +53,7 @@ def emit_masked(plan: Plan, out_masks: Sequence[Mask], args: Sequence[Any],
     """The planned program on `args`, its outputs dropped where `out_masks` are False (a body
     that the program around it drops in places)."""
     with mask_scope():  # one trace: the masks' bookkeeping must not outlive it
+        out_masks = [m.made() if isinstance(m, Placed) else m for m in out_masks]
         emitter = _Emitter(plan, out_masks, args)
         eqns = plan.closed.jaxpr.eqns
         i = 0

@@ -196,6 +196,20 @@ def broadcast_mask(src, shape, dims: Sequence[int]) -> jax.Array:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """A mask to be made in the trace that reads it (a loop's body): `core` broadcast to
+    `shape` along `axes`, remembered there as a broadcast, so that what reduces it reduces the
+    core (a carry's row mask, not an OR over each row's features at every step)."""
+
+    core: Any
+    shape: tuple
+    axes: tuple
+
+    def made(self) -> jax.Array:
+        return broadcast_mask(self.core, self.shape, self.axes)
+
+
 def selecting(mask, shape) -> jax.Array:
     """`mask` at `shape` for one `select_n`: a broadcast is emitted afresh for each select that
     reads it, so that XLA's sharding propagation can place each one as the value it selects (a

@@ -297,3 +297,16 @@ def test_softmax_layers_with_finite_arguments_are_the_original():
 
     assert structure(jaxsafe.make_jaxpr(f, finite_args=True)(w, x)) == \
         structure(jax.make_jaxpr(f)(w, x))
+
+
+def test_the_carry_mask_enters_the_loop_as_its_rows():
+    """The carries' mask runs along rows: its core (one flag per row) enters the scan and is
+    broadcast inside, so no step ORs a row's features to find it again."""
+    params, x = _weights(0), _rows()
+    f = lambda p, x: _loss(p, x, jnp.asarray(LIVE), True)  # noqa: E731
+    closed = jaxsafe.make_jaxpr(f)(params, x)
+    scans = [e for e in closed.jaxpr.eqns if e.primitive is lax.scan_p]
+    assert len(scans) == 1
+    body = scans[0].params["jaxpr"].jaxpr
+    assert any(v.aval.shape == (len(LIVE),) and v.aval.dtype == bool for v in body.invars)
+    assert not any(e.primitive is lax.reduce_or_p for e in body.eqns)
