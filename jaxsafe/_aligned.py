@@ -30,7 +30,7 @@ that has all of the input's classes is live at those coordinates (`_lanewise.py`
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ._atoms import shape_of
@@ -186,44 +186,37 @@ def _join_rule(classes: _Classes, eqn: Any, rule: Any) -> list[Jaxpr]:
     return [program.jaxpr]
 
 
-def _read(classes: _Classes, closed: ClosedJaxpr) -> bool:
+def _read(classes: _Classes, closed: ClosedJaxpr) -> list[Jaxpr] | None:
     """Join and spoil along every equation of `closed` and the bodies it runs once (a
-    worklist); False for a body with effects (nothing is claimed of it)."""
-    pending, seen = [closed.jaxpr], {id(closed.jaxpr)}
+    worklist); the jaxprs read, or None for a body with effects (nothing is claimed of it)."""
+    read, seen = [closed.jaxpr], {id(closed.jaxpr)}
+    pending = [closed.jaxpr]
     while pending:
         for eqn in pending.pop().eqns:
             if eqn.effects:
-                return False
+                return None
             for body in _join_equation(classes, eqn):
                 if id(body) not in seen:
                     seen.add(id(body))
                     pending.append(body)
-    return True
+                    read.append(body)
+    return read
 
 
-def _values(closed: ClosedJaxpr) -> Iterable[Any]:
-    """Every variable of `closed` and of the bodies it holds (iterative)."""
-    pending = [closed.jaxpr]
-    while pending:
-        jaxpr = pending.pop()
-        yield from jaxpr.invars
-        for eqn in jaxpr.eqns:
-            yield from eqn.outvars
-            pending.extend(body.jaxpr for body in sub_jaxprs(eqn))
-
-
-def _spoil_repeats(classes: _Classes, closed: ClosedJaxpr) -> None:
-    """A class that two axes of one value fall in (`h @ h.T`) has no one coordinate there."""
-    for v in _values(closed):
-        if isinstance(v, Literal):
-            continue
-        seen: set[Node] = set()
-        for axis in range(len(shape_of(v))):
-            root = classes.kept(v, axis)
-            if root is not None and root in seen:
-                classes.spoiled.add(root)
-            elif root is not None:
-                seen.add(root)
+def _spoil_repeats(classes: _Classes, read: Sequence[Jaxpr]) -> None:
+    """A class that two axes of one value fall in (`h @ h.T`) has no one coordinate there: every
+    value of the jaxprs read, a custom rule's tangent program included."""
+    for jaxpr in read:
+        for v in (*jaxpr.invars, *(o for eqn in jaxpr.eqns for o in eqn.outvars)):
+            if isinstance(v, Literal):
+                continue
+            seen: set[Node] = set()
+            for axis in range(len(shape_of(v))):
+                root = classes.kept(v, axis)
+                if root is not None and root in seen:
+                    classes.spoiled.add(root)
+                elif root is not None:
+                    seen.add(root)
 
 
 def aligned_axes(closed: ClosedJaxpr, loops: Sequence[tuple[int, int]] = ()) -> Aligned | None:
@@ -234,9 +227,10 @@ def aligned_axes(closed: ClosedJaxpr, loops: Sequence[tuple[int, int]] = ()) -> 
     for i, o in loops:
         if not classes.join_values(jaxpr.invars[i], jaxpr.outvars[o]):
             classes.spoil_all(jaxpr.invars[i])  # pragma: no cover - a scan's carries match
-    if not _read(classes, closed):
+    read = _read(classes, closed)
+    if read is None:
         return None
-    _spoil_repeats(classes, closed)
+    _spoil_repeats(classes, read)
     ids: dict[Node, int] = {}
 
     def placement(v: Any) -> Placement:

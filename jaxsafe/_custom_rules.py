@@ -75,7 +75,7 @@ class _Tangents:
 _TANGENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # call body -> the same with its calls inlined
 _FLAT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# call body -> its lane shapes (`_lanewise.lane_shapes`)
+# call body or tangent program -> its lane shapes (`_lanewise.lane_shapes`)
 _LANE_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _READING = threading.local()  # `depth`: how many rules' tangent programs are being read
 
@@ -150,11 +150,15 @@ def one_lane_shape(eqn: JaxprEqn) -> bool:
     if not all(is_float(v) and (isinstance(v, Literal) or shape_of(v) == shape)
                for v in eqn.invars):
         return False
-    body = call_jaxpr(eqn)
-    if body.jaxpr not in _LANE_SHAPES:  # a walk of the body, asked by every pass
-        _LANE_SHAPES[body.jaxpr] = lane_shapes(body)
-    shapes = _LANE_SHAPES[body.jaxpr]
+    shapes = _cached_lane_shapes(call_jaxpr(eqn))
     return shapes is not None and shapes <= {(), shape}
+
+
+def _cached_lane_shapes(closed: ClosedJaxpr) -> set | None:
+    """`lane_shapes`, once per jaxpr (a walk of a body, asked by every pass)."""
+    if closed.jaxpr not in _LANE_SHAPES:
+        _LANE_SHAPES[closed.jaxpr] = lane_shapes(closed)
+    return _LANE_SHAPES[closed.jaxpr]
 
 
 def tangent_program(eqn: JaxprEqn) -> _Tangents | None:
@@ -179,9 +183,7 @@ def derivative_program(eqn: JaxprEqn) -> tuple[bool, ClosedJaxpr | None]:
     if tangents is None:
         return False, None
     program = tangents.program
-    shapes = _LANE_SHAPES.get(program.jaxpr, False)
-    if shapes is False:
-        shapes = _LANE_SHAPES[program.jaxpr] = lane_shapes(program)
+    shapes = _cached_lane_shapes(program)
     if shapes is not None and len(shapes - {()}) <= 1:
         return True, None
     return True, program
