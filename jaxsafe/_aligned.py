@@ -9,13 +9,15 @@ the operands is live exactly where row i of some output is, at some step.
 
 `aligned_axes` finds those axes with a union-find over (value, axis) pairs. Every equation
 joins the axes its row's `align` rule says run along each other (an elementwise operation's,
-a matmul's batch and free axes, a reduction's kept axes, a transpose's); an axis of more than one
-lane that an equation reduces, contracts or reads in any other way (a slice, a gather, a cumsum,
-a primitive without an `align` rule, a nested loop) *spoils* its class, and with it every axis
-joined to it. A class is also spoiled where two axes of one value fall in it (`h @ h.T`), or where
-two joined axes differ in size. Calls and the bodies of equations that run them once (`jit`, a
-`cond` on the step, a checkpoint, a custom rule's primal body) are joined to their operands and
-read with a worklist; a scan's carries are joined to the carries it returns.
+a matmul's batch and free axes, a reduction's kept axes, a transpose's), or those its
+`works_along` rule leaves in place (a slice's, a split's, a concatenation's, a sort's or a
+cumsum's other axes); an axis of more than one lane that an equation reduces, contracts, moves
+or reads in any other way (the axis a slice cuts, a gather, a primitive without either rule, a
+nested loop) *spoils* its class, and with it every axis joined to it. A class is also spoiled
+where two axes of one value fall in it (`h @ h.T`), or where two joined axes differ in size.
+Calls and the bodies of equations that run them once (`jit`, a `cond` on the step, a
+checkpoint, a custom rule's primal body) are joined to their operands and read with a worklist;
+a scan's carries are joined to the carries it returns.
 
 A custom rule's derivative need not follow its primal body: a `custom_jvp`'s tangent program
 (traced once, `PrimitiveRule.rule_program`) is joined as well where it is not lane to lane, and
@@ -145,6 +147,9 @@ def _join_equation(classes: _Classes, eqn: Any) -> list[Jaxpr]:
             if not classes.join_values(a, b):
                 classes.spoil_all(a)
         return []
+    if rule.align is None and rule.works_along is not None:
+        _join_along(classes, eqn, set(rule.works_along(eqn)))
+        return []
     for k, v in enumerate(eqn.invars):
         along = alignment(eqn, k)
         if along is None:
@@ -156,6 +161,26 @@ def _join_equation(classes: _Classes, eqn: Any) -> list[Jaxpr]:
             else:
                 classes.join(v, axis, eqn.outvars[0], out_axis)
     return []
+
+
+def _join_along(classes: _Classes, eqn: Any, worked: set[int]) -> None:
+    """A slice, a concatenation, a split, a sort: every operand of the outputs' rank joined to
+    every output along the other axes, spoiled along these (their lanes move)."""
+    rank = len(shape_of(eqn.outvars[0]))
+    if any(len(shape_of(o)) != rank for o in eqn.outvars):
+        for v in eqn.invars:  # pragma: no cover - the rows' outputs share a rank
+            classes.spoil_all(v)
+        return
+    for v in eqn.invars:
+        if len(shape_of(v)) != rank:
+            classes.spoil_all(v)  # a pad's value, a dynamic slice's starts: scalars
+            continue
+        for axis in range(rank):
+            if axis in worked:
+                classes.spoil(v, axis)
+                continue
+            for out in eqn.outvars:
+                classes.join(v, axis, out, axis)
 
 
 def _join_bodies(classes: _Classes, eqn: Any, rule: Any) -> list[Jaxpr]:

@@ -21,7 +21,7 @@ from ._compat import ClosedJaxpr, JaxprEqn, eval_jaxpr, scan_counts
 from ._lanewise import body_syms, carry_kinds, carry_masks
 from ._masks import Placed, factor
 from ._rules import Kind, Mask
-from ._symbolic import Sym, foreign_keys_unknown
+from ._symbolic import Sym, foreign_keys_unknown, given_mask
 
 PlanBody = Callable[[ClosedJaxpr, list[Kind]], Any]
 """(body, its outputs' kinds) -> the body's plan, or None when it needs no change."""
@@ -41,7 +41,8 @@ def _any_plan(plans: list) -> list | None:
 def _same_outputs(eqn: JaxprEqn, syms: Sequence[Sym]) -> list[Sym | None]:
     """A body whose outputs are the equation's: a row that a `where` drops after a checkpoint
     is a row inside it (a matmul's operand there is guarded without a run-time reduction)."""
-    return [foreign_keys_unknown(s, ()) for s in syms]
+    return [given_mask(foreign_keys_unknown(s, (), outputs=False), i, shape_of(o))
+            for i, (s, o) in enumerate(zip(syms, eqn.outvars, strict=True))]
 
 
 def _body_fn(plan: Any, closed: ClosedJaxpr, emit_body: EmitBody) -> Callable:

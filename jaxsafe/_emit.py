@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -34,11 +35,13 @@ from ._masks import (
     materialize,
     not_mask,
     of_predicates,
+    reduce_any,
     selecting,
 )
 from ._plan import Plan
 from ._report import Site, note_failure
 from ._rules import Kind, Mask, rule_for
+from ._symbolic import Unknown
 
 
 def emit(plan: Plan, changed: list[bool], *args: Any) -> list:
@@ -125,6 +128,22 @@ class _Emitter:
     def mask_of(self, v: Any) -> Mask:
         return self._runtime_masks()(v)
 
+    def key_value(self, key: Any) -> Any:
+        """A coarse guard's key as it runs: a predicate's value, or the mask this body is given
+        for an output (`Unknown.output`), along the axes it runs along."""
+        if not isinstance(key, Unknown):
+            return self.orig[key]
+        if key.output is None:
+            raise AssertionError("a coarse guard read an unnamed mask")
+        index, shape, axes = key.output
+        outvars = self.plan.closed.jaxpr.outvars
+        if index >= len(outvars) or tuple(shape_of(outvars[index])) != shape:
+            raise AssertionError("a coarse guard read another body's output mask")
+        mask = self.out_masks[index]
+        if mask is None:
+            return jnp.ones(tuple(shape[a] for a in axes), bool)
+        return reduce_any(mask, [a for a in range(len(shape)) if a not in axes])
+
     def operand_masks(self, i: int) -> list[Mask]:
         return self._runtime_masks().operand_masks(i)
 
@@ -203,7 +222,7 @@ class _Emitter:
         for k, value in site.replace.items():
             live, operand = in_masks[k], invals[k]
             if k in site.coarse:
-                live = of_predicates(site.coarse[k], self.orig.__getitem__,
+                live = of_predicates(site.coarse[k], self.key_value,
                                      shape_of(eqn.invars[k]))
             key = (eqn.invars[k], value) if isinstance(eqn.invars[k], Var) else None
             # the same mask: the same coarse formula, or the same exact mask object

@@ -34,7 +34,7 @@ from ._compat import ClosedJaxpr, JaxprEqn, scan_counts
 from ._masks import any_of, broadcast, broadcast_mask, place, reduce_any
 from ._nested import call_jaxpr, sub_jaxprs
 from ._rules import Context, Kind, Mask, rule_for
-from ._symbolic import Sym, one_step, unknown
+from ._symbolic import Sym, given_mask, one_step, output_mask_literal
 
 
 def _lane_to_lane(eqn: JaxprEqn) -> bool:
@@ -228,16 +228,21 @@ def body_syms(eqn: JaxprEqn, syms: Sequence[Sym]) -> list[Sym | None]:
     """The static formulas of the body's outputs (`MaskedBody.outside_syms`). A carry with
     aligned axes is live along them alone: its mask is a projection of the outputs' masks, the
     same along its other axes, so a matmul's operand there is guarded without a run-time
-    reduction. A per-step output has, at each step, its mask outside at that step: the same
-    along the axes its formula outside does not run along (`one_step`). Other carries get their
-    kinds' formulas."""
+    reduction. The body is given that mask (`carry_masks`): a coarse guard reads it by name
+    (`output_mask_literal`) where the exact mask would vary along other axes too (a ReLU
+    layer's, an LSTM's gates). A per-step output is given its mask outside at that step, the
+    same along the axes its formula outside does not run along (`one_step`), and named so too
+    (`given_mask`). Other carries get their kinds' formulas."""
     n_carry = scan_counts(eqn.params)[1]
     al = scan_alignment(eqn)
-    out: list[Sym | None] = [None] * n_carry + [one_step(s) for s in syms[n_carry:]]
+    out: list[Sym | None] = [None] * n_carry
+    for i in range(n_carry, len(syms)):  # the mask the body is given at this step, by name
+        out.append(given_mask(one_step(syms[i]), i, shape_of(eqn.outvars[i])[1:]))
     if al is None:
         return out
     for i in range(n_carry):
         axes = [j for j, a in enumerate(al.outputs[i]) if a is not None]
         if axes:
-            out[i] = frozenset({frozenset({unknown(axes)})})
+            literal = output_mask_literal(i, shape_of(eqn.outvars[i]), axes)
+            out[i] = frozenset({frozenset({literal})})
     return out

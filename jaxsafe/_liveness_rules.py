@@ -756,6 +756,34 @@ def _rev_axes(eqn: JaxprEqn) -> tuple[list[bool], list[int]]:
     return [d not in eqn.params["dimensions"] for d in range(len(shape_of(eqn.invars[0])))], []
 
 
+def _worked(whole_axes: Callable[[JaxprEqn], tuple[list[bool], list[int]]]
+            ) -> Callable[[JaxprEqn], list[int]]:
+    """The axes a movement does not keep whole (`PrimitiveRule.works_along`)."""
+    def worked(eqn: JaxprEqn) -> list[int]:
+        return [d for d, whole in enumerate(whole_axes(eqn)[0]) if not whole]
+    return worked
+
+
+sliced_axes = _worked(_slice_axes)
+dynamic_sliced_axes = _worked(_dynamic_slice_axes)
+padded_axes = _worked(_pad_axes)
+reversed_axes = _worked(_rev_axes)
+
+
+def updated_axes(eqn: JaxprEqn) -> list[int]:
+    """The axes a `dynamic_update_slice`'s update does not cover whole."""
+    return [d for d, (u, n) in enumerate(zip(shape_of(eqn.invars[1]), shape_of(eqn.invars[0]),
+                                             strict=True)) if u != n]
+
+
+def concatenated_axis(eqn: JaxprEqn) -> list[int]:
+    return [eqn.params["dimension"]]
+
+
+def split_axis(eqn: JaxprEqn) -> list[int]:
+    return [eqn.params["axis"]]
+
+
 slice_syms = _whole_axes_syms(_slice_axes, by_shape=True, sources=_slice_sources)
 dynamic_slice_syms = _whole_axes_syms(_dynamic_slice_axes)
 pad_syms = _whole_axes_syms(_pad_axes, by_shape=True, sources=_pad_sources)
@@ -1004,16 +1032,26 @@ def stack_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym
 
 
 def split_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
-    """`jnp.split`: the operand's stretch k is output k; within the outputs' formulas along the
-    other axes (their union), the run time decides."""
+    """`jnp.split`: the operand's stretch k is output k, in place along the other axes. Each
+    output's formula carries over on its stretch, named by a static mask known lane by lane
+    (`unknown(lanes=...)`), so that an OR over the split axis (a matmul that computed the
+    gates of an LSTM) reads the outputs' formulas, not an unknown."""
     if all(sym == TRUE for sym in out_syms):
         return [TRUE]
+    axis = eqn.params["axis"]
     rank = len(shape_of(eqn.invars[0]))
-    kept = _in_place_but([eqn.params["axis"]], rank)
-    union = FALSE
-    for sym in out_syms:
-        union = sym_or(union, _carried(sym, kept, rank))
-    return [sym_and_literal(union, unknown(range(rank))) if union else FALSE]
+    kept = _in_place_but([axis], rank)
+    n = shape_of(eqn.invars[0])[axis]
+    operand, start = FALSE, 0
+    for out, sym in zip(eqn.outvars, out_syms, strict=True):
+        size = shape_of(out)[axis]
+        stretch = np.zeros(n, bool)
+        stretch[start:start + size] = True
+        start += size
+        if sym:
+            operand = sym_or(operand, sym_and_literal(_carried(sym, kept, rank),
+                                                      unknown([axis], lanes=stretch)))
+    return [operand]
 
 
 def along_axes_syms(axes_of: Callable[[JaxprEqn], Iterable[int]]) -> StaticRule:

@@ -323,13 +323,13 @@ def of_predicates(sym: Any, value_of: Callable[[Any], Any], shape) -> Mask:
     """The mask of a formula made of the program's predicates alone (`_symbolic.named_along`),
     over a value of `shape`; `value_of(key)` gives a predicate's value. A literal's key axes
     that embed nowhere have size 1. A static mask known as an array (`Unknown.lanes`) is read
-    as a constant predicate."""
+    as a constant predicate; `value_of` reads a body's output mask (`Unknown.output`)."""
     terms = []
     for term in sym:
         lits = []
         for key, positive, embed in term:
-            value = value_of(key) if not isinstance(key, Unknown) else \
-                jnp.asarray(key.lanes)
+            value = jnp.asarray(key.lanes) if isinstance(key, Unknown) and \
+                key.lanes is not None else value_of(key)
             kept = [j for j, e in enumerate(embed) if e is not None]
             core = lax.reshape(value, tuple(np.shape(value)[j] for j in kept))
             order = sorted(range(len(kept)), key=lambda j: embed[kept[j]])

@@ -116,6 +116,7 @@ from ._liveness_rules import (
     clamp_wins,
     concatenate_masks,
     concatenate_syms,
+    concatenated_axis,
     cond_kinds,
     cond_masks,
     convolution_alignment,
@@ -126,6 +127,7 @@ from ._liveness_rules import (
     custom_rule_syms,
     dot_general_alignment,
     dynamic_slice_syms,
+    dynamic_sliced_axes,
     dynamic_update_slice_syms,
     elementwise_masks,
     gather_masks,
@@ -137,6 +139,7 @@ from ._liveness_rules import (
     out_of_range_drops,
     pad_drops,
     pad_syms,
+    padded_axes,
     paired_masks,
     paired_syms,
     reduce_alignment,
@@ -147,6 +150,7 @@ from ._liveness_rules import (
     reshape_masks,
     reshape_syms,
     rev_syms,
+    reversed_axes,
     same_rank_alignment,
     scatter_add_syms,
     scatter_masks,
@@ -156,9 +160,11 @@ from ._liveness_rules import (
     selected_syms,
     slice_masks,
     slice_syms,
+    sliced_axes,
     solve_masks,
     solve_syms,
     sort_axis,
+    split_axis,
     split_masks,
     split_syms,
     squeeze_alignment,
@@ -171,6 +177,7 @@ from ._liveness_rules import (
     transpose_alignment,
     transpose_masks,
     unstack_masks,
+    updated_axes,
     window_axes,
     window_drops,
     windowed_masks,
@@ -403,16 +410,19 @@ register_selection(prims.clamp_p, masks=winner_masks, static=selected_syms, carr
 
 # --------------------------------------------------------------------------- data movement
 register_movement(prims.slice_p, masks=slice_masks, static=slice_syms, drops=_always,
+                  works_along=sliced_axes,
                   bound=bounds.moved, carries=MOVED)
 register_movement(prims.gather_p, masks=gather_masks, static=gather_syms, drops=_always,
                   carries=MOVED, nonfinite_when=fills_nonfinite, finite_when=indices_in_range)
 register_movement(prims.dynamic_slice_p, masks=by_transpose_masks, static=dynamic_slice_syms,
-                  drops=_always, carries=MOVED)
+                  drops=_always, works_along=dynamic_sliced_axes, carries=MOVED)
 register_movement(prims.dynamic_update_slice_p, masks=by_transpose_masks, drops=_always,
-                  static=dynamic_update_slice_syms, carries=MOVED)
+                  static=dynamic_update_slice_syms, carries=MOVED,
+                  works_along=updated_axes)
 register_movement(prims.pad_p, masks=by_transpose_masks, static=pad_syms, drops=pad_drops,
-                  carries=MOVED)
-register_movement(prims.rev_p, masks=by_transpose_masks, static=rev_syms, carries=MOVED)
+                  carries=MOVED, works_along=padded_axes)
+register_movement(prims.rev_p, masks=by_transpose_masks, static=rev_syms, carries=MOVED,
+                  works_along=reversed_axes)
 register_movement(prims.transpose_p, masks=transpose_masks, align=transpose_alignment,
                   static=aligned_syms, bound=bounds.moved, range=ranges.same_range,
                   carries=MOVED)
@@ -427,9 +437,10 @@ register_movement(prims.broadcast_in_dim_p, masks=broadcast_in_dim_masks,
                   scalar_move=same_scalar, bound=bounds.moved, range=ranges.same_range,
                   diagonal=broadcast_diagonal, at_least=ZEROTH)
 register_movement(prims.concatenate_p, masks=concatenate_masks, static=concatenate_syms,
-                  carries=MOVED)
+                  carries=MOVED, works_along=concatenated_axis)
 if hasattr(lax, "split_p"):
-    register(lax.split_p, masks=split_masks, static=split_syms, foldable=True)
+    register_movement(lax.split_p, masks=split_masks, static=split_syms,
+                      works_along=split_axis)
 # `jnp.stack`, `jnp.unstack` and `jnp.tile` bind primitives of their own in newer JAX
 if hasattr(lax, "stack_p"):
     register_movement(lax.stack_p, masks=stack_masks, static=stack_syms, carries=MOVED)
@@ -437,7 +448,7 @@ if hasattr(lax, "unstack_p"):
     register_movement(lax.unstack_p, masks=unstack_masks)
 if hasattr(lax, "tile_p"):
     register_movement(lax.tile_p, masks=tile_masks, static=along_axes_syms(tiled_axes),
-                      carries=MOVED)
+                      carries=MOVED, works_along=tiled_axes)
 # an overwrite drops the operand lanes it writes (and updates that a duplicate index overwrites)
 register_movement(prims.scatter_p, masks=scatter_masks, static=scatter_syms,
                   drops=_always, carries=MOVED)
@@ -476,38 +487,45 @@ for prim, identity in ((prims.reduce_max_p, -np.inf), (prims.reduce_min_p, np.in
 # a running maximum only grows: its choice is two cumulative ops, not a scan tree's derivative
 register(prims.cummax_p, masks=comparison_masks(reads_as(prims.cumsum_p),
                                                 running_choice(lax.cummin, np.inf)),
-         static=along_axes_syms(cumulative_axis), drops=_always,
+         static=along_axes_syms(cumulative_axis), works_along=cumulative_axis,
+         drops=_always,
          chooser=RUNNING_FILL, identity=-np.inf, foldable=True)
 register(prims.cummin_p, masks=comparison_masks(reads_as(prims.cumsum_p),
                                                 running_choice(lax.cummax, -np.inf)),
-         static=along_axes_syms(cumulative_axis), drops=_always,
+         static=along_axes_syms(cumulative_axis), works_along=cumulative_axis,
+         drops=_always,
          chooser=RUNNING_FILL, identity=np.inf, foldable=True)
 POOLED_READS = window_reads(prims.reduce_window_sum_p)
 for prim, identity in ((prims.reduce_window_max_p, -np.inf), (prims.reduce_window_min_p, np.inf)):
     register(prim, masks=comparison_masks(POOLED_READS, window_choice(POOLED_READS)),
-             static=along_axes_syms(window_axes), drops=_always,
+             static=along_axes_syms(window_axes), works_along=window_axes,
+             drops=_always,
              chooser=Chooser(by_fill, keeps_dropped_values=False, picks=True,
                                      guarded_results=False),
              identity=identity, foldable=True, nonfinite_when=window_may_read_padding_only)
 register(prims.sort_p, masks=sort_masks, drops=_always, chooser=Chooser(by_permutation),
-         static=along_axes_syms(sort_axis), linear=True,
+         static=along_axes_syms(sort_axis), works_along=sort_axis, linear=True,
          foldable=True)
 register(prims.top_k_p, masks=support_masks, drops=_always, chooser=Chooser(by_top_k),
-         static=along_axes_syms(top_k_axis), linear=True, foldable=True)
+         static=along_axes_syms(top_k_axis), works_along=top_k_axis, linear=True,
+         foldable=True)
 register_reduction(prims.reduce_prod_p)
 # the generic `lax.reduce` (a softmax's row max with a finite start): row by row, as the named
 # reductions; finite for finite operands when its computation only picks (`lax.max`)
 register(prims.reduce_p, masks=reduce_masks, align=reduce_alignment, static=aligned_syms,
          foldable=True, makes_nonfinite=True, finite_when=computation_selects)
 register(prims.cumsum_p, masks=cumulative_masks, static=along_axes_syms(cumulative_axis),
+         works_along=cumulative_axis,
          linear=True, foldable=True)
 register(prims.cumprod_p, prims.cumlogsumexp_p,
-         masks=cumulative_masks, static=along_axes_syms(cumulative_axis), foldable=True)
+         masks=cumulative_masks, static=along_axes_syms(cumulative_axis),
+         works_along=cumulative_axis, foldable=True)
 register(prims.dot_general_p, masks=contraction_masks, align=dot_general_alignment,
          static=contraction_syms, foldable=True, derivative_reads=BILINEAR)
 # windows: a window sum (average pooling) and a convolution read their live windows' lanes
 register(prims.reduce_window_sum_p, masks=windowed_masks(WINDOW_SUM),
-         static=along_axes_syms(window_axes), drops=window_drops(WINDOW_SUM), linear=True,
+         static=along_axes_syms(window_axes), works_along=window_axes,
+         drops=window_drops(WINDOW_SUM), linear=True,
          foldable=True)
 register(prims.conv_general_dilated_p, masks=windowed_masks(CONVOLUTION),
          align=convolution_alignment, static=aligned_lanes_syms,

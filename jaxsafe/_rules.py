@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
@@ -345,6 +345,12 @@ class PrimitiveRule:
     """Run-time rule. None: every operand lane is live where any output lane is."""
     align: AlignRule | None = None
     """How operand axes run along output axes: lets static formulas cross the equation."""
+    works_along: Callable[[JaxprEqn], Iterable[int]] | None = None
+    """For a primitive whose operands and outputs have one rank and that computes, slices, pads
+    or moves lanes only along these axes (a slice, a concatenation, a split, a sort, a cumsum):
+    along every other axis, lane i of each operand reaches only lane i of each output. A scan's
+    body keeps its rows through it (`_aligned.py`); operands of another rank (a pad's value, a
+    dynamic slice's starts) share no axis with the outputs. None: not known."""
     static: StaticRule | None = None
     """Static rule; None: the operands' formulas follow from `operand_kinds`."""
     kinds: KindsRule | None = None

@@ -62,6 +62,7 @@ from ._symbolic import (
     Sym,
     backward_mapping,
     expand_connectives,
+    known_lanes,
     made_of,
     move,
     named_along,
@@ -321,7 +322,11 @@ def _named_by_predicates(eqn: JaxprEqn, k: int, rule: PrimitiveRule,
                         along)
     if named == TRUE:
         return None
-    return move(named, along)
+    moved = move(named, along)
+    known = known_lanes(moved, shape_of(eqn.invars[k]))
+    if known is not None and known.all():
+        return None  # the stretches of a split, every one: the predicates drop no lane
+    return moved
 
 
 def _finite_where_dropped(eqn: JaxprEqn, k: int, dropped: DroppedValues) -> bool:

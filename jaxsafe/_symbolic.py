@@ -50,13 +50,19 @@ class Unknown:
 
     `lanes`: where a static mask is known as an array (the rows a `slice` keeps), its value
     over the literal's axes, in the order it embeds them: a coarse guard may read it as it
-    reads a predicate (`named_along`)."""
-    __slots__ = ("parts", "embed", "static", "reads", "lanes")
+    reads a predicate (`named_along`).
+
+    `output`: the mask a loop's body is given for one of its outputs (a scan's carry, the same
+    at every step), as (its index, the output's shape, the axes the mask runs along): a coarse
+    guard in that body reads it as it reads a predicate, from the mask (`_emit.py`). Foreign to
+    a body nested in it (`foreign_keys_unknown`)."""
+    __slots__ = ("parts", "embed", "static", "reads", "lanes", "output")
 
     def __init__(self, parts: frozenset | None = None, embed: tuple | None = None,
-                 static: bool = False, reads: bool = False, lanes: np.ndarray | None = None):
+                 static: bool = False, reads: bool = False, lanes: np.ndarray | None = None,
+                 output: tuple | None = None):
         self.parts, self.embed, self.static, self.reads = parts, embed, static, reads
-        self.lanes = lanes
+        self.lanes, self.output = lanes, output
 
     @property
     def reduced(self) -> frozenset | None:
@@ -77,8 +83,17 @@ def unknown(axes: Iterable[int] | None, static: bool = False,
 
 def named_key(key: object) -> bool:
     """Whether a coarse guard can read the literals of `key` as it runs: a predicate of the
-    program, or a static mask known as an array (`Unknown.lanes`)."""
-    return isinstance(key, Var) or isinstance(key, Unknown) and key.lanes is not None
+    program, a static mask known as an array (`Unknown.lanes`), or the mask a body is given for
+    an output (`Unknown.output`)."""
+    return isinstance(key, Var) or isinstance(key, Unknown) and (
+        key.lanes is not None or key.output is not None)
+
+
+def output_mask_literal(index: int, shape: Sequence[int], axes: Sequence[int]) -> Lit:
+    """The literal of the mask a body is given for its output `index` (of `shape`), along
+    `axes` of it (`Unknown.output`)."""
+    axes = tuple(sorted(axes))
+    return (Unknown(output=(index, tuple(shape), axes)), True, axes)
 
 
 def made_of(sym: Sym, constant: Callable[[object], bool]) -> bool:
@@ -103,12 +118,31 @@ def opaque(reads: bool = False) -> Sym:
     return frozenset({frozenset({(Unknown(reads=reads), True, None)})})
 
 
-def foreign_keys_unknown(sym: Sym, own: Container) -> Sym:
+def given_mask(sym: Sym, index: int, shape: Sequence[int]) -> Sym:
+    """The formula of a body's output `index` (of `shape`) whose mask the body is given (a
+    loop's, a `cond`'s, a checkpoint's): `sym` where a coarse guard there can read every
+    literal of it; otherwise one literal naming the given mask, along the axes `sym` runs
+    along (`output_mask_literal`: a ReLU after a matmul in the body drops lanes by value, and
+    the row mask the body is given still names its padded rows)."""
+    if sym in (TRUE, FALSE) or all(named_key(lit[0]) for term in sym for lit in term):
+        return sym
+    axes = set()
+    for term in sym:
+        for lit in term:
+            axes |= set(range(len(shape))) if lit[2] is None else \
+                {e for e in lit[2] if e is not None}
+    return frozenset({frozenset({output_mask_literal(index, shape, sorted(axes))})})
+
+
+def foreign_keys_unknown(sym: Sym, own: Container, outputs: bool = True) -> Sym:
     """`sym` with each literal whose key is a variable not in `own` (another program's
-    predicate) made a fresh unknown on the same axes: coarser, never finer."""
+    predicate), or the mask a body is given for an output unless `outputs` (the formulas of
+    a body nested in it: it is given other masks), made a fresh unknown on the same axes:
+    coarser, never finer."""
     def local(lit: Lit) -> Lit:
         key, _, embed = lit
-        if isinstance(key, Unknown) or key in own:
+        if isinstance(key, Unknown) and (key.output is None or outputs) or \
+                not isinstance(key, Unknown) and key in own:
             return lit
         return (Unknown(), True, None if embed is None else
                 tuple(sorted({e for e in embed if e is not None})))
@@ -266,6 +300,27 @@ def named_along(sym: Sym, axes: Iterable[int]) -> Sym:
     return out if all(named_key(lit[0]) for term in out for lit in term) else TRUE
 
 
+def known_lanes(sym: Sym, shape: Sequence[int]) -> np.ndarray | None:
+    """The value over a value of `shape` of a formula of static masks known as arrays
+    (`Unknown.lanes`) alone, computed now; None where it has another literal."""
+    out = np.zeros(tuple(shape), bool)
+    for term in sym:
+        held = np.ones(tuple(shape), bool)
+        for key, positive, embed in term:
+            if not isinstance(key, Unknown) or key.lanes is None or embed is None:
+                return None
+            lanes = np.asarray(key.lanes)
+            kept = [j for j, e in enumerate(embed) if e is not None]
+            order = sorted(range(len(kept)), key=lambda i: embed[kept[i]])
+            core = np.transpose(np.reshape(lanes, [lanes.shape[j] for j in kept]), order)
+            place = [1] * len(shape)
+            for i in order:
+                place[embed[kept[i]]] = lanes.shape[kept[i]]
+            held &= np.reshape(core, place) == positive
+        out |= held
+    return out
+
+
 class Connective(enum.Enum):
     """The boolean operation that computes a predicate from others (`m_i[:, None] & m_j`)."""
     AND = "and"
@@ -357,6 +412,9 @@ def move(sym: Sym, mapping: dict[int, int]) -> Sym:
                 touched.update(e for e in new if e is not None and e is not _MISSING)
             else:
                 kept.append((key, positive, new))
+        gone, holds = _or_known(gone, mapping)
+        if not holds:
+            continue
         if gone:
             axes = tuple(sorted(touched))
             source = tuple(sorted(inverse[a] for a in axes)) if len(inverse) == len(mapping) \
@@ -364,6 +422,24 @@ def move(sym: Sym, mapping: dict[int, int]) -> Sym:
             kept.append((Unknown(frozenset(gone), source), True, axes))
         terms.add(frozenset(kept))
     return _simplify(terms)
+
+
+def _or_known(gone: list[Lit], mapping: dict[int, int]) -> tuple[list[Lit], bool]:
+    """The OR over the axes `move` collapses of a term's literals on them: a static literal
+    known lane by lane (`Unknown.lanes`: the stretch of a split), on collapsed axes alone that
+    no other literal shares, ORs on its own into a constant: it goes where some lane holds; the
+    term is false (False) where none does. The other literals, for an unknown."""
+    left, holds = [], True
+    for i, lit in enumerate(gone):
+        key, positive, embed = lit
+        axes = set() if embed is None else {e for e in embed if e is not None}
+        alone = embed is not None and not axes & set(mapping) and not any(
+            other[2] is None or axes & set(other[2]) for j, other in enumerate(gone) if j != i)
+        if alone and isinstance(key, Unknown) and key.lanes is not None:
+            holds = holds and bool((np.asarray(key.lanes) == positive).any())
+        else:
+            left.append(lit)
+    return left, holds
 
 
 def backward_mapping(align: Sequence[int | None]) -> dict[int, int]:

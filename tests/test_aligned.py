@@ -310,3 +310,178 @@ def test_the_carry_mask_enters_the_loop_as_its_rows():
     body = scans[0].params["jaxpr"].jaxpr
     assert any(v.aval.shape == (len(LIVE),) and v.aval.dtype == bool for v in body.invars)
     assert not any(e.primitive is lax.reduce_or_p for e in body.eqns)
+
+
+# --------------------------------------------------------------------------- gates and ReLUs
+# An LSTM splits its gates along the features and a GRU concatenates its input with its state:
+# rows stay rows through both (`PrimitiveRule.works_along`). A ReLU or a clip drops lanes by
+# value: the body's matmul operand is then guarded where the carry's row mask, which the body is
+# given, drops it (`_symbolic.output_mask_literal`), as a hand fix would clean the padded rows.
+
+def _lstm(params, xs):
+    wx, wh, b = params
+
+    def cell(carry, x):
+        c, h = carry
+        i, f, g, o = jnp.split(x @ wx + h @ wh + b[None, :], 4, axis=-1)
+        c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+        h = jax.nn.sigmoid(o) * jnp.tanh(c)
+        return (c, h), h
+
+    zeros = jnp.zeros((xs.shape[1], wh.shape[0]))
+    return lax.scan(cell, (zeros, zeros), xs)
+
+
+def _gru(params, xs):
+    wz, wr, wn = params
+
+    def cell(h, x):
+        xh = jnp.concatenate([x, h], axis=-1)
+        z, r = jax.nn.sigmoid(xh @ wz), jax.nn.sigmoid(xh @ wr)
+        n = jnp.tanh(jnp.concatenate([x, r * h], axis=-1) @ wn)
+        h = (1 - z) * n + z * h
+        return h, h
+
+    h, hs = lax.scan(cell, jnp.zeros((xs.shape[1], wz.shape[1])), xs)
+    return (h, h), hs
+
+
+def _recurrent_params(kind, d=3, hidden=4):
+    k = jax.random.split(jax.random.PRNGKey(11), 3)
+    if kind == "lstm":
+        return (jax.random.normal(k[0], (d, 4 * hidden)) * .4,
+                jax.random.normal(k[1], (hidden, 4 * hidden)) * .4,
+                jax.random.normal(k[2], (4 * hidden,)) * .1)
+    return tuple(jax.random.normal(kk, (d + hidden, hidden)) * .4 for kk in k)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_recurrent_cells_drop_padded_batch_rows(kind):
+    """Reference: JAX on the batch without its padded rows (the rows never meet)."""
+    cell = {"lstm": _lstm, "gru": _gru}[kind]
+    params = _recurrent_params(kind)
+    xs = jax.random.normal(jax.random.PRNGKey(12), (5, len(LIVE), 3))
+    xs = xs.at[:, 2].set(nan).at[:, 4].set(inf)
+
+    def f(params, xs, live):
+        (c, h), hs = cell(params, xs)
+        return jnp.sum(jnp.where(live[:, None], h, 0.) ** 2) + jnp.sum(
+            jnp.where(live[None, :, None], jnp.sin(hs), 0.)) + jnp.sum(
+            jnp.where(live[:, None], c, 0.))
+
+    live = jnp.asarray(LIVE)
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(params, xs, live), jax.jit(f)(params, xs, live))
+    assert np.isnan(np.asarray(jax.grad(f)(params, xs, live)[0])).all()
+    g_params, g_xs = jax.jit(jax.grad(safe, argnums=(0, 1)))(params, xs, live)
+    r_params, r_xs = jax.grad(f, argnums=(0, 1))(params, xs[:, LIVE],
+                                                 jnp.ones(LIVE.sum(), bool))
+    assert_close(g_params, r_params, rtol=2e-5, atol=1e-6)
+    assert_close(g_xs[:, LIVE], r_xs, rtol=2e-5, atol=1e-6)
+    assert np.all(np.asarray(g_xs)[:, ~LIVE] == 0)
+
+
+ACTIVATIONS = {"relu": jax.nn.relu, "clip": lambda h: jnp.clip(h, -1., 1.),
+               "leaky_relu": lambda h: jax.nn.leaky_relu(h, .1), "relu6": jax.nn.relu6}
+
+
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+def test_relu_layers_in_a_scan_drop_padded_rows(act):
+    """A ReLU's mask varies along every axis: the matmul's operand is guarded where the carry's
+    row mask drops it. Reference: the program on the live rows alone, through grad, jit(grad)
+    and the biases' Hessian."""
+    fn = ACTIVATIONS[act]
+    params, x = _weights(13), _rows()
+
+    def f(params, x, live):
+        h, _ = lax.scan(lambda h, wb: (fn(h @ wb[0] + wb[1][None, :]), None), x, params)
+        return jnp.sum(jnp.where(live[:, None], h, 0.) ** 2)
+
+    live, every = jnp.asarray(LIVE), jnp.ones(LIVE.sum(), bool)
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(params, x, live), jax.jit(f)(params, x, live))
+    assert np.isnan(np.asarray(jax.grad(f)(params, x, live)[0])).all()
+    assert_close(jax.jit(jax.grad(safe))(params, x, live),
+                 jax.grad(f)(params, x[LIVE], every), rtol=2e-5, atol=1e-6)
+    w, b = params
+    hess = jax.hessian(lambda b: safe((w, b), x, live))(b)
+    assert_close(hess, jax.hessian(lambda b: f((w, b), x[LIVE], every))(b), rtol=1e-4,
+                 atol=1e-5)
+
+
+def test_relu_layers_in_a_cond_in_a_scan():
+    """The carry's row mask is a name in its own body only: a `cond` in the body is given its
+    outputs' masks, and a coarse guard there names those (a name read in the wrong body would
+    guard live lanes, or read another output's mask)."""
+    params, x = _weights(14), _rows()
+    live = jnp.asarray(LIVE)
+
+    def f(params, x, live):
+        def layer(h, wb):
+            w, b = wb
+            h = lax.cond(b[0] > 0, lambda h: jax.nn.relu(h @ w), lambda h: jnp.tanh(h @ w), h)
+            return h, None
+        h, _ = lax.scan(layer, x, params)
+        return jnp.sum(jnp.where(live[:, None], h, 0.) ** 2)
+
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(params, x, live), jax.jit(f)(params, x, live))
+    assert np.isnan(np.asarray(jax.grad(f)(params, x, live)[0])).all()
+    reference = jax.grad(f)(params, x[LIVE], jnp.ones(LIVE.sum(), bool))
+    assert_close(jax.grad(safe)(params, x, live), reference, rtol=2e-5, atol=1e-6)
+
+
+def test_a_scan_in_the_body_is_read_as_live():
+    """A loop nested in the body spoils the rows (`_aligned.py`): with finite values,
+    nan_safe's gradient is plain JAX's."""
+    params = _weights(14)
+    x = jax.random.normal(jax.random.PRNGKey(15), (len(LIVE), 4))
+
+    def f(params, x):
+        def layer(h, wb):
+            w, b = wb
+            h, _ = lax.scan(lambda g, _: (jax.nn.relu(g @ w + b[None, :]), None), h, None,
+                            length=2)
+            return h, None
+        h, _ = lax.scan(layer, x, params)
+        return jnp.sum(jnp.where(jnp.asarray(LIVE)[:, None], jnp.sqrt(h + 1.), 0.))
+
+    assert_close(jax.grad(jaxsafe.nan_safe(f))(params, x), jax.grad(f)(params, x),
+                 rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("mix", ["shift", "sort", "swap_halves", "pad_shift", "reverse",
+                                 "cummax"])
+def test_a_body_that_moves_rows_keeps_every_row_live(mix):
+    """A slice, a concatenation, a split, a pad, a sort or a running max along the rows moves
+    them: every row stays live, and with finite values nan_safe's gradient is plain JAX's."""
+    mixes = {"shift": lambda h: jnp.concatenate([h[1:], h[:1]], 0),
+             "sort": lambda h: jnp.sort(h, axis=0),
+             "swap_halves": lambda h: jnp.concatenate(jnp.split(h, [2], 0)[::-1], 0),
+             "pad_shift": lambda h: jnp.pad(h, ((1, 0), (0, 0)))[:-1],
+             "reverse": lambda h: h[::-1],
+             "cummax": lambda h: lax.cummax(h, axis=0)}
+
+    def f(params, x):
+        def layer(h, wb):
+            return jax.nn.relu(mixes[mix](h) @ wb[0] + wb[1][None, :]) + .1 * h, None
+        h, _ = lax.scan(layer, x, params)
+        return jnp.sum(jnp.where(jnp.asarray(LIVE)[:, None], jnp.sqrt(h + 3.), 0.))
+
+    params = _weights(16)
+    x = jax.random.normal(jax.random.PRNGKey(17), (len(LIVE), 4))
+    assert_close(jax.grad(jaxsafe.nan_safe(f))(params, x), jax.grad(f)(params, x),
+                 rtol=2e-5, atol=1e-7)
+
+
+def test_aligned_axes_keep_rows_through_a_split_and_a_concatenation():
+    g, x = jnp.ones((5, 8)), jnp.ones((5, 3))
+    ins, _ = _placements(lambda g: jnp.split(g, 2, 1)[0] * jnp.split(g, 2, 1)[1], g)
+    assert ins[0][0] is not None and ins[0][1] is None
+    ins, outs = _placements(lambda x, g: jnp.concatenate([x, g], 1), x, g)
+    assert ins[0][0] == ins[1][0] == outs[0][0] is not None
+    assert ins[0][1] is None and ins[1][1] is None
+    # along the rows, each moves them
+    assert _placements(lambda g: jnp.split(g, [2], 0)[1] * 2., g)[0][0][0] is None
+    assert _placements(lambda g: jnp.sort(g, 0), g)[0][0] == (None, _placements(
+        lambda g: jnp.sort(g, 0), g)[1][0][1])
