@@ -275,6 +275,17 @@ ConcretizationTypeError = jax.errors.ConcretizationTypeError
 # values, which XLA computes (bit for bit as the program does): no public spelling turns it off.
 from jax._src.config import eager_constant_folding as eager_constant_folding  # noqa: E402
 
+# `_convert_element_type(..., weak_type=True)`: a literal the program holds weakly typed (the
+# `0.` of `jnp.where(c, x, 0.)`) must be bound weakly typed again, or every result it reaches
+# turns strongly typed (a float16 step `p - lr * g` would promote to float32); no public
+# function makes a weakly typed array of a given dtype.
+from jax._src.lax.lax import _convert_element_type  # noqa: E402
+
+
+def weak_constant(value: Any, dtype: Any) -> Any:
+    """`value` as a weakly typed constant of `dtype`."""
+    return _convert_element_type(value, dtype, weak_type=True)
+
 
 def concrete_value(x: Any) -> Any:
     """The concrete value of `x` (itself unless a tracer; a JVP tracer's primal), or raise

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._atoms import is_float, literal_value, shape_of
-from ._compat import Literal, Var, bind_eqn
+from ._atoms import dtype_of, is_float, literal_value, shape_of
+from ._compat import Literal, Var, bind_eqn, weak_constant
 from ._liveness import LazyOperands, RuntimeMasks
 from ._masks import (
     Placed,
@@ -87,6 +87,8 @@ class _Originals:
 
     def __getitem__(self, v: Any) -> Any:
         if isinstance(v, Literal):
+            if getattr(v.aval, "weak_type", False):  # its results stay weakly typed
+                return weak_constant(literal_value(v), dtype_of(v))
             return literal_value(v)
         if v in self.values:
             return self.values[v]

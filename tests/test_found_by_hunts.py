@@ -903,3 +903,17 @@ def test_a_network_with_closed_over_weights_and_nothing_to_guard_is_the_original
     f = lambda x: jnp.sum(jnp.tanh(jax.nn.relu(x @ w.T @ w)) @ w.T)
     x = jnp.ones(2)
     assert str(jaxsafe.make_jaxpr(f)(x)) == str(jax.make_jaxpr(f)(x))
+
+
+def test_a_weakly_typed_literal_stays_weakly_typed_under_differentiation():
+    """Hunt U: a Python float argument and the `0.` of a `where` are weakly typed, and so are
+    plain JAX's value and gradient; the guarded program bound the literal strongly typed, so a
+    float16 update `p - g * p` promoted to float32 (contract 1)."""
+    f = lambda x: jnp.where(x > 0, jnp.sqrt(x), 0.)  # noqa: E731
+    safe = jaxsafe.nan_safe(f)
+    for got, want in zip(jax.value_and_grad(safe)(2.), jax.value_and_grad(f)(2.), strict=True):
+        assert jax.typeof(got) == jax.typeof(want) and jax.typeof(got).weak_type
+    assert jax.typeof(jax.jit(jax.grad(safe))(2.)).weak_type
+    p16 = jnp.ones(2, jnp.float16)
+    assert (p16 - jax.grad(safe)(2.) * p16).dtype == jnp.float16
+    assert jaxsafe.make_jaxpr(f)(2.).out_avals == jax.make_jaxpr(f)(2.).out_avals
