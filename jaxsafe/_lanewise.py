@@ -34,7 +34,7 @@ from ._compat import ClosedJaxpr, JaxprEqn, scan_counts
 from ._masks import any_of, broadcast, broadcast_mask, place, reduce_any
 from ._nested import call_jaxpr, sub_jaxprs
 from ._rules import Context, Kind, Mask, rule_for
-from ._symbolic import Sym, given_mask, one_step, output_mask_literal
+from ._symbolic import FALSE, TRUE, Sym, given_mask, move, one_step, output_mask_literal, sym_or
 
 
 def _lane_to_lane(eqn: JaxprEqn) -> bool:
@@ -195,6 +195,41 @@ def scan_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]
         else:
             kinds.append(Kind.LIVE)
     return kinds
+
+
+def scan_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
+    """The static formulas of the operands, as `scan_masks` computes their masks: an operand
+    with aligned axes, the OR over the outputs that have all of its classes of their formulas
+    moved onto it (step by step where `scan_masks` goes step by step); a stacked input of a
+    scan without carries with none, its step's; any other operand is live. So a drop after a
+    second scan (a stacked LSTM's upper layer) reaches the first one's per-step outputs along
+    the rows, and its body's matmul operand in a padded row is guarded."""
+    al = scan_alignment(eqn)
+    n_lead = sum(scan_counts(eqn.params))
+    n_carry = scan_counts(eqn.params)[1]
+    by_step = _step_by_step(eqn)
+    syms: list[Sym] = []
+    for k in range(len(eqn.invars)):
+        stacked = k >= n_lead
+        placed = al.inputs[k] if al is not None else ()
+        mine = classes_of(placed)
+        where = {c: j + int(stacked) for j, c in enumerate(placed) if c is not None}
+        found: Sym | None = None
+        for o, (sym, theirs) in enumerate(zip(out_syms, al.outputs if al is not None else
+                                              [()] * len(out_syms), strict=True)):
+            if not mine or not mine <= classes_of(theirs):
+                continue
+            lead = int(o >= n_carry)
+            mapping = {j + lead: where[c] for j, c in enumerate(theirs) if c in mine}
+            if by_step and stacked:
+                mapping[0] = 0
+            found = sym_or(FALSE if found is None else found, move(sym, mapping))
+        if found is None and by_step and stacked:
+            found = FALSE
+            for sym in out_syms:
+                found = sym_or(found, move(sym, {0: 0}))
+        syms.append(TRUE if found is None else found)
+    return syms
 
 
 def carry_kinds(eqn: JaxprEqn, out_kinds: Sequence[Kind]) -> list[Kind]:

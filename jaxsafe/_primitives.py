@@ -96,7 +96,7 @@ from ._diagonal import (
 )
 from ._dropped import chosen_scalar, reshaped_scalar, same_scalar, summed_scalar
 from ._free import moved_held, product_held, summed_held, winner_held
-from ._lanewise import scan_kinds, scan_masks
+from ._lanewise import scan_kinds, scan_masks, scan_syms
 from ._liveness_rules import (
     CONVOLUTION,
     WINDOW_SUM,
@@ -586,7 +586,8 @@ register(prims.custom_vjp_call_p, masks=custom_rule_masks, kinds=custom_rule_kin
 register(prims.cond_p, masks=cond_masks, kinds=cond_kinds, nested_params=("branches",),
          runs_bodies_once=True,
          masked_body=CondBody(), body_inputs=cond_body_inputs, body_operands=cond_body_operands)
-register(prims.scan_p, masks=scan_masks, kinds=scan_kinds, nested_params=("jaxpr",),
+register(prims.scan_p, masks=scan_masks, kinds=scan_kinds, static=scan_syms,
+         nested_params=("jaxpr",),
          masked_body=ScanBody(),
          body_inputs=scan_body_inputs, body_operands=scan_body_operands)
 register(prims.while_p, nested_params=("body_jaxpr",), body_inputs=while_body_inputs,

@@ -485,3 +485,27 @@ def test_aligned_axes_keep_rows_through_a_split_and_a_concatenation():
     assert _placements(lambda g: jnp.split(g, [2], 0)[1] * 2., g)[0][0][0] is None
     assert _placements(lambda g: jnp.sort(g, 0), g)[0][0] == (None, _placements(
         lambda g: jnp.sort(g, 0), g)[1][0][1])
+
+
+def test_a_stacked_lstm_drops_padded_rows_in_both_layers():
+    """The upper layer reads the lower one's per-step outputs: the scan's static rule carries
+    the drop after the upper scan onto them along the rows (`_lanewise.scan_syms`), so the lower
+    body's matmul operands in a padded row are guarded too."""
+    lower = _recurrent_params("lstm")
+    k = jax.random.split(jax.random.PRNGKey(18), 2)
+    upper = (jax.random.normal(k[0], (4, 16)) * .4, jax.random.normal(k[1], (4, 16)) * .4,
+             jnp.zeros(16))
+    xs = jax.random.normal(jax.random.PRNGKey(19), (5, len(LIVE), 3))
+    xs = xs.at[:, 2].set(nan).at[:, 4].set(inf)
+
+    def f(params, xs, live):
+        _, hs = _lstm(params[0], xs)
+        (_, h), _ = _lstm(params[1], hs)
+        return jnp.sum(jnp.where(live[:, None], h, 0.) ** 2)
+
+    live, params = jnp.asarray(LIVE), (lower, upper)
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(params, xs, live), jax.jit(f)(params, xs, live))
+    assert np.isnan(np.asarray(jax.grad(f)(params, xs, live)[0][0])).all()
+    reference = jax.grad(f)(params, xs[:, LIVE], jnp.ones(LIVE.sum(), bool))
+    assert_close(jax.jit(jax.grad(safe))(params, xs, live), reference, rtol=2e-5, atol=1e-6)
