@@ -494,6 +494,39 @@ def _scan_layers(quick: bool) -> Workload:
                     _layer_stack(False), _layer_stack(True), (params, x, live))
 
 
+def _lstm_over_time(clean_rows: bool):
+    """An LSTM over time (fused gates split from one matmul) on a batch whose padded rows hold
+    NaN at every step; the loss drops them after the scan. The hand fix cleans the padded rows
+    before it."""
+    def loss(params, xs, live):
+        wx, wh, b = params
+        if clean_rows:
+            xs = jnp.where(live[None, :, None], xs, 0.)
+
+        def cell(carry, x):
+            c, h = carry
+            i, f, g, o = jnp.split(x @ wx + h @ wh + b[None, :], 4, axis=-1)
+            c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+            return (c, jax.nn.sigmoid(o) * jnp.tanh(c)), None
+
+        zeros = jnp.zeros((xs.shape[1], wh.shape[0]), xs.dtype)
+        (_, h), _ = jax.lax.scan(cell, (zeros, zeros), xs)
+        return jnp.sum(jnp.where(live[:, None], h, 0.) ** 2)
+    return loss
+
+
+def _lstm(quick: bool) -> Workload:
+    t, n, d, hidden = (8, 64, 16, 32) if quick else (32, 1024, 128, 256)
+    k1, k2, k3 = jax.random.split(jax.random.key(12), 3)
+    params = (jax.random.normal(k1, (d, 4 * hidden), jnp.float32) / math.sqrt(d),
+              jax.random.normal(k2, (hidden, 4 * hidden), jnp.float32) / math.sqrt(hidden),
+              jnp.zeros(4 * hidden, jnp.float32))
+    live = jnp.arange(n) % 4 != 3                      # a quarter of the rows is padding
+    xs = jnp.where(live[None, :, None], jax.random.normal(k3, (t, n, d), jnp.float32), jnp.nan)
+    return Workload("LSTM over time, padded rows", f"T={t} B={n} d={d} hidden={hidden}",
+                    _lstm_over_time(False), _lstm_over_time(True), (params, xs, live))
+
+
 # --------------------------------------------------------------------------- 10. jax-md pairs
 
 def _jax_md(quick: bool) -> Workload | None:
@@ -511,7 +544,7 @@ def _jax_md(quick: bool) -> Workload | None:
 
 
 BUILDERS = (_piecewise, _lennard_jones, _attention, _gaussian, _transformer, _physics,
-            _pool_cnn, _moe, _euler, _jax_md, _scan_layers)
+            _pool_cnn, _moe, _euler, _jax_md, _scan_layers, _lstm)
 
 
 def workloads(quick: bool) -> list[Workload]:
