@@ -212,22 +212,25 @@ class Sweeps:
             consts: Mapping[Var, Any] | None = None,
             out_syms: Sequence[Sym] | None = None,
             known_inputs: Mapping[Var, Any] | None = None,
-            weights: Mapping[Var, Any] | None = None) -> Sweep:
+            weights: Mapping[Var, Any] | None = None,
+            masks: Mapping[Var, Any] | None = None) -> Sweep:
         """`consts`: the values of constants the rules may read (`Sweep.constant`);
-        `weights`: concrete float constants (`Sweep.weight`);
+        `weights`: concrete float constants (`Sweep.weight`); `masks`: concrete boolean ones
+        (`Sweep.known_mask`);
         `out_syms`: the outputs' formulas, where they are known (else from `out_kinds`);
         `known_inputs`: inputs that carry no derivative in the program around, with what they
         hold (`FreeValues.held`)."""
         # a body called at two sites sees two sets of constants and inputs: two sweeps
         known = (tuple(sorted((id(v), id(c)) for v, c in (consts or {}).items())),
                  tuple(sorted((id(v), repr(c)) for v, c in (known_inputs or {}).items())),
-                 tuple(sorted((id(v), id(c)) for v, c in (weights or {}).items())))
+                 tuple(sorted((id(v), id(c)) for v, c in (weights or {}).items())),
+                 tuple(sorted((id(v), id(c)) for v, c in (masks or {}).items())))
         key = (id(jaxpr), tuple(out_kinds), structural, None if out_syms is None else
                tuple(out_syms), known)
         hit = self._sweeps.get(key)
         if hit is None:
             hit = self._sweeps[key] = Sweep(jaxpr, out_kinds, structural, self, consts, out_syms,
-                                            known_inputs, weights)
+                                            known_inputs, weights, masks)
         assert hit.jaxpr is jaxpr
         return hit
 
@@ -244,8 +247,12 @@ class Sweep:
                  sweeps: Sweeps, consts: Mapping[Var, Any] | None = None,
                  out_syms: Sequence[Sym] | None = None,
                  known_inputs: Mapping[Var, Any] | None = None,
-                 weights: Mapping[Var, Any] | None = None):
+                 weights: Mapping[Var, Any] | None = None,
+                 masks: Mapping[Var, Any] | None = None):
         self.jaxpr = jaxpr
+        # concrete boolean constants (a dense padding mask closed over): a coarse guard ORs
+        # them over the axes it does not run along (`known_mask`)
+        self.bool_constants = dict(masks or {})
         # concrete float constants (closed-over weights): a contraction's mask rule reads which
         # lanes their zeros mask (`weight`); set before the static liveness that asks
         self.weights = dict(weights or {})
@@ -369,6 +376,13 @@ class Sweep:
         if atom not in self._from_literals:
             return None
         return demand(atom, self._constants, self._fold)
+
+    def known_mask(self, atom: Any) -> np.ndarray | None:
+        """The value of a boolean the program closes over (`bool_constants`), or computes from
+        literals and small constants alone, known when jaxsafe plans; else None."""
+        if isinstance(atom, Var) and atom in self.bool_constants:
+            return np.asarray(self.bool_constants[atom])
+        return self.constant(atom)
 
     def inner_masks(self, closed: ClosedJaxpr, invals: Sequence[Any],
                     out_masks: Sequence[Mask], structural: bool,

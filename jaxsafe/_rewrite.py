@@ -257,9 +257,12 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
     weights = {v: c for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
                if not isinstance(c, Tracer) and np.size(c) <= MAX_WEIGHT
                and np.issubdtype(dtype_of(v), np.floating)}
+    masks = {v: c for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
+             if not isinstance(c, Tracer) and np.size(c) <= MAX_WEIGHT
+             and dtype_of(v) == np.bool_}
     sweep = sweeps.get(closed.jaxpr, out_kinds, False, consts, out_syms=out_syms,
                        known_inputs={invars[k]: held for k, held in fixed.items()},
-                       weights=weights)
+                       weights=weights, masks=masks)
     report = Report(drops_of=functools.partial(drops_from, sweep))
     if finite_invars is None:
         finite_invars = [False] * len(closed.jaxpr.invars)

@@ -319,7 +319,7 @@ def _named_by_predicates(eqn: JaxprEqn, k: int, rule: PrimitiveRule,
         return None
     along = backward_mapping(align)
     named = named_along(expand_connectives(sweep.sym(eqn.outvars[0]), sweep.connective_of),
-                        along)
+                        along, sweep.known_mask)
     if named == TRUE:
         return None
     moved = move(named, along)

@@ -282,22 +282,59 @@ def runs_only_along(sym: Sym, axes: Iterable[int]) -> bool:
                for term in sym for _, _, embed in term)
 
 
-def named_along(sym: Sym, axes: Iterable[int]) -> Sym:
+def named_along(sym: Sym, axes: Iterable[int],
+                known: Callable[[object], np.ndarray | None] | None = None) -> Sym:
     """A coarser mask (more lanes live) that runs along `axes` only and that the program's
     predicates and known static masks alone name (`named_key`): each term keeps its literals
-    keyed by those on those axes and drops the rest (unknowns, literals on other axes). TRUE
-    where a term keeps nothing."""
+    keyed by those on those axes and drops the rest (unknowns, literals on other axes). A
+    predicate whose value `known` gives (a dense padding mask closed over) is ORed over the
+    other axes instead, into a static mask known lane by lane: a row it drops whole stays
+    dropped. TRUE where a term keeps nothing."""
     axes = set(axes)
     terms = set()
     for term in sym:
-        kept = frozenset(lit for lit in term
-                         if named_key(lit[0]) and lit[2] is not None
-                         and all(e is None or e in axes for e in lit[2]))
+        kept, holds = set(), True
+        for lit in term:
+            key, positive, embed = lit
+            if named_key(key) and embed is not None and all(e is None or e in axes
+                                                            for e in embed):
+                kept.add(lit)
+                continue
+            reduced = _or_off_axes(lit, axes, known)
+            if reduced is True or reduced is None:
+                continue
+            if reduced is False:
+                holds = False
+                break
+            kept.add(reduced)
+        if not holds:
+            continue
         if not kept:
             return TRUE
-        terms.add(kept)
+        terms.add(frozenset(kept))
     out = _simplify(terms)
     return out if all(named_key(lit[0]) for term in out for lit in term) else TRUE
+
+
+def _or_off_axes(lit: Lit, axes: set, known: Callable[[object], np.ndarray | None] | None
+                 ) -> Lit | bool | None:
+    """A literal whose key's value is known, ORed over its axes outside `axes`: a static
+    literal known lane by lane on the others, or a constant (True where some lane holds); None
+    where its value is not known."""
+    key, positive, embed = lit
+    if known is None or not isinstance(key, Var) or embed is None:
+        return None
+    value = known(key)
+    if value is None or np.ndim(value) != len(embed):
+        return None
+    held = np.asarray(value).astype(bool) == positive
+    off = tuple(j for j, e in enumerate(embed) if e is None or e not in axes)
+    reduced = held.any(axis=off) if off else held
+    on = [j for j, e in enumerate(embed) if e is not None and e in axes]
+    if not on:
+        return bool(reduced)
+    return (Unknown(static=True, lanes=np.asarray(reduced)), True,
+            tuple(embed[j] for j in on))
 
 
 def known_lanes(sym: Sym, shape: Sequence[int]) -> np.ndarray | None:

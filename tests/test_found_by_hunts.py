@@ -917,3 +917,29 @@ def test_a_weakly_typed_literal_stays_weakly_typed_under_differentiation():
     p16 = jnp.ones(2, jnp.float16)
     assert (p16 - jax.grad(safe)(2.) * p16).dtype == jnp.float16
     assert jaxsafe.make_jaxpr(f)(2.).out_avals == jax.make_jaxpr(f)(2.).out_avals
+
+
+def test_a_dense_constant_mask_that_drops_whole_rows_guards_the_matmul_before_a_relu():
+    """Hunt V: a (B, W) padding mask closed over as a full array, not `live[:, None]`: the
+    matmul's operand is guarded where the mask, ORed over the features when jaxsafe plans,
+    drops the row (before, the row's NaN reached the weights' gradient through the ReLU)."""
+    live = np.array([True, True, False, True])
+    mask = np.broadcast_to(live[:, None], (4, 3)).copy()
+    w = jax.random.normal(jax.random.PRNGKey(0), (2, 3))
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 2)).at[2].set(jnp.nan)
+
+    def f(w, x):
+        return jnp.sum(jnp.where(mask, jax.nn.relu(x @ w), 0.) ** 2)
+
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(w, x), jax.jit(f)(w, x))
+    assert np.isnan(np.asarray(jax.grad(f)(w, x))).all()
+    hand = jax.grad(f)(w, jnp.where(live[:, None], x, 0.))
+    assert_close(jax.grad(safe)(w, x), hand)
+    assert_close(jax.jit(jax.grad(safe))(w, x), hand)
+    # a mask that keeps one lane of the padded row keeps the row live: its NaN is the taken
+    # branch's (contract 3)
+    partial = mask.copy()
+    partial[2, 0] = True
+    g = lambda w, x: jnp.sum(jnp.where(partial, jax.nn.relu(x @ w), 0.))  # noqa: E731
+    assert np.isnan(np.asarray(jax.grad(jaxsafe.nan_safe(g))(w, x))).any()
