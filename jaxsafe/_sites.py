@@ -62,11 +62,13 @@ from ._symbolic import (
     Sym,
     backward_mapping,
     expand_connectives,
+    implies,
     known_lanes,
     made_of,
     move,
     named_along,
     runs_only_along,
+    sym_not,
 )
 from ._taint import (
     contains_hazard,
@@ -286,8 +288,11 @@ def _nonfinite_operands(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool],
     for k, v in enumerate(eqn.invars):
         if not guarded[k] or not _may_be_nonfinite(eqn, v, tainted):
             continue
-        if _finite_where_dropped(eqn, k, dropped):
-            continue  # e.g. `jnp.where(norm <= eps, 1., x)`: 1 in every lane read as dropped
+        if _finite_where_dropped(eqn, k, dropped) or \
+                _met_only_by_selections(eqn, k, rule, diff, sweep, dropped):
+            # `jnp.where(norm <= eps, 1., x)`: 1 in every lane read as dropped; by hand,
+            # `x * log(where(x > 0, x, 1.))` under `where(x > 0, ., 0.)`
+            continue
         if not any(d and j not in rule.no_derivative and
                    (rule.derivative_reads is None or k in rule.derivative_reads[j])
                    for j, d in enumerate(diff)):
@@ -327,6 +332,44 @@ def _named_by_predicates(eqn: JaxprEqn, k: int, rule: PrimitiveRule,
     if known is not None and known.all():
         return None  # the stretches of a split, every one: the predicates drop no lane
     return moved
+
+
+def _met_only_by_selections(eqn: JaxprEqn, k: int, rule: PrimitiveRule, diff: list[bool],
+                            sweep: Sweep, dropped: DroppedValues) -> bool:
+    """Whether operand k's values in the dropped lanes meet only derivatives that selections
+    stop, as in a hand-written double where (`x * log(where(x > 0, x, 1.))` under `where(x >
+    0, ., 0.)`): the output is read only as a case of `select_n`s whose results are live in
+    every lane, so its dropped lanes are those they do not take (a NaN tangent there is never
+    read, and its cotangent there is an exact zero); and every differentiated operand whose
+    derivative reads operand k carries no derivative in those lanes, made so by selections
+    (`FreeValues.selected`): the `0 * NaN` cotangent it gets there goes to the constant the
+    inner `where` took, never to an input. Only where the row says which operands each
+    derivative reads and operand k's own does not read it (a product, a matmul, a quotient's
+    numerator): its second derivatives then never weigh operand k by the zero tangent of
+    another (`pow`'s exponent does: `x * L ** (x - 1)` times `L`'s zero tangent)."""
+    free, reads = dropped.free, rule.derivative_reads
+    if free is None or len(eqn.outvars) != 1 or eqn.outvars[0] in sweep.jaxpr.outvars or \
+            reads is None or k in reads[k]:
+        return False  # `pow`'s exponent: its own derivative's cross term reads it (hunt W)
+    out = eqn.outvars[0]
+    readers = sweep.consumers.get(out, [])
+    for i, position in readers:
+        reader = sweep.jaxpr.eqns[i]
+        selection = rule_for(reader.primitive).selection
+        if selection is None or not selection.by_predicate or position == 0 or \
+                sweep.kind(reader.outvars[0]) != Kind.LIVE:
+            return False
+    gone = sym_not(sweep.sym(out))
+    if not readers or gone is None:
+        return False
+    for j, d in enumerate(diff):
+        if j == k or not d or j in rule.no_derivative or k not in reads[j]:
+            continue
+        u = eqn.invars[j]
+        if u is eqn.invars[k] or not isinstance(u, Var) or not free.selected(u) or \
+                not implies(gone, free.free_sym(u)):
+            return False
+    return True
 
 
 def _finite_where_dropped(eqn: JaxprEqn, k: int, dropped: DroppedValues) -> bool:

@@ -80,7 +80,15 @@ def clipped_below(x):
     return jnp.sum(jnp.sqrt(-jnp.minimum(-jnp.sum(x ** 2, axis=-1), 0.0)))
 
 
+def entropy_by_hand(x):
+    """`x * log(x)` written as a careful hand fix does (hunt U): the product's other factor
+    carries no derivative in the dropped lanes, by the inner `where`, so an argument's NaN or
+    -inf there meets only cotangents the selections stop."""
+    return jnp.sum(jnp.where(x > 0, x * jnp.log(jnp.where(x > 0, x, 1.0)), 0.0))
+
+
 X = jnp.array([-1.0, 0.0, 0.3, 0.5, 2.0])
+X_BAD = jnp.array([-jnp.inf, jnp.nan, -1.0, 0.0, 2.0])
 M = jnp.array([True, False, True, False, True])
 R = jnp.array([[0.0, 0.0], [1.0, 0.0], [0.0, 1.2], [0.0, 1.2]])  # a coincident pair
 
@@ -97,6 +105,7 @@ UNCHANGED = [  # (name, f, args, finite_args, check the Hessian too)
     ("a sum of squares clipped at 0 (cosine similarity)", cosine_similarity,
      (R + 0.5, R[::-1] + 0.25), False, True),
     ("a sum of squares clipped at 0 by min", clipped_below, (R + 0.5,), False, True),
+    ("x * log(x) by hand, NaN and -inf arguments", entropy_by_hand, (X_BAD,), False, True),
 ]
 
 
@@ -173,6 +182,48 @@ def test_a_masked_product_after_the_double_where_keeps_its_guard():
     got = jax.jacfwd(jaxsafe.nan_safe(f))(X)
     assert_finite(got)
     assert_close(jax.grad(jaxsafe.nan_safe(f))(X), got)
+
+
+@pytest.mark.parametrize("how", ["masked_product", "dropped_after_the_select"])
+def test_x_log_x_by_hand_keeps_its_guard_where_a_product_drops_it(how):
+    """The hand fix's selections stop the `0 * NaN` only where a selection drops the lanes: a
+    product mask on the product (`m * (x * log(...))`), or after the `where` (`m * where(...)`
+    with an inf in a lane the `where` takes and `m` drops), weighs forward mode's NaN tangent by
+    0, so the argument keeps its guard and every derivative is the hand fix's."""
+    m = jnp.array([1.0, 0.0, 1.0, 0.0, 0.0])
+    x = jnp.array([2.0, -jnp.inf, 0.5, jnp.nan, jnp.inf])
+
+    def f(x):
+        if how == "masked_product":
+            return jnp.sum(m * (x * jnp.log(jnp.where(x > 0, x, 1.0))))
+        return jnp.sum(m * jnp.where(x > 0, x * jnp.log(jnp.where(x > 0, x, 1.0)), 0.0))
+
+    def hand(x):
+        x = jnp.where(m > 0, x, 1.0)
+        return jnp.sum(m * jnp.where(x > 0, x * jnp.log(jnp.where(x > 0, x, 1.0)), 0.0))
+
+    safe = jaxsafe.nan_safe(f)
+    assert np.isnan(np.asarray(jax.jacfwd(f)(x))).any()
+    assert_close(jax.jacfwd(safe)(x), jax.jacfwd(hand)(x))
+    assert_close(jax.grad(safe)(x), jax.grad(hand)(x))
+
+
+def test_a_power_whose_exponent_is_the_raw_argument_keeps_its_guard():
+    """Hunt W: `where(x > 0, where(x > 0, x, 1.) ** x, 0.)`: the base carries no derivative in
+    the dropped lanes, by selection, but the exponent's own derivative has a cross term with the
+    base's zero tangent, `x * L ** (x - 1) * 0`, NaN for a NaN `x`: the Hessian's dropped rows
+    would be NaN without the guard (the gradient is right either way)."""
+    f = lambda x: jnp.sum(jnp.where(x > 0, jnp.where(x > 0, x, 1.0) ** x, 0.0))  # noqa: E731
+
+    def hand(x):
+        s = jnp.where(x > 0, x, 1.0)
+        return jnp.sum(jnp.where(x > 0, s ** s, 0.0))
+
+    x = jnp.array([-jnp.inf, jnp.nan, -1.0, 2.0])
+    safe = jaxsafe.nan_safe(f)
+    assert_close(jax.grad(safe)(x), jax.grad(hand)(x))
+    assert_close(jax.hessian(safe)(x), jax.hessian(hand)(x))
+    assert_close(jax.jacfwd(jax.grad(safe))(x), jax.hessian(hand)(x))
 
 
 def test_a_parameter_that_multiplies_the_singular_branch_keeps_a_guard():
