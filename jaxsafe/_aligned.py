@@ -38,7 +38,7 @@ from typing import Any
 from ._atoms import shape_of
 from ._compat import ClosedJaxpr, Jaxpr, Literal
 from ._nested import call_jaxpr, sub_jaxprs
-from ._rules import alignment, rule_for
+from ._rules import LoopLinks, alignment, rule_for
 
 Node = tuple[Any, int]
 """(a variable of the body, one of its axes)."""
@@ -142,6 +142,8 @@ def _join_equation(classes: _Classes, eqn: Any) -> list[Jaxpr]:
     rule = rule_for(eqn.primitive)
     if rule.inline or rule.runs_bodies_once:
         return _join_bodies(classes, eqn, rule)
+    if rule.loop_links is not None:
+        return _join_loop(classes, eqn, rule.loop_links(eqn))
     if rule.paired:
         for a, b in zip(eqn.invars, eqn.outvars, strict=True):
             if not classes.join_values(a, b):
@@ -149,7 +151,14 @@ def _join_equation(classes: _Classes, eqn: Any) -> list[Jaxpr]:
         return []
     if rule.align is None and rule.works_along is not None:
         _join_along(classes, eqn, set(rule.works_along(eqn)))
-        return []
+    else:
+        _join_aligned(classes, eqn)
+    return []
+
+
+def _join_aligned(classes: _Classes, eqn: Any) -> None:
+    """Each operand axis joined to the output axis its row's `align` rule runs it along,
+    spoiled where none does (every axis, with no such rule)."""
     for k, v in enumerate(eqn.invars):
         along = alignment(eqn, k)
         if along is None:
@@ -160,7 +169,6 @@ def _join_equation(classes: _Classes, eqn: Any) -> list[Jaxpr]:
                 classes.spoil(v, axis)
             else:
                 classes.join(v, axis, eqn.outvars[0], out_axis)
-    return []
 
 
 def _join_along(classes: _Classes, eqn: Any, worked: set[int]) -> None:
@@ -181,6 +189,29 @@ def _join_along(classes: _Classes, eqn: Any, worked: set[int]) -> None:
                 continue
             for out in eqn.outvars:
                 classes.join(v, axis, out, axis)
+
+
+def _join_loop(classes: _Classes, eqn: Any, links: Sequence[LoopLinks]) -> list[Jaxpr]:
+    """A loop nested in the body: each of its bodies' inputs and outputs joined to the
+    equation's operands and results, a step axis spoiled (the loop reads its steps one by one,
+    and a carry mixes them), each carry joined to what the body hands back; the bodies, to
+    read next (a `while_loop`'s condition too: what it reduces to decide the trip count
+    spoils, as everything the loop computes depends on it)."""
+    for link in links:
+        for outer, inner, lead in (*link.inputs, *link.outputs):
+            if isinstance(outer, Literal):
+                continue
+            if shape_of(outer)[lead:] != shape_of(inner):
+                classes.spoil_all(outer)  # pragma: no cover - a loop's avals match
+                continue
+            for axis in range(lead):
+                classes.spoil(outer, axis)
+            for axis in range(len(shape_of(inner))):
+                classes.join(outer, axis + lead, inner, axis)
+        for out, back in link.loops:
+            if not classes.join_values(back, out):
+                classes.spoil_all(back)  # pragma: no cover - a carry keeps its aval
+    return [link.body for link in links]
 
 
 def _join_bodies(classes: _Classes, eqn: Any, rule: Any) -> list[Jaxpr]:

@@ -33,7 +33,7 @@ from ._atoms import shape_of
 from ._compat import ClosedJaxpr, JaxprEqn, scan_counts
 from ._masks import any_of, broadcast, broadcast_mask, place, reduce_any
 from ._nested import call_jaxpr, sub_jaxprs
-from ._rules import Context, Kind, Mask, rule_for
+from ._rules import Context, Kind, LoopLinks, Mask, rule_for
 from ._symbolic import FALSE, TRUE, Sym, given_mask, move, one_step, output_mask_literal, sym_or
 
 
@@ -82,6 +82,43 @@ def scan_alignment(eqn: JaxprEqn) -> Aligned | None:
         loops = [(n_consts + i, i) for i in range(n_carry)]
         _ALIGNED[body.jaxpr] = aligned_axes(body, loops)
     return _ALIGNED[body.jaxpr]
+
+
+def scan_loop_links(eqn: JaxprEqn) -> list[LoopLinks]:
+    """A scan's body: the constants and the initial carries run along its first inputs, the
+    stacked inputs (past their step axis) along the rest; the final carries and the stacked
+    outputs along its outputs; each carry it returns comes back as its carry input."""
+    body = eqn.params["jaxpr"].jaxpr
+    n_consts, n_carry = scan_counts(eqn.params)
+    n_lead = n_consts + n_carry
+    inputs = tuple((v, b, int(k >= n_lead))
+                   for k, (v, b) in enumerate(zip(eqn.invars, body.invars, strict=True)))
+    outputs = tuple((v, b, int(k >= n_carry))
+                    for k, (v, b) in enumerate(zip(eqn.outvars, body.outvars, strict=True)))
+    loops = tuple((body.outvars[i], body.invars[n_consts + i]) for i in range(n_carry))
+    return [LoopLinks(body, inputs, outputs, loops)]
+
+
+def while_loop_links(eqn: JaxprEqn) -> list[LoopLinks]:
+    """A `while_loop`'s body and condition: their constants and the carries run along the
+    operands; the body's outputs along the results, and back into its carries and the
+    condition's."""
+    p = eqn.params
+    cond, body = p["cond_jaxpr"].jaxpr, p["body_jaxpr"].jaxpr
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    cond_consts, body_consts, init = eqn.invars[:nc], eqn.invars[nc:nc + nb], eqn.invars[nc + nb:]
+    carries_in = body.invars[nb:]
+    body_links = LoopLinks(
+        body,
+        tuple((v, b, 0) for v, b in zip([*body_consts, *init], body.invars, strict=True)),
+        tuple((v, b, 0) for v, b in zip(eqn.outvars, body.outvars, strict=True)),
+        tuple(zip(body.outvars, carries_in, strict=True)))
+    cond_links = LoopLinks(
+        cond,
+        tuple((v, b, 0) for v, b in zip([*cond_consts, *init], cond.invars, strict=True)),
+        (),
+        tuple(zip(body.outvars, cond.invars[nc:], strict=True)))
+    return [body_links, cond_links]
 
 
 class _Anything:

@@ -96,7 +96,7 @@ from ._diagonal import (
 )
 from ._dropped import chosen_scalar, reshaped_scalar, same_scalar, summed_scalar
 from ._free import moved_held, product_held, summed_held, winner_held
-from ._lanewise import scan_kinds, scan_masks, scan_syms
+from ._lanewise import scan_kinds, scan_loop_links, scan_masks, scan_syms, while_loop_links
 from ._liveness_rules import (
     CONVOLUTION,
     WINDOW_SUM,
@@ -587,10 +587,12 @@ register(prims.cond_p, masks=cond_masks, kinds=cond_kinds, nested_params=("branc
          runs_bodies_once=True,
          masked_body=CondBody(), body_inputs=cond_body_inputs, body_operands=cond_body_operands)
 register(prims.scan_p, masks=scan_masks, kinds=scan_kinds, static=scan_syms,
+         loop_links=scan_loop_links,
          nested_params=("jaxpr",),
          masked_body=ScanBody(),
          body_inputs=scan_body_inputs, body_operands=scan_body_operands)
 register(prims.while_p, nested_params=("body_jaxpr",), body_inputs=while_body_inputs,
+         loop_links=while_loop_links,
          body_operands=while_body_operands)
 # collectives (in shard_map and pmap bodies): every lane live, as the other devices' lanes are
 # not seen; the sums, gathers and permutations are linear

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from ._compat import ClosedJaxpr, JaxprEqn, Primitive, Var
+from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Primitive, Var
 from ._compat import primitives as prims
 from ._symbolic import Connective
 
@@ -121,6 +121,20 @@ class Context(Protocol):
 
 MaskRule = Callable[[JaxprEqn, list, Sequence[Any], Context], list]
 """(equation, output masks, original operand values, context) -> a mask per operand."""
+
+@dataclasses.dataclass(frozen=True)
+class LoopLinks:
+    """One body of a loop, as `_aligned.py` joins it: `inputs` and `outputs` pair an atom of
+    the equation (an operand, a result) with a variable of the body and the number of leading
+    axes the outer atom has besides (1 for a scan's stacked value: its steps, which the loop
+    reads one by one); `loops` pairs each output the body hands back to itself (a carry) with
+    the input it becomes."""
+
+    body: Jaxpr
+    inputs: tuple[tuple[Any, Any, int], ...]
+    outputs: tuple[tuple[Any, Any, int], ...]
+    loops: tuple[tuple[Any, Any], ...]
+
 
 AlignRule = Callable[[JaxprEqn, int], "list[int | None] | None"]
 """(equation, operand k) -> for each axis of operand k, the output axis it runs along (None for
@@ -461,6 +475,12 @@ class PrimitiveRule:
     -> tangents (a `custom_jvp`'s rule, traced once), and that program where it may mix lanes
     its primal body keeps apart (None: it is lane to lane, the body stands for it). A row
     without it (a `custom_vjp`, whose backward is a function) cannot be read."""
+
+    loop_links: Callable[[JaxprEqn], Sequence[LoopLinks]] | None = None
+    """For a loop (`scan`, `while_loop`): how each body's inputs and outputs run along the
+    equation's operands and results, and which of its outputs come back as which inputs: a
+    loop nested in a scan's body keeps that body's rows where its own body does
+    (`_aligned.py`). None: a loop's operands keep no axis there."""
 
     zeros: Zeros | None = None
     """How structural zeros of a backward program pass through it (None: no output lane is
