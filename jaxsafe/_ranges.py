@@ -268,17 +268,23 @@ class Ranges:
     `given`: values whose ranges are known to be narrower than their own, each with that range
     (a `where`'s case under the comparison that takes it: `Ranges.given`). Such a view derives
     at most `MAX_GIVEN_STEPS` values, and does not narrow by a comparison again (one level: the
-    cost stays linear in the selections)."""
+    cost stays linear in the selections). A value computed before the first of them cannot
+    depend on them: the view reads the range the program's own ranges found for it (`parent`,
+    where they have one, without deriving anything there), so a case that reads a long chain
+    (`c / x` under `abs(x) > c`) does not derive the chain again."""
 
-    def __init__(self, eqns, producer: dict, constants: dict, given: dict | None = None):
+    def __init__(self, eqns, producer: dict, constants: dict, given: dict | None = None,
+                 parent: Ranges | None = None):
         self.eqns, self.producer, self.constants = eqns, producer, constants
         self.memo: dict = dict(given or {})
         self.steps_left = None if given is None else MAX_GIVEN_STEPS
+        self.parent = parent
+        self.before = min((producer.get(v, -1) for v in (given or {})), default=-1)
 
     def given(self, atom, known: dict) -> Range:
         """The range of `atom` where each value of `known` lies in its range there
         (`jnp.where(d < 2.5, (6.25 - d ** 2) ** 2, 0.)`: the case is finite for d below 2.5)."""
-        return Ranges(self.eqns, self.producer, self.constants, known).of(atom)
+        return Ranges(self.eqns, self.producer, self.constants, known, parent=self).of(atom)
 
     def constant_of(self, atom):
         if isinstance(atom, Literal):
@@ -296,6 +302,8 @@ class Ranges:
         i = self.producer.get(v)
         if i is None or len(self.eqns[i].outvars) != 1 or not is_float(v):
             return None
+        if self.parent is not None and i < self.before and v in self.parent.memo:
+            return self.parent.memo[v]  # computed before what the view narrows: the same
         if self.steps_left is not None:
             if self.steps_left <= 0:
                 return None
