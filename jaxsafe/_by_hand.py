@@ -78,16 +78,23 @@ class HandGuards:
             self._nonfinite = nonfinite_anywhere(self.closed, set(self.seeds))
         return self._nonfinite
 
+    def _dead(self, eqn: JaxprEqn) -> Sym | None:
+        """The dropped lanes of an elementwise equation's output that some lane can satisfy
+        (None: unknown, or not elementwise)."""
+        if len(eqn.outvars) != 1 or not rule_for(eqn.primitive).elementwise:
+            return None
+        dead = sym_not(self.sweep.sym(eqn.outvars[0]))
+        if dead is None:
+            return None
+        # a NaN test of a finite value, a diagonal a predicate fails on
+        return frozenset(term for term in dead if not self._impossible(term))
+
     def covers(self, i: int, eqn: JaxprEqn) -> bool:
         """Whether every derivative of `eqn`'s dropped lanes is already exactly zero."""
-        if len(eqn.outvars) != 1 or not rule_for(eqn.primitive).elementwise:
-            return False
-        out = eqn.outvars[0]
-        dead = sym_not(self.sweep.sym(out))
-        if dead is not None:  # a NaN test of a finite value, a diagonal a predicate fails on
-            dead = frozenset(term for term in dead if not self._impossible(term))
+        dead = self._dead(eqn)
         if dead is None or dead == FALSE:
             return dead == FALSE
+        out = eqn.outvars[0]
         if not self._operands_free(i, eqn, dead):
             return False
         # forward mode: a lane where the equation is finite with its derivatives makes no NaN
@@ -97,6 +104,29 @@ class HandGuards:
         singular = frozenset(term for term in dead
                              if not self._safe_on_diagonal(eqn, differentiated, term))
         return singular == FALSE or self._tangent_dropped(i, out, singular)
+
+    def covers_value(self, i: int, eqn: JaxprEqn, k: int) -> bool:
+        """Whether operand k, which may be non-finite in `eqn`'s dropped lanes, meets only
+        derivatives that selections stop there, as in a hand-written double where (`x *
+        log(where(x > 0, x, 1.))` under `where(x > 0, ., 0.)`): (reverse) every differentiated
+        operand whose derivative reads it carries no derivative in those lanes, made so by a
+        selection, so the `0 * NaN` of its cotangent goes to the constant the inner `where`
+        took; (forward) the NaN tangent it makes there is dropped by selections. Only where
+        the row says which operands each derivative reads and operand k's own does not read it
+        (a product, a quotient's numerator): its second derivatives then never weigh it by
+        another operand's zero tangent (`pow`'s exponent does: hunt W)."""
+        rule = rule_for(eqn.primitive)
+        reads, dead = rule.derivative_reads, self._dead(eqn)
+        if reads is None or k in reads[k] or dead is None:
+            return False
+        shape = shape_of(eqn.outvars[0])
+        for j, (u, d) in enumerate(zip(eqn.invars, self.sweep.diff[i], strict=True)):
+            if j == k or not d or j in rule.no_derivative or k not in reads[j]:
+                continue
+            if u is eqn.invars[k] or not isinstance(u, Var) or shape_of(u) != shape or \
+                    not self.free.selected(u) or not implies(dead, self.free.free_sym(u)):
+                return False
+        return dead == FALSE or self._tangent_dropped(i, eqn.outvars[0], dead)
 
     def _operands_free(self, i: int, eqn: JaxprEqn, dead: Sym) -> bool:
         """Reverse mode: each differentiated operand carries no derivative in the dead lanes,

@@ -381,7 +381,8 @@ class Sweep:
         """The value of a boolean the program closes over (`bool_constants`), or computes from
         literals and small constants alone, known when jaxsafe plans; else None."""
         if isinstance(atom, Var) and atom in self.bool_constants:
-            return np.asarray(self.bool_constants[atom])
+            value = self.bool_constants[atom] = np.asarray(self.bool_constants[atom])  # once
+            return value
         return self.constant(atom)
 
     def inner_masks(self, closed: ClosedJaxpr, invals: Sequence[Any],

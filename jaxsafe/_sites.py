@@ -43,6 +43,7 @@ Reads: the flattened program, its liveness (`Sweep`) and the taint seeds. Produc
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Set
 
 import numpy as np
@@ -62,13 +63,11 @@ from ._symbolic import (
     Sym,
     backward_mapping,
     expand_connectives,
-    implies,
     known_lanes,
     made_of,
     move,
     named_along,
     runs_only_along,
-    sym_not,
 )
 from ._taint import (
     contains_hazard,
@@ -99,7 +98,7 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report,
             elif _liveness_stops(i, eqn, rule, sweep):
                 report.conservative.append(eqn)
             site = _site(i, eqn, rule, sweep, tainted, dropped, bounds, report, free, fixed,
-                         paid)
+                         paid, by_hand)
             if site is not None and (site.replace or site.cut) and by_hand.covers(i, eqn):
                 # already guarded by hand (`_by_hand.py`): its dropped lanes stay as they are,
                 # and may hold NaN or inf for what reads them
@@ -155,7 +154,8 @@ class _PaidMasks:
 
 def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set,
           dropped: DroppedValues, bounds: Bounds, report: Report,
-          free_values: FreeValues, fixed: Set, paid: _PaidMasks) -> Site | None:
+          free_values: FreeValues, fixed: Set, paid: _PaidMasks,
+          by_hand: HandGuards) -> Site | None:
     if eqn.effects:
         return None
     out_kinds = [sweep.kind(o) for o in eqn.outvars]
@@ -181,7 +181,8 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
         k == Kind.MAYBE and is_float(o) for k, o in zip(out_kinds, eqn.outvars, strict=True))
     # a cut (below) stops every derivative in dropped lanes: no value guard needed beside it
     nonfinite, coarse = ([], {}) if body_guards_itself or rule.cut_when_dropped else \
-        _nonfinite_operands(eqn, rule, tangents, guarded, tainted, sweep, report, dropped, paid)
+        _nonfinite_operands(eqn, rule, tangents, guarded, tainted, sweep, report, dropped, paid,
+                            functools.partial(by_hand.covers_value, i, eqn))
     coarse = _guard_nonfinite(nonfinite, coarse, guard, replace, reasons, cut)
     if rule.custom_rule and (
             any(_may_be_nonfinite(eqn, v, tainted) for v in eqn.invars)
@@ -274,10 +275,11 @@ def _without_tangent(closed: ClosedJaxpr) -> set:
 
 def _nonfinite_operands(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool],
                         guarded: list[bool], tainted: set, sweep: Sweep,
-                        report: Report, dropped: DroppedValues,
-                        paid: _PaidMasks) -> tuple[list[int], dict[int, Sym]]:
+                        report: Report, dropped: DroppedValues, paid: _PaidMasks,
+                        by_hand: Callable[[int], bool]) -> tuple[list[int], dict[int, Sym]]:
     """Operands that may be non-finite in dropped lanes where the derivative of an operand that
-    carries a tangent (`diff`) reads them (a zero cotangent times NaN), and that a guard can
+    carries a tangent (`diff`) reads them (a zero cotangent times NaN), that the program does
+    not already guard by hand (`by_hand(k)`: `HandGuards.covers_value`), and that a guard can
     reach cheaply; and, of those, the ones guarded by a coarser mask (`Site.coarse`)."""
     if rule.linear or rule.zero_derivative or rule.custom_rule:  # a custom rule: cut instead
         return [], {}
@@ -288,8 +290,7 @@ def _nonfinite_operands(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool],
     for k, v in enumerate(eqn.invars):
         if not guarded[k] or not _may_be_nonfinite(eqn, v, tainted):
             continue
-        if _finite_where_dropped(eqn, k, dropped) or \
-                _met_only_by_selections(eqn, k, rule, diff, sweep, dropped):
+        if _finite_where_dropped(eqn, k, dropped) or by_hand(k):
             # `jnp.where(norm <= eps, 1., x)`: 1 in every lane read as dropped; by hand,
             # `x * log(where(x > 0, x, 1.))` under `where(x > 0, ., 0.)`
             continue
@@ -332,44 +333,6 @@ def _named_by_predicates(eqn: JaxprEqn, k: int, rule: PrimitiveRule,
     if known is not None and known.all():
         return None  # the stretches of a split, every one: the predicates drop no lane
     return moved
-
-
-def _met_only_by_selections(eqn: JaxprEqn, k: int, rule: PrimitiveRule, diff: list[bool],
-                            sweep: Sweep, dropped: DroppedValues) -> bool:
-    """Whether operand k's values in the dropped lanes meet only derivatives that selections
-    stop, as in a hand-written double where (`x * log(where(x > 0, x, 1.))` under `where(x >
-    0, ., 0.)`): the output is read only as a case of `select_n`s whose results are live in
-    every lane, so its dropped lanes are those they do not take (a NaN tangent there is never
-    read, and its cotangent there is an exact zero); and every differentiated operand whose
-    derivative reads operand k carries no derivative in those lanes, made so by selections
-    (`FreeValues.selected`): the `0 * NaN` cotangent it gets there goes to the constant the
-    inner `where` took, never to an input. Only where the row says which operands each
-    derivative reads and operand k's own does not read it (a product, a matmul, a quotient's
-    numerator): its second derivatives then never weigh operand k by the zero tangent of
-    another (`pow`'s exponent does: `x * L ** (x - 1)` times `L`'s zero tangent)."""
-    free, reads = dropped.free, rule.derivative_reads
-    if free is None or len(eqn.outvars) != 1 or eqn.outvars[0] in sweep.jaxpr.outvars or \
-            reads is None or k in reads[k]:
-        return False  # `pow`'s exponent: its own derivative's cross term reads it (hunt W)
-    out = eqn.outvars[0]
-    readers = sweep.consumers.get(out, [])
-    for i, position in readers:
-        reader = sweep.jaxpr.eqns[i]
-        selection = rule_for(reader.primitive).selection
-        if selection is None or not selection.by_predicate or position == 0 or \
-                sweep.kind(reader.outvars[0]) != Kind.LIVE:
-            return False
-    gone = sym_not(sweep.sym(out))
-    if not readers or gone is None:
-        return False
-    for j, d in enumerate(diff):
-        if j == k or not d or j in rule.no_derivative or k not in reads[j]:
-            continue
-        u = eqn.invars[j]
-        if u is eqn.invars[k] or not isinstance(u, Var) or not free.selected(u) or \
-                not implies(gone, free.free_sym(u)):
-            return False
-    return True
 
 
 def _finite_where_dropped(eqn: JaxprEqn, k: int, dropped: DroppedValues) -> bool:
