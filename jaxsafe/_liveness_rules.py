@@ -615,10 +615,11 @@ def _kept_lanes(sources: np.ndarray, size: int) -> np.ndarray:
 
 def _known_lanes(key: Any, ctx: Context) -> np.ndarray | None:
     """A literal key's lanes where they are known when jaxsafe plans: a static mask known as
-    an array (`Unknown.lanes`), or a predicate computed from constants alone."""
+    an array (`Unknown.lanes`), or a predicate closed over or computed from constants alone
+    (`Context.known_mask`)."""
     if isinstance(key, Unknown):
         return key.lanes
-    return ctx.constant(key) if isinstance(key, Var) else None
+    return ctx.known_mask(key) if isinstance(key, Var) else None
 
 
 def _known_lanes_moved(out: Sym, moving: Sequence[int], sources: Callable[[int], np.ndarray],

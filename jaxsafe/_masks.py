@@ -41,7 +41,7 @@ import numpy as np
 from jax import lax
 
 from ._compat import Tracer, eager_constant_folding
-from ._symbolic import Unknown
+from ._symbolic import Unknown, key_layout
 from ._walk import demand
 
 Mask = jax.Array | None
@@ -330,12 +330,11 @@ def of_predicates(sym: Any, value_of: Callable[[Any], Any], shape) -> Mask:
         for key, positive, embed in term:
             value = jnp.asarray(key.lanes) if isinstance(key, Unknown) and \
                 key.lanes is not None else value_of(key)
-            kept = [j for j, e in enumerate(embed) if e is not None]
-            core = lax.reshape(value, tuple(np.shape(value)[j] for j in kept))
-            order = sorted(range(len(kept)), key=lambda j: embed[kept[j]])
-            if order != list(range(len(kept))):
+            sizes, order, axes = key_layout(np.shape(value), embed)
+            core = lax.reshape(value, sizes)
+            if order != list(range(len(order))):
                 core = lax.transpose(core, order)
-            m = broadcast_mask(core, shape, sorted(embed[j] for j in kept))
+            m = broadcast_mask(core, shape, axes)
             lits.append(m if positive else not_mask(m))
         terms.append(all_of(lits))
     return any_of(terms)

@@ -54,6 +54,12 @@ class Context(Protocol):
         """The value of a small atom that the program computes from literals alone, else None."""
         ...
 
+    def known_mask(self, atom: Any) -> np.ndarray | None:
+        """The value of a boolean the program closes over or computes from literals, where it
+        is known when jaxsafe plans (`constant`, and boolean constants of any size up to a
+        bound), else None."""
+        ...
+
     def same_as(self, var: Var) -> Var:
         """The first variable the program computes exactly as it computes `var`."""
         ...

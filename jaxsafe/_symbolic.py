@@ -337,6 +337,17 @@ def _or_off_axes(lit: Lit, axes: set, known: Callable[[object], np.ndarray | Non
             tuple(embed[j] for j in on))
 
 
+def key_layout(key_shape: Sequence[int], embed: Sequence[int | None]
+               ) -> tuple[tuple[int, ...], list[int], list[int]]:
+    """How a literal's key lies on a value: the sizes of the key's axes that embed somewhere
+    (the others have size 1), the transpose that puts them in the value's order, and the
+    value's axes they then run along, in order. One answer for the mask computed now
+    (`known_lanes`) and the one emitted (`_masks.of_predicates`)."""
+    placed = [(j, e) for j, e in enumerate(embed) if e is not None]
+    order = sorted(range(len(placed)), key=lambda i: placed[i][1])
+    return (tuple(key_shape[j] for j, _ in placed), order, [placed[i][1] for i in order])
+
+
 def known_lanes(sym: Sym, shape: Sequence[int]) -> np.ndarray | None:
     """The value over a value of `shape` of a formula of static masks known as arrays
     (`Unknown.lanes`) alone, computed now; None where it has another literal."""
@@ -347,12 +358,11 @@ def known_lanes(sym: Sym, shape: Sequence[int]) -> np.ndarray | None:
             if not isinstance(key, Unknown) or key.lanes is None or embed is None:
                 return None
             lanes = np.asarray(key.lanes)
-            kept = [j for j, e in enumerate(embed) if e is not None]
-            order = sorted(range(len(kept)), key=lambda i: embed[kept[i]])
-            core = np.transpose(np.reshape(lanes, [lanes.shape[j] for j in kept]), order)
+            sizes, order, axes = key_layout(lanes.shape, embed)
+            core = np.transpose(np.reshape(lanes, sizes), order)
             place = [1] * len(shape)
-            for i in order:
-                place[embed[kept[i]]] = lanes.shape[kept[i]]
+            for axis, size in zip(axes, core.shape, strict=True):
+                place[axis] = size
             held &= np.reshape(core, place) == positive
         out |= held
     return out
