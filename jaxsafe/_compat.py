@@ -136,7 +136,14 @@ def with_leading_arg_names(info: Any, names: Sequence[str]) -> Any:
     arg_names = getattr(info, "arg_names", None)
     if arg_names is None:
         return info
-    new_names = (*names, *arg_names)
+    return with_arg_names(info, (*names, *arg_names))
+
+
+def with_arg_names(info: Any, new_names: Sequence[str]) -> Any:
+    """A jaxpr's debug info naming its arguments `new_names` (as many as the jaxpr has)."""
+    if getattr(info, "arg_names", None) is None:
+        return info
+    new_names = tuple(new_names)
     if hasattr(info, "_replace"):
         return info._replace(arg_names=new_names)
     return dataclasses.replace(info, arg_names=new_names)
@@ -409,3 +416,32 @@ def scan_counts(params: dict) -> tuple[int, int]:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
+
+
+def scan_params_with(params: dict, body: ClosedJaxpr, new_consts: int,
+                     stacked_kept: Sequence[bool], new_stacked: int) -> dict | None:
+    """A `scan`'s parameters for `body`, whose inputs are `new_consts` constants, then the old
+    ones and the carries, then the stacked inputs kept (`stacked_kept`) and `new_stacked` new
+    ones (`_sinking.py`). None where the operands are described by `ft_in` (JAX 0.11 on),
+    which is not rebuilt here: the scan is then left as it is."""
+    if "num_consts" not in params:
+        return None
+    new: dict[str, Any] = dict(params, jaxpr=body, num_consts=params["num_consts"] + new_consts)
+    if "linear" in params:  # JAX 0.9: one flag per operand, none of the new ones linear
+        linear = params["linear"]
+        first = params["num_consts"] + params["num_carry"]
+        kept = [flag for flag, keep in zip(linear[first:], stacked_kept, strict=True) if keep]
+        new["linear"] = (*([False] * new_consts), *linear[:first], *kept,
+                         *([False] * new_stacked))
+    return new
+
+
+# `mapped_aval`: the abstract value of one step's slice of a stacked input (its leading axis
+# removed), with whatever else the aval carries (a sharding in types) made to match; JAX has no
+# public way to take an axis off an aval.
+from jax._src.core import mapped_aval as _mapped_aval  # noqa: E402
+
+
+def step_aval(aval: Any) -> Any:
+    """The aval of one step's slice of a scan's stacked input of aval `aval`."""
+    return _mapped_aval(aval.shape[0], 0, aval)

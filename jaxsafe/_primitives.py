@@ -184,6 +184,7 @@ from ._liveness_rules import (
     winner_masks,
 )
 from ._rules import Carries, Chooser, Guard, Selection, Zeros, register, update
+from ._sinking import ScanSteps
 from ._symbolic import Connective
 from ._taint import (
     compared_with_nonfinite,
@@ -589,7 +590,7 @@ register(prims.cond_p, masks=cond_masks, kinds=cond_kinds, nested_params=("branc
 register(prims.scan_p, masks=scan_masks, kinds=scan_kinds, static=scan_syms,
          loop_links=scan_loop_links,
          nested_params=("jaxpr",),
-         masked_body=ScanBody(),
+         masked_body=ScanBody(), steps=ScanSteps(),
          body_inputs=scan_body_inputs, body_operands=scan_body_operands)
 register(prims.while_p, nested_params=("body_jaxpr",), body_inputs=while_body_inputs,
          loop_links=while_loop_links,

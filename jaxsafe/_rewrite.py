@@ -1,9 +1,11 @@
 """The rewrite: a program whose dropped lanes are safe to differentiate, as named passes.
 
-    flatten -> dce -> liveness -> taint seeds -> nested bodies -> guards -> masked bodies
-            -> decisions -> emission -> dce
+    flatten -> sink -> dce -> liveness -> taint seeds -> nested bodies -> guards
+            -> masked bodies -> decisions -> emission -> dce
 
 1. `flatten` (`_flatten.py`): inline `jit` and `closed_call`, and scalar constants as literals.
+   `sink` (`_sinking.py`): elementwise work on a scan's stacked operand that the scan's body
+   drops lanes of is moved into the body, where the body's guard reaches it.
 2. `dce`: drop unused results, so a guard only they would need is not planned.
 3. liveness (`_liveness.py`): the static liveness of every value (`Sweep`).
 4. taint seeds (`_taint.py`): values that may be non-finite without any NaN-prone primitive
@@ -69,6 +71,7 @@ from ._nested import any_equation, sub_jaxprs
 from ._plan import Plan
 from ._report import AnalysisFailedWarning, Report, failure_text, note_failure, strict
 from ._rules import Kind, rule_for
+from ._sinking import sink_into_scans
 from ._sites import place_guards
 from ._symbolic import Sym
 from ._taint import contains_hazard, nonfinite_anywhere, nonfinite_seeds
@@ -105,7 +108,7 @@ def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps, finite_invars: Sequence[bool] 
     flat = take_constant_selections(inline_scalar_constants(flatten(closed)))
     if not in_body:
         sweeps.hazardous_rules = rules_with_hazards(flat)
-    flat = dce(flat)
+    flat = dce(sink_into_scans(flat, sweeps))
     plan = plan_program(flat, [Kind.LIVE] * len(flat.jaxpr.outvars), sweeps, finite_invars,
                         bad_cotangents, in_body, known_inputs)
     plan.report.original = flat

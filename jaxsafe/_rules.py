@@ -207,6 +207,23 @@ CarryHeldRule = Callable[[JaxprEqn, list, list], "tuple | None"]
 nothing (None: unknown)) -> the values the output holds in its such lanes (`_free.py`)."""
 
 
+class Steps(Protocol):
+    """How a loop slices its stacked operands into its body, one slice per step, and how it
+    is staged again with a body that takes other operands (`PrimitiveRule.steps`)."""
+
+    def layout(self, eqn: JaxprEqn) -> tuple[ClosedJaxpr, int, int] | None:
+        """(the body, the number of constants, the index of the first stacked operand); the
+        body's inputs are the operands, in order, a stacked one sliced. None: not known."""
+        ...
+
+    def params_with(self, eqn: JaxprEqn, body: ClosedJaxpr, new_consts: int,
+                    stacked_kept: Sequence[bool], new_stacked: int) -> dict | None:
+        """The parameters for `body`, whose inputs are `new_consts` new constants first, then
+        the old constants and carries, the stacked operands kept (`stacked_kept`) and
+        `new_stacked` new ones last. None: it cannot be staged so."""
+        ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Carries:
     """How lanes that carry no derivative of the inputs pass through a primitive that is not
@@ -487,6 +504,12 @@ class PrimitiveRule:
     equation's operands and results, and which of its outputs come back as which inputs: a
     loop nested in a scan's body keeps that body's rows where its own body does
     (`_aligned.py`). None: a loop's operands keep no axis there."""
+
+    steps: Steps | None = None
+    """For a loop that hands its body one slice of each stacked operand per step (`scan`):
+    where its body drops lanes of such a slice, elementwise work done on the whole operand
+    before the loop is moved into the body, so that the body's guard reaches it
+    (`_sinking.py`). None: operands are not sliced per step."""
 
     zeros: Zeros | None = None
     """How structural zeros of a backward program pass through it (None: no output lane is
