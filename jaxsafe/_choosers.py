@@ -295,30 +295,52 @@ def sort_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
 
 
 def scatter_choice_masks(twin: MaskRule) -> MaskRule:
-    """`x.at[i].max(u)`, `segment_max` (and min) whose every result is live: an operand or
-    update lane is live where a result's derivative reads it, by JAX's own derivative (the
-    lanes equal to the result, ties sharing; an update sent out of range reads nothing).
-    Otherwise, and structurally (a body re-run as one unit), where the scatter-add with the
-    same parameters (`twin`) reads it: a segment that a `where` drops then drops its rows as
-    a row mask (a padded graph's readout, guarded before `x @ w`), and a loser stays live."""
+    """`x.at[i].max(u)`, `segment_max` (and min): an operand or update lane is live where a
+    live result's derivative reads it, by JAX's own derivative (the lanes equal to the
+    result, ties sharing; an update sent out of range reads nothing), and where the scatter-add
+    with the same parameters (`twin`) reads it from a live result that is NaN, or it is NaN
+    itself: as for `reduce_max`, a NaN never counts as lost (JAX's derivative gives it no
+    share, and plain JAX's `0 * NaN` stays). A loser in a live segment is dropped, and so is
+    every lane of a segment a `where` drops. Structurally (a body re-run as one unit), where
+    the twin reads it."""
     def masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
               ctx: Context) -> list[Mask]:
-        if ctx.structural or outs[0] is not None:
+        if ctx.structural:
             return twin(eqn, outs, invals, ctx)
-        return _supported(eqn, outs, invals, widen=True)
+        chosen = _supported(eqn, outs, invals, widen=True)
+        if _all_dropped(eqn, outs) is not None:
+            return chosen
+        operands = [invals[k] for k in range(len(eqn.invars))]
+        out = bind_eqn(eqn, operands)[0]  # the original output (XLA computes it once)
+        live = materialize(outs[0], np.shape(out))
+        read_by_nan = twin(eqn, [lax.bitwise_and(live, lax.ne(out, out))], invals, ctx)
+        read = twin(eqn, outs, invals, ctx)
+        result: list[Mask] = []
+        for k, (c, v) in enumerate(zip(chosen, eqn.invars, strict=True)):
+            if c is None or not is_float(v):
+                result.append(c)
+                continue
+            x = operands[k]
+            by_nan = any_of([read_by_nan[k], all_of([lax.ne(x, x), read[k]])])
+            result.append(any_of([c, materialize(by_nan, np.shape(x))]))
+        return result
     return masks
 
 
 def scatter_choice_syms(twin: StaticRule) -> StaticRule:
-    """`scatter_choice_masks`, statically: where the scatter-add twin reads, and, with every
-    result live, which lanes win decided at run time (an unknown over every axis of the
-    operand and the updates)."""
+    """`scatter_choice_masks`, statically: where the scatter-add twin reads (a coarser formula
+    than the run-time mask, which also drops the losers: a segment a `where` drops stays a row
+    formula, which a guard before `x @ w` names), and where the twin reads every lane, which
+    lanes win decided at run time (an unknown over every axis of the operand and the updates),
+    so that the losers are guarded."""
     def static(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
         syms = twin(eqn, out_syms, ctx)
-        if syms is None or ctx.structural or out_syms[0] != TRUE:
+        if syms is None or ctx.structural:
             return syms
+        every = out_syms[0] == TRUE
         return [sym_and_literal(m, unknown(i for i, n in enumerate(shape_of(v)) if n != 1))
-                if m and is_float(v) else m for m, v in zip(syms, eqn.invars, strict=True)]
+                if is_float(v) and (m == TRUE or (every and m)) else m
+                for m, v in zip(syms, eqn.invars, strict=True)]
     return static
 
 

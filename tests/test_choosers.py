@@ -301,3 +301,40 @@ def test_a_running_extreme_reads_no_lane_after_its_last_live_output(running, rev
         got = order(nan_safe(f), (0, 1))(x, d)
         assert_finite(got)
         assert_close(got, order(hand, (0, 1))(x, d))
+
+
+def test_a_segment_maximum_whose_results_are_dropped_in_part_still_drops_its_losers():
+    """A padded graph's readout: a `where` (or a slice, or a constant weight) after the
+    `segment_max` drops a segment; a loser of a live segment is dropped too (hunt X: it was
+    left live once any result was dropped, and `0 * inf` reached it)."""
+    seg = jnp.array([0, 0, 1, 1, 2])
+    x = jnp.array([4., 0., 1., 9., 1.])  # segment 0: sqrt 0 loses; segment 2 dropped
+    keep = jnp.array([True, True, False])
+    cases = {
+        "where": lambda x: jnp.sum(jnp.where(keep, jax.ops.segment_max(h(x), seg, 3), 0.)),
+        "slice": lambda x: jnp.sum(jax.ops.segment_max(h(x), seg, 3)[:2]),
+        "at max": lambda x: jnp.sum(jnp.full(3, -jnp.inf).at[seg].max(h(x))[:2]),
+        "min": lambda x: jnp.sum(jnp.where(keep, jax.ops.segment_min(-h(x), seg, 3), 0.)),
+    }
+    live = jnp.array([True, False, True, True, False])
+    for name, f in cases.items():
+        assert np.isnan(jax.grad(f)(x)).any(), name
+        by_hand = lambda x, f=f: f(jnp.where(live, x, 1e-3))  # the losers' values never win
+        assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+        assert_close(jax.grad(nan_safe(f))(x), jax.grad(by_hand)(x))
+        assert_close(jax.jacfwd(nan_safe(f))(x), jax.jacfwd(by_hand)(x))
+
+
+def test_a_nan_update_in_a_live_segment_keeps_plain_jax_s_nan():
+    """As for `jnp.max`: a NaN never counts as lost (contract 3). JAX's derivative gives the
+    NaN update no share, and plain JAX's `0 * NaN` stays; the loser at `sqrt(0)` is 0."""
+    seg = jnp.array([0, 0, 1, 1, 1])
+    f = lambda x: jnp.sum(jax.ops.segment_max(jnp.sqrt(x), seg, num_segments=2))
+    x = jnp.array([4., 0., 1., 9., -1.])  # sqrt(-1): NaN in live segment 1
+    got, plain = np.asarray(jax.grad(nan_safe(f))(x)), np.asarray(jax.grad(f)(x))
+    assert np.isnan(plain[4]) and np.isnan(got[4])
+    assert got[1] == 0 and np.isnan(plain[1])
+    assert_bitwise(got[[0, 2, 3]], plain[[0, 2, 3]])
+    square = lambda x: jnp.sum(jax.ops.segment_max(x * x, seg, num_segments=2))
+    nan_arg = jnp.array([4., 0., 1., 9., np.nan])
+    assert_bitwise(jax.grad(nan_safe(square))(nan_arg), jax.grad(square)(nan_arg))
