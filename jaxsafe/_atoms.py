@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -34,6 +35,12 @@ def is_float(atom: Any) -> bool:
         except TypeError:  # extended dtypes (PRNG keys, float0)
             inexact = False
     return inexact
+
+
+def is_numeric(atom: Any) -> bool:
+    """Whether an atom's dtype is a NumPy one (not a PRNG key's, not float0): a value of it
+    can be made to evaluate its equation at planning time."""
+    return not jnp.issubdtype(dtype_of(atom), jax.dtypes.extended)
 
 
 _INEXACT: dict[Any, bool] = {}  # dtype -> is_float: asked for every atom of every equation

@@ -108,16 +108,19 @@ def rule_tangents(eqn: JaxprEqn, ctx: Context) -> ClosedJaxpr | None:
     body = call_jaxpr(eqn)
     if reading_a_rule():
         return None  # a call inside a rule's tangent program: read by its structure
-    if any(k != Kind.LIVE for k in ctx.inner_kinds(body, [Kind.LIVE], True)):
-        return None  # an operand the body does not read: the rule may
-    if all(k == Kind.LIVE for k in ctx.inner_kinds(flat_body(eqn), [Kind.LIVE], False)):
+    # an operand the body does not read (a straight-through estimator's `soft`): the rule
+    # may, and its tangent program says which lanes, where the body's structure cannot
+    unread = any(k != Kind.LIVE for k in ctx.inner_kinds(body, [Kind.LIVE], True))
+    if not unread and all(k == Kind.LIVE
+                          for k in ctx.inner_kinds(flat_body(eqn), [Kind.LIVE], False)):
         return None  # it selects nothing by value
     tangents = tangent_program(eqn)
     if tangents is None:
         return None
-    with reading(eqn):
-        if all(k == Kind.LIVE for k in _kinds(eqn, tangents.program, [Kind.LIVE], ctx)):
-            return None  # the rule reads every lane (`logaddexp`'s): nothing to re-decide
+    if not unread:
+        with reading(eqn):
+            if all(k == Kind.LIVE for k in _kinds(eqn, tangents.program, [Kind.LIVE], ctx)):
+                return None  # the rule reads every lane (`logaddexp`'s): nothing to re-decide
     return tangents.program
 
 

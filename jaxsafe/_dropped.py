@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ._atoms import SMALL_CONSTANT, dtype_of, is_float, literal_value, shape_of
+from ._atoms import SMALL_CONSTANT, dtype_of, is_float, is_numeric, literal_value, shape_of
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._constants import finite_with_derivatives, fold
 from ._free import FreeValues
@@ -82,7 +82,8 @@ class DroppedValues:
         rule = rule_for(eqn.primitive)
         return (len(eqn.outvars) == 1 and not eqn.effects
                 and (rule.elementwise or rule.selection is not None)
-                and not (site is not None and site.cut))
+                and not (site is not None and site.cut)
+                and all(is_numeric(a) for a in eqn.invars))  # a sampler's key: no value
 
     def _compute(self, v: Any) -> Generator[Any, Known, Known]:
         """The rule `demand` runs: yields each operand it needs, receives what it holds."""
@@ -204,7 +205,8 @@ class DroppedValues:
         value at which `eqn` and its first derivatives are finite."""
         known = self.get(eqn.invars[k])
         if known is None or (not known[1] and not self.reads_dropped(eqn, k)) or \
-                self._may_overflow_through(eqn, k, guard):
+                self._may_overflow_through(eqn, k, guard) or \
+                not all(is_numeric(a) for a in eqn.invars):  # a sampler's key: no value to try
             return False
         return finite_with_derivatives(eqn, self._point(eqn, k, np.asarray(known[0]), guard.safe))
 
@@ -228,7 +230,7 @@ class DroppedValues:
         step, leaves XLA free to rewrite across the chain (`log(x ** 1.5)` to `1.5 * log(x)`),
         so live lanes keep the original program's last bit.
         """
-        if self._may_overflow_through(eqn, k, guard):
+        if self._may_overflow_through(eqn, k, guard) or not all(is_numeric(a) for a in eqn.invars):
             return False
         chain = self._chain(eqn.invars[k])
         if chain is None:

@@ -306,6 +306,12 @@ register_elementwise(prims.polygamma_p, guard=Guard({1: 1.0}, finite_at_singular
 register_elementwise(prims.igamma_p, prims.igammac_p, guard=Guard({0: 1.0, 1: 1.0}))
 register_elementwise(prims.igamma_grad_a_p, guard=Guard({0: 1.0, 1: 1.0}),
                      no_derivative=frozenset({0, 1}))
+# `jax.random.gamma` (and `beta`, `dirichlet`): a sample per lane of `a` (operand 1), each
+# from its own key (operand 0, one key split per lane, or a key per lane): a finite shape
+# outside (0, inf) makes NaN, and its derivative (the implicit reparameterization's) with it;
+# 1.0 samples an exponential. Not folded: it samples.
+register_elementwise(prims.random_gamma_p, guard=Guard({1: 1.0}), no_derivative=frozenset({0}),
+                     foldable=False)
 register_elementwise(prims.zeta_p, guard=Guard({0: 2.0, 1: 1.0}), no_derivative=frozenset({0, 1}))
 register_elementwise(prims.regularized_incomplete_beta_p,
                      guard=Guard({0: 1.0, 1: 1.0, 2: 0.5}), no_derivative=frozenset({0, 1}))
@@ -356,7 +362,7 @@ register(prims.bitcast_convert_type_p, makes_nonfinite=True,
          finite_when=exponent_set_by(prims.or_p, prims.shift_right_logical_p))
 register(prims.select_and_gather_add_p, prims.select_and_scatter_add_p,
          prims.select_and_scatter_p, prims.approx_top_k_p, prims.rng_uniform_p,
-         prims.random_gamma_p, prims.random_bits_p, prims.random_seed_p,
+         prims.random_bits_p, prims.random_seed_p,
          prims.random_fold_in_p, prims.random_split_p, prims.rng_bit_generator_p,
          prims.threefry2x32_p, prims.hessenberg_p, prims.schur_p, prims.tridiagonal_p,
          prims.clz_p, prims.population_count_p, prims.shift_left_p, prims.shift_right_arithmetic_p,

@@ -639,6 +639,35 @@ def test_a_straight_through_rule_keeps_every_lane():
     assert np.isinf(jax.grad(loss)(_RELU_X)[0])
 
 
+@jax.custom_jvp
+def _hard_forward_soft_backward(soft, hard):
+    return hard
+
+
+_hard_forward_soft_backward.defjvp(lambda p, t: (p[1], t[0]))
+
+
+def test_a_rule_s_operand_its_primal_never_reads_is_dropped_lane_by_lane():
+    """Hunt Y: a straight-through estimator whose primal returns `hard` and whose rule passes
+    `soft`'s tangent lane by lane. The primal's structure says nothing of `soft`; the rule's
+    tangent program does, so `soft`'s dropped lanes are those the `where` drops (it was guarded
+    only where every lane was dropped, and `sqrt(0)`'s `0 * inf` reached the gradient)."""
+    def f(x):
+        return jnp.sum(jnp.where(x > 0, _hard_forward_soft_backward(jnp.sqrt(x), jnp.round(x)),
+                                 0.))
+
+    def by_hand(x):
+        soft = jnp.sqrt(jnp.where(x > 0, x, 1.))
+        return jnp.sum(jnp.where(x > 0, _hard_forward_soft_backward(soft, jnp.round(x)), 0.))
+
+    x = jnp.array([-1., 0., 4., 2.3])
+    assert np.isnan(jax.grad(f)(x)).any()
+    assert_bitwise(jaxsafe.nan_safe(f)(x), jax.jit(f)(x))
+    assert_close(jax.grad(jaxsafe.nan_safe(f))(x), jax.grad(by_hand)(x))
+    assert_close(jax.jacfwd(jaxsafe.nan_safe(f))(x), jax.jacfwd(by_hand)(x))
+    assert_bitwise(jax.grad(jaxsafe.nan_safe(f))(x)[2:], jax.grad(f)(x)[2:])  # live: JAX's
+
+
 def test_a_relu_network_with_nothing_to_guard_is_the_original_program():
     """relu's rule selects its tangent (`select_n(x > 0, 0, t)`): an infinite cotangent is
     written as 0 in a loser's lane, never weighed by it, so a relu network with nothing to
@@ -943,3 +972,35 @@ def test_a_dense_constant_mask_that_drops_whole_rows_guards_the_matmul_before_a_
     partial[2, 0] = True
     g = lambda w, x: jnp.sum(jnp.where(partial, jax.nn.relu(x @ w), 0.))  # noqa: E731
     assert np.isnan(np.asarray(jax.grad(jaxsafe.nan_safe(g))(w, x))).any()
+
+
+def test_a_gamma_sample_s_shape_in_a_dropped_lane_is_guarded():
+    """Hunt X: `jax.random.gamma` (and `beta`, `dirichlet`) had a row saying it is finite for
+    finite operands, which a shape of 0 or below breaks (NaN), and no liveness: a masked
+    sample's shape kept plain JAX's NaN gradient. Each lane is sampled from its own key, so
+    the guard (shape 1 in a dropped lane) leaves the live lanes' samples bit for bit."""
+    key = jax.random.PRNGKey(0)
+    a = jnp.array([0., -1., 2., np.nan, 0.7])
+    live = jnp.array([False, False, True, False, True])
+    for sample in (lambda a: jax.random.gamma(key, a), lambda a: jax.random.beta(key, a, 2.)):
+        f = lambda a, sample=sample: jnp.sum(jnp.where(live, sample(a), 0.))
+        by_hand = lambda a, sample=sample: jnp.sum(
+            jnp.where(live, sample(jnp.where(live, a, 1.)), 0.))
+        assert np.isnan(jax.grad(f)(a)).any()
+        value, g = jax.jit(jax.value_and_grad(jaxsafe.nan_safe(f)))(a)
+        assert_bitwise(value, jax.jit(f)(a))
+        assert_close(g, jax.grad(by_hand)(a), rtol=1e-5)
+        assert_close(jax.jacfwd(jaxsafe.nan_safe(f))(a), jax.jacfwd(by_hand)(a), rtol=1e-5)
+    # padded components: their samples are 0 and still in every sample's normalizer (live), but
+    # the log of a padded sample is dropped (plain JAX: 0 * inf there, NaN in every used lane)
+    concentration = jnp.array([[1., 2., 0., 0.], [0.5, 0.5, 3., 0.]])
+    used = concentration > 0
+
+    def dirichlet_log(c):
+        sample = jax.random.dirichlet(key, jnp.where(used, c, 0.))
+        return jnp.sum(jnp.where(used, jnp.log(sample), 0.))
+
+    assert np.isnan(jax.grad(dirichlet_log)(concentration)[np.asarray(used)]).all()
+    value, g = jax.jit(jax.value_and_grad(jaxsafe.nan_safe(dirichlet_log)))(concentration)
+    assert_bitwise(value, jax.jit(dirichlet_log)(concentration))
+    assert np.isfinite(g).all() and (np.asarray(g)[~np.asarray(used)] == 0).all()

@@ -163,6 +163,11 @@ CASES: list[Case] = [
     Case("regularized_incomplete_beta", P.regularized_incomplete_beta_p, lax.betainc,
          lambda x: (jnp.full_like(x, 0.5), jnp.full_like(x, 0.5), x), {0: 1.0, 1: 1.0, 2: 0.5},
          lambda x: (x > 0) & (x < 1), [0.25, 0.75, 0., 1., -0.5, 1.5]),
+    # a gamma sample per lane of its shape, each from its own key (operand 0): a shape of 0 or
+    # below samples NaN (or 0), with a NaN derivative
+    Case("random_gamma", P.random_gamma_p,
+         lambda key, a: jax.random.gamma(key, a, dtype=a.dtype),
+         lambda x: (jax.random.PRNGKey(0), x), {1: 1.0}, _pos, [2.5, 0.5, 0., -1.]),
     # complex abs at 0: JAX's abs JVP already replaces |z| = 0 by 1 in z / |z|, so plain JAX's
     # gradient is finite in every dtype, and nan_safe must equal it.
     Case("abs-complex", P.abs_p, lax.abs, lambda x: (_complex(x),), {0: 1.0}, _nonzero,
