@@ -203,6 +203,13 @@ def _finite_leaves(finite_args: Any, args: tuple, static_nums: set[int], kwargs:
         n = len(jax.tree_util.tree_leaves(
             tuple(a for i, a in enumerate(args) if i not in static_nums)))
         return [finite_args] * (n + n_kw)
+    if isinstance(finite_args, frozenset):
+        bad = sorted(p for p in finite_args if not -len(args) <= p < len(args))
+        if bad:
+            raise ValueError(
+                f"{who}: `finite_args` names argument position(s) {bad}, but the function was "
+                f"called with {len(args)} positional argument(s). Name positions it is called "
+                f"with (keyword arguments are promised finite only by `finite_args=True`).")
     flags: list[bool] = []
     for i, arg in enumerate(args):
         if i in static_nums:
@@ -381,7 +388,7 @@ class NanSafeFunction:
         if not isinstance(use_jit, bool | np.bool_):
             raise TypeError(f"nan_safe: `jit` must be True or False, got {use_jit!r}.")
         self._use_jit = bool(use_jit)
-        if not isinstance(cache_size, int) or cache_size < 0:
+        if not isinstance(cache_size, int) or isinstance(cache_size, bool) or cache_size < 0:
             raise TypeError(f"nan_safe: `cache_size` must be an int >= 0, got {cache_size!r}.")
         self._cache_size = cache_size
         self._cache: collections.OrderedDict = collections.OrderedDict()

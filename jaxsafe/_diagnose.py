@@ -181,6 +181,11 @@ def diagnose(fun: Callable, argnums: int | Sequence[int] = 0, *,
     """
     if not callable(fun):
         raise TypeError(f"diagnose: `fun` must be callable, got {type(fun).__name__}: {fun!r}.")
+    if isinstance(argnums, bool) or not (isinstance(argnums, int) or (
+            isinstance(argnums, Sequence) and not isinstance(argnums, str)
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in argnums))):
+        raise TypeError(f"diagnose: `argnums` must be an int or a sequence of ints (positions of "
+                        f"the arguments whose gradient is diagnosed), got {argnums!r}.")
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     statics = {static_argnums} if isinstance(static_argnums, int) else set(static_argnums)
 

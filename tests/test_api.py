@@ -234,15 +234,28 @@ def test_a_call_that_is_not_differentiated_never_pays_for_the_rewrite(monkeypatc
     (dict(static_argnums=True), TypeError, r"`static_argnums` must be an int"),
     (dict(static_argnames=3), TypeError, r"`static_argnames` must be a str"),
     (dict(jit="no"), TypeError, r"`jit` must be True or False, got 'no'"),
+    (dict(cache_size=True), TypeError, r"`cache_size` must be an int >= 0, got True"),
 ])
 def test_bad_options_are_errors_naming_them(kwargs, error, message):
     def two(x, n):
         return x * n
     with pytest.raises(error, match=message):
         nan_safe(two, **kwargs)
-    if "jit" not in kwargs:
+    if "jit" not in kwargs and "cache_size" not in kwargs:
         with pytest.raises(error, match=message):
             jaxsafe.explain(two, **kwargs)
+
+
+def test_finite_args_naming_a_position_the_call_lacks_and_diagnose_argnums_are_errors():
+    f = lambda x, n=1: jnp.sum(jnp.where(x > 0, jnp.sqrt(x), 0.)) * n
+    x = jnp.array([-1., 4.])
+    with pytest.raises(ValueError, match=r"`finite_args` names argument position\(s\) \[7\], "
+                                         r"but the function was called with 1 positional"):
+        nan_safe(f, finite_args=7)(x)
+    assert nan_safe(f, finite_args=-1)(x) == 2.
+    with pytest.raises(TypeError, match=r"diagnose: `argnums` must be an int or a sequence of "
+                                        r"ints .*got 'x'"):
+        jaxsafe.diagnose(f, argnums="x")
 
 
 def test_options_a_signature_with_star_args_can_take():
