@@ -527,6 +527,37 @@ def _lstm(quick: bool) -> Workload:
                     _lstm_over_time(False), _lstm_over_time(True), (params, xs, live))
 
 
+def _features_before_the_scan(by_hand: bool):
+    """A padded batch of sequences: every step's features' log is taken at once, before the
+    scan, and each row's steps past its length are dropped in the body (`_sinking.py` moves
+    the log into the body). The hand fix takes the log in the body, on a double where."""
+    def loss(w, xs, lengths):
+        def step(h, inputs):
+            t, x = inputs
+            live = (t < lengths)[:, None]
+            feature = jnp.log(jnp.where(live, x, 1.)) if by_hand else x
+            return jnp.where(live, jnp.tanh(h @ w + feature), h), None
+
+        steps = jnp.arange(xs.shape[0])
+        h0 = jnp.zeros(xs.shape[1:], xs.dtype)
+        h, _ = jax.lax.scan(step, h0, (steps, xs if by_hand else jnp.log(xs)))
+        return jnp.sum(h ** 2)
+    return loss
+
+
+def _padded_sequences(quick: bool) -> Workload:
+    t, n, d = (8, 32, 16) if quick else (64, 512, 128)
+    k1, k2, k3 = jax.random.split(jax.random.key(13), 3)
+    w = jax.random.normal(k1, (d, d), jnp.float32) / math.sqrt(d)
+    lengths = jax.random.randint(k2, (n,), 1, t + 1)
+    steps = jnp.arange(t)[:, None, None]
+    xs = jnp.where(steps < lengths[None, :, None],                    # padding: zeros
+                   jax.random.uniform(k3, (t, n, d), jnp.float32, 0.5, 2.), 0.)
+    return Workload("features before the scan, padded steps", f"T={t} B={n} d={d}",
+                    _features_before_the_scan(False), _features_before_the_scan(True),
+                    (w, xs, lengths), argnums=(0, 1))
+
+
 # --------------------------------------------------------------------------- 10. jax-md pairs
 
 def _jax_md(quick: bool) -> Workload | None:
@@ -544,7 +575,7 @@ def _jax_md(quick: bool) -> Workload | None:
 
 
 BUILDERS = (_piecewise, _lennard_jones, _attention, _gaussian, _transformer, _physics,
-            _pool_cnn, _moe, _euler, _jax_md, _scan_layers, _lstm)
+            _pool_cnn, _moe, _euler, _jax_md, _scan_layers, _lstm, _padded_sequences)
 
 
 def workloads(quick: bool) -> list[Workload]:
