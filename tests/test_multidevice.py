@@ -53,6 +53,34 @@ def test_shard_map_body_is_rewritten_and_gives_the_hand_fix_gradient():
         assert_close(jax.grad(nan_safe(f))(xs), g)
 
 
+def _padded_steps_loss(mesh, by_hand):
+    """Per device, a scan over the steps of its shard of sequences, the padded steps dropped in
+    the body; the features' log is taken before the scan (`_sinking.py` moves it into the
+    body, whose per-step slices vary over the mesh axis) or, by hand, in the body."""
+    def body(x):
+        def step(h, inputs):
+            t, feature = inputs
+            live = t < 2
+            if by_hand:
+                feature = jnp.log(jnp.where(live, feature, 1.))
+            return jnp.where(live, h + feature, h), None
+        h0 = jax.lax.pcast(jnp.zeros(x.shape[1]), ("d",), to="varying")
+        steps = jnp.arange(x.shape[0])
+        h = jax.lax.scan(step, h0, (steps, x if by_hand else jnp.log(x)))[0]
+        return jax.lax.psum(jnp.sum(h), "d")
+    return jax.shard_map(body, mesh=mesh, in_specs=P(None, "d"), out_specs=P())
+
+
+def test_work_before_a_scan_in_a_shard_map_body_is_moved_into_the_scan():
+    mesh = jax.make_mesh((8,), ("d",))
+    x = jnp.concatenate([jnp.full((2, 16), 2.), jnp.zeros((2, 16))])  # two padded steps
+    xs = jax.device_put(x, NamedSharding(mesh, P(None, "d")))
+    f, hand = _padded_steps_loss(mesh, False), _padded_steps_loss(mesh, True)
+    assert np.isnan(jax.jit(jax.grad(f))(xs)).any()
+    assert_close(jax.jit(jax.grad(nan_safe(f)))(xs), jax.jit(jax.grad(hand))(xs))
+    assert_bitwise(nan_safe(f)(xs), jax.jit(f)(xs))
+
+
 def test_a_zero_one_mask_from_outside_a_shard_map_masks_the_product_in_its_checkpoint():
     """`m * sqrt(x) * x` in a checkpoint inside a `shard_map`, with a 0/1 mask `m` made outside
     from a predicate: each device's slice of `m` carries no derivative inside either, so the
