@@ -55,7 +55,7 @@ from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._dropped import DroppedValues
 from ._free import FreeValues
 from ._liveness import Sweep, kind_of_sym
-from ._nested import sub_jaxprs
+from ._nested import call_jaxpr, sub_jaxprs
 from ._report import Report, Site, note_failure
 from ._rules import Guard, Kind, PrimitiveRule, alignment, guard_for, rule_for
 from ._symbolic import (
@@ -197,13 +197,27 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
         sizes = [int(np.prod(shape_of(v))) for v in eqn.invars if is_float(v)]
         if rule.custom_rule and sizes and min(sizes) < max(sizes):
             why += "; a live lane's values there, for the smaller operand it broadcasts"
+        unread = _unread_by_backward_rule_call(eqn, rule, sweep)
         for k in range(len(eqn.invars)):
             if diff[k] and k not in replace and guarded[k]:
                 cut.add(k)
-                reasons[k] = why
+                reasons[k] = why if k not in unread else (
+                    why + "; its primal never reads this operand and its backward rule is not "
+                          "seen: cut only where every output lane is dropped")
     if not replace and not cut and not free:
         return None
     return Site(eqn, replace, reasons, frozenset(cut), free, free_cut, cut_output, coarse)
+
+
+def _unread_by_backward_rule_call(eqn: JaxprEqn, rule: PrimitiveRule,
+                                  sweep: Sweep) -> frozenset[int]:
+    """A `custom_vjp` call's operands its primal body never reads (a straight-through
+    estimator's `soft`): which lanes its backward rule hands a cotangent is not known before
+    JAX calls it, so they are cut only where every output lane is dropped (`explain` says so)."""
+    if rule.backward_param is None:
+        return frozenset()
+    kinds = sweep.inner_kinds(call_jaxpr(eqn), [Kind.LIVE] * len(eqn.outvars), True)
+    return frozenset(k for k, kind in enumerate(kinds) if kind == Kind.DEAD)
 
 
 def _guard_nonfinite(nonfinite: list[int], coarse: dict[int, Sym], guard: Guard | None,

@@ -668,6 +668,34 @@ def test_a_rule_s_operand_its_primal_never_reads_is_dropped_lane_by_lane():
     assert_bitwise(jax.grad(jaxsafe.nan_safe(f))(x)[2:], jax.grad(f)(x)[2:])  # live: JAX's
 
 
+@jax.custom_vjp
+def _hard_forward_soft_backward_vjp(soft, hard):
+    return hard
+
+
+_hard_forward_soft_backward_vjp.defvjp(lambda soft, hard: (hard, None),
+                                       lambda _, g: (g, jnp.zeros_like(g)))
+
+
+def test_a_backward_rule_s_unread_operand_is_cut_where_every_lane_is_dropped_and_says_so():
+    """The same estimator as a `custom_vjp` (documented, Limitations): its backward rule is
+    Python jaxsafe does not see before JAX calls it, so `soft` is cut only where every output
+    lane is dropped, and `explain` says that. With one lane live, plain JAX's NaN stays; with
+    every lane dropped, the gradient is 0."""
+    def f(x):
+        soft = jnp.sqrt(x)
+        return jnp.sum(jnp.where(x > 0, _hard_forward_soft_backward_vjp(soft, jnp.round(x)), 0.))
+
+    text = str(jaxsafe.explain(f)(jnp.array([-1., 4.])))
+    assert "its primal never reads this operand and its backward rule is not seen: cut only " \
+           "where every output lane is dropped" in text
+    some = jnp.array([-1., 0., 4.])
+    assert_bitwise(jax.grad(jaxsafe.nan_safe(f))(some), jax.grad(f)(some))
+    none = jnp.array([-1., 0.])
+    assert np.isnan(jax.grad(f)(none)).all()
+    assert_bitwise(jax.grad(jaxsafe.nan_safe(f))(none), jnp.zeros(2))
+
+
 def test_a_relu_network_with_nothing_to_guard_is_the_original_program():
     """relu's rule selects its tangent (`select_n(x > 0, 0, t)`): an infinite cotangent is
     written as 0 in a loser's lane, never weighed by it, so a relu network with nothing to
