@@ -692,6 +692,7 @@ class _Emitter:
         self.taint_inputs: set = set()  # twin, top level: inputs jaxsafe may treat as non-finite
         self.events: set = set()        # twin: shapes that meet an open jaxsafe bug (KNOWN_BUGS)
         self.ocache: dict = {}
+        self.sunk_env: dict = {}  # a body's leaves of a chain moved into it: name -> (o, g)
 
     def let(self, expr: str, prefix: str = "v") -> str:
         name = f"{prefix}{next(self.counter)}"
@@ -1261,10 +1262,39 @@ class _Emitter:
             _anywhere(xs, set(self.taint_inputs)) or _anywhere(init, set(self.taint_inputs))
         xs_g, xs_t, xs_c = self.tw(xs, env2, xs_m, xs_m is not None, tested, bad)
         init_g, init_t, init_c = self.tw(init, env2, lane, lane is not None, tested, bad)
-        elem = {"V": "S", "M": "V"}[shape_of(xs, self.env)]
+        xs_shape = shape_of(xs, self.env)
+        elem = {"V": "S", "M": "V"}[xs_shape]
         ym = m if out == "ys" else None
         fn = f"body{next(self.counter)}"
         b = self.sub({"c": elem, "xi": elem})
+        # jaxsafe's sinking pass (`jaxsafe/_sinking.py`): an elementwise chain that computes the
+        # stacked operand, with a non-linear operation in it, is computed in the body when the
+        # body drops some lane of its step's input: then the body's guards reach it
+        sunk = _sinkable_chain(xs, self.env) \
+            if _dropped_leaf(t, "xi") or _dropped_leaf(y, "xi") else None
+        stacked_in: list[tuple[str, str]] = []
+        if sunk is not None:
+            chain, leaves = sunk
+            renamed = {}
+            for leaf in leaves:
+                name = f"l{next(self.counter)}"
+                leaf_shape = shape_of(leaf, self.env)
+                lo = self.orig(leaf, env2)
+                if leaf_shape == xs_shape:  # one slice per step
+                    lg = self.tw(leaf, env2, xs_m, xs_m is not None, tested, bad)[0]
+                    stacked_in.append((lo, lg))
+                    b.env[name] = elem
+                    benv_extra = (f"{name}_o", f"{name}_g")
+                else:  # a scalar: the same at every step (a constant of the loop)
+                    lg = self.tw(leaf, env2, None, False, tested, bad)[0]
+                    b.env[name] = "S"
+                    benv_extra = (lo, lg)
+                renamed[leaf] = ("in", name)
+                if tested or _anywhere(leaf, set(self.taint_inputs)):
+                    b.taint_inputs.add(name)
+                b.sunk_env[name] = benv_extra
+            t = _replace_leaf(t, ("in", "xi"), _renamed_leaves(chain, renamed))
+            y = _replace_leaf(y, ("in", "xi"), _renamed_leaves(chain, renamed))
         # what the body receives may be non-finite as jaxsafe judges a body's inputs: computed
         # from an argument or a NaN-prone operation, guards not counted; the carry `c + t` from
         # the init or from what t makes of the rest (the fixpoint, one step for one carry)
@@ -1273,16 +1303,21 @@ class _Emitter:
             b.taint_inputs.add("xi")
         if tested or _anywhere(init, leaves) or _anywhere(t, b.taint_inputs):
             b.taint_inputs.add("c")
-        benv = {"c": ("c_o", "c_g"), "xi": ("xi_o", "xi_g")}
+        benv = {"c": ("c_o", "c_g"), "xi": ("xi_o", "xi_g"), **b.sunk_env}
         t_o = b.orig(t, benv)
         t_g = b.tw(t, benv, lane, lane is not None, False, bad)[0]
         y_g = b.tw(y, benv, None if ym is None else "my", ym is not None, False, bad)[0]
         b.line(f"return (c_o + {t_o}, c_g + {t_g}), {y_g}")
         self.line(f"def {fn}(carry, inp):")
         self.line("    c_o, c_g = carry")
-        self.line("    xi_o, xi_g, my = inp" if ym is not None else "    xi_o, xi_g = inp")
+        steps = "".join(f", {n}_o, {n}_g" for n, (o, _) in b.sunk_env.items()
+                        if o == f"{n}_o")
+        self.line(f"    xi_o, xi_g{steps}, my = inp" if ym is not None
+                  else f"    xi_o, xi_g{steps} = inp")
         self.lines += b.lines
-        ins = f"({xs_o}, {xs_g}, {ym})" if ym is not None else f"({xs_o}, {xs_g})"
+        extra = "".join(f", {lo}, {lg}" for lo, lg in stacked_in)
+        ins = f"({xs_o}, {xs_g}{extra}, {ym})" if ym is not None else \
+            f"({xs_o}, {xs_g}{extra})"
         r = self.let(f"lax.scan({fn}, ({init_o}, {init_g}), {ins})")
         tainted = tested or xs_t or init_t or _body_has_hazard(t) or _body_has_hazard(y)
         # the operands are live (unless the body is lane by lane), so a guard inside them
@@ -1401,6 +1436,71 @@ def _is_nonlinear(node) -> bool:
 def _has_hazard(node) -> bool:
     """A hazard in the differentiable part of a body expression."""
     return node[0] in ("haz", "div") or any(_has_hazard(c) for c in _diff_children(node))
+
+
+_SINKABLE = ("haz", "un", "bin", "div")
+
+
+def _sinkable_chain(xs, env: dict):
+    """`xs` as jaxsafe's sinking pass reads it: a chain of elementwise nodes (at least one not
+    linear) over leaves that are values of `xs`'s shape (stacked: one slice per step) or
+    scalars (constants of the loop); (the chain, its leaves), else None. A constant of any
+    shape is part of the chain (it is the same at every step)."""
+    shape = shape_of(xs, env)
+    if xs[0] not in _SINKABLE:
+        return None
+    leaves: list = []
+    nonlinear = False
+    todo = [xs]
+    while todo:
+        node = todo.pop()
+        if node[0] == "const":
+            continue
+        if node[0] in _SINKABLE and shape_of(node, env) == shape:
+            nonlinear = nonlinear or _is_nonlinear(node)
+            todo.extend(_diff_children(node))
+            continue
+        if shape_of(node, env) not in (shape, "S"):
+            return None  # broadcast from another shape: not modelled (not generated so)
+        if node not in leaves:
+            leaves.append(node)
+    return (xs, leaves) if nonlinear else None
+
+
+def _renamed_leaves(node, renamed: dict):
+    """`node` with each subtree in `renamed` replaced, and constants at one step's shape."""
+    if node in renamed:
+        return renamed[node]
+    if node[0] == "const":
+        return ("const", node[1], {"V": "S", "M": "V"}.get(node[2], node[2]))
+    if node[0] == "haz" or node[0] == "un":
+        return (node[0], node[1], _renamed_leaves(node[2], renamed))
+    if node[0] == "bin":
+        return ("bin", node[1], _renamed_leaves(node[2], renamed),
+                _renamed_leaves(node[3], renamed))
+    if node[0] == "div":
+        return ("div", _renamed_leaves(node[1], renamed), _renamed_leaves(node[2], renamed))
+    raise ValueError(node)
+
+
+def _replace_leaf(node, leaf, by):
+    """`node` with every occurrence of `leaf` replaced by `by` (a body's input by the chain
+    that computes it)."""
+    if node == leaf:
+        return by
+    if not isinstance(node, tuple):
+        return node
+    return tuple(_replace_leaf(c, leaf, by) if isinstance(c, tuple) else c for c in node)
+
+
+def _dropped_leaf(node, name: str, dropped: bool = False) -> bool:
+    """Whether the body input `name` is read below a node that drops lanes (a selection, a
+    maximum, a product with a factor that may mask): its static liveness in the body is not
+    every lane, as jaxsafe's sinking pass asks."""
+    if node == ("in", name):
+        return dropped
+    d = dropped or drops(node)
+    return any(_dropped_leaf(c, name, d) for c in _diff_children(node))
 
 
 def _has_dropped_hazard(node, dropped=False) -> bool:

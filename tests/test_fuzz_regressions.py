@@ -160,6 +160,27 @@ def test_generated_twin_guards_a_scan_output_that_jax_forwards_out_of_the_scan()
     _check(G.build(program), G.build(program, guarded=True), (*args, K1))
 
 
+def test_generated_twin_computes_a_stacked_chain_in_the_body_that_drops_it():
+    # Found by `make fuzz` (2026-11-29), after the sinking pass (jaxsafe/_sinking.py): `arccos`
+    # of the stacked operand, taken before the scan, whose body drops every step's input
+    # (`where(False, xi, c)`); the output drops the scan too. jaxsafe moves the `arccos` into the
+    # body and its gradient is the identity's; the generator's twin still computed it before
+    # the loop, where `0 * arccos'(1)` made NaN. The twin now models the pass (a chain computed
+    # in a body that drops its input is computed there, guarded by the body's masks).
+    import fuzzgen as G
+    scan = ("scan", ("haz", "arccos", ("in", "x")),
+            ("where", ("cmp", "ge", ("in", "s"), 0.0), ("in", "s"),
+             ("haz", "arccos", ("in", "s"))),
+            ("where", ("mask", "np", "S", (False,)), ("in", "xi"), ("in", "c")),
+            ("in", "c"), "ys")
+    program = G.Program((("where", ("mask", "np", "S", (False,)), ("set", 0, scan, ("in", "s")),
+                          ("in", "x")),))
+    args = (np.ones(4, f32), np.ones(4, f32), np.ones((3, 4), f32), f32(1.), K1)
+    assert np.isnan(jax.grad(lambda *a: jnp.sum(G.build(program)(*a)[0]))(*args)).all()
+    assert "jnp.arccos" in G.emit(program, guarded=True).split("def body")[1]  # in the body
+    _check(G.build(program), G.build(program, guarded=True), args)
+
+
 # --------------------------------------------------------------------------- constant predicate
 # Found by the 10,500-example run (2026-11-21), contract point 4 ("nothing to guard, nothing
 # changed"). A scan body holding `where(0. >= 0., arccos(c), c)` (a predicate computed from
