@@ -863,6 +863,12 @@ class _Emitter:
             p = self.let(self.cmp_src(cmp, self.orig(h, env2), cst), "p")
             a, b = (kids[0], kids[1]) if side else (kids[1], kids[0])
             return self.let(f"jnp.where({p}, {a}, {b})", "k")
+        if k in ("max", "min"):  # the winner's lanes; a tie or a NaN: both sides' (JAX's)
+            ao, bo = (self.bto(self.orig(c, env2), shape) for c in (node[1], node[2]))
+            a, b = (self.bto(x, shape) for x in kids)
+            first = "<" if k == "min" else ">"
+            return self.let(f"jnp.where({ao} {first} {bo}, {a}, jnp.where({bo} {first} {ao}, "
+                            f"{b}, {a} | {b}))", "k")
         return self.let(" | ".join(f"jnp.broadcast_to({x}, {shape})" for x in kids), "k")
 
     def chosen(self, node, env2) -> str:
@@ -1392,7 +1398,7 @@ def carry_class(node) -> int:
     if k == "const":
         return NONE
     kids = [carry_class(c) for c in _diff_children(node)]
-    if k in ("where", "swhere"):
+    if k in ("where", "swhere", "max", "min"):  # each lane takes one side (a tie: both)
         return kids[0] if kids[0] == kids[1] else PART
     if k in _BY_LANE:
         return ALL if ALL in kids else max(kids, default=NONE)

@@ -181,6 +181,25 @@ def test_generated_twin_computes_a_stacked_chain_in_the_body_that_drops_it():
     _check(G.build(program), G.build(program, guarded=True), args)
 
 
+def test_generated_twin_reads_a_minimum_with_a_constant_as_a_mask():
+    # Found by `make fuzz` (2026-11-29), an oracle gap older than the session: `arccos(x) *
+    # min(y, 0.)` at `x = 1`. Where the constant 0 wins, the factor is 0 and carries no
+    # derivative: jaxsafe reads it as a mask (how-it-works, masked products) and x's gradient
+    # is 0; the twin counted every lane of a minimum as carrying one (NaN: 0 * arccos'(1)).
+    # The twin now takes the winner's class lane by lane, as it does a where's.
+    import fuzzgen as G
+    program = G.Program((("bin", "mul",
+                          ("haz", "arccos", ("where", ("mask", "lit", "S", False), ("in", "x"),
+                                             ("in", "x"))),
+                          ("min", ("in", "y"), ("const", 0.0, "V"))),))
+    m = np.ones((3, 4), f32)
+    for y in ([1., 1., 1., 1.], [-1., 2., 0., np.nan]):  # the constant wins, loses, ties
+        args = (np.ones(4, f32), np.array(y, f32), m, f32(1.), K1)
+        _check(G.build(program), G.build(program, guarded=True), args)
+    wins = (np.ones(4, f32), np.ones(4, f32), m, f32(1.), K1)  # the constant wins everywhere
+    assert np.isnan(jax.grad(lambda x: jnp.sum(G.build(program)(x, *wins[1:])[0]))(wins[0])).all()
+
+
 # --------------------------------------------------------------------------- constant predicate
 # Found by the 10,500-example run (2026-11-21), contract point 4 ("nothing to guard, nothing
 # changed"). A scan body holding `where(0. >= 0., arccos(c), c)` (a predicate computed from
