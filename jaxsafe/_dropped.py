@@ -82,8 +82,7 @@ class DroppedValues:
         rule = rule_for(eqn.primitive)
         return (len(eqn.outvars) == 1 and not eqn.effects
                 and (rule.elementwise or rule.selection is not None)
-                and not (site is not None and site.cut)
-                and all(is_numeric(a) for a in eqn.invars))  # a sampler's key: no value
+                and not (site is not None and site.cut) and _evaluable(eqn))
 
     def _compute(self, v: Any) -> Generator[Any, Known, Known]:
         """The rule `demand` runs: yields each operand it needs, receives what it holds."""
@@ -205,8 +204,7 @@ class DroppedValues:
         value at which `eqn` and its first derivatives are finite."""
         known = self.get(eqn.invars[k])
         if known is None or (not known[1] and not self.reads_dropped(eqn, k)) or \
-                self._may_overflow_through(eqn, k, guard) or \
-                not all(is_numeric(a) for a in eqn.invars):  # a sampler's key: no value to try
+                self._may_overflow_through(eqn, k, guard) or not _evaluable(eqn):
             return False
         return finite_with_derivatives(eqn, self._point(eqn, k, np.asarray(known[0]), guard.safe))
 
@@ -230,7 +228,7 @@ class DroppedValues:
         step, leaves XLA free to rewrite across the chain (`log(x ** 1.5)` to `1.5 * log(x)`),
         so live lanes keep the original program's last bit.
         """
-        if self._may_overflow_through(eqn, k, guard) or not all(is_numeric(a) for a in eqn.invars):
+        if self._may_overflow_through(eqn, k, guard) or not _evaluable(eqn):
             return False
         chain = self._chain(eqn.invars[k])
         if chain is None:
@@ -357,3 +355,9 @@ def summed_scalar(eqn: JaxprEqn, value: np.ndarray) -> np.ndarray | None:
     if not abs(total) < float(np.finfo(value.dtype).max) / 2:
         return None
     return np.asarray(total, value.dtype)
+
+
+def _evaluable(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` can be evaluated at a point made of NumPy values: not a sampler's key
+    (`random_gamma`), whose operand has no value to try."""
+    return all(is_numeric(a) for a in eqn.invars)
