@@ -869,6 +869,12 @@ class _Emitter:
             first = "<" if k == "min" else ">"
             return self.let(f"jnp.where({ao} {first} {bo}, {a}, jnp.where({bo} {first} {ao}, "
                             f"{b}, {a} | {b}))", "k")
+        if k == "clip":  # min(hi, max(lo, a)): a's lanes where no bound wins alone (a tie,
+            # a NaN: both sides' lanes, as for max/min)
+            _, a, lo, hi = node
+            ao = self.orig(a, env2)
+            mx = self.let(f"jnp.maximum({lo!r}, {ao})")
+            return self.let(f"{kids[0]} & ~({hi!r} < {mx}) & ~({lo!r} > {ao})", "k")
         return self.let(" | ".join(f"jnp.broadcast_to({x}, {shape})" for x in kids), "k")
 
     def chosen(self, node, env2) -> str:
@@ -1400,6 +1406,8 @@ def carry_class(node) -> int:
     kids = [carry_class(c) for c in _diff_children(node)]
     if k in ("where", "swhere", "max", "min"):  # each lane takes one side (a tie: both)
         return kids[0] if kids[0] == kids[1] else PART
+    if k == "clip":  # a clamped lane takes a constant bound, which carries nothing
+        return NONE if kids[0] == NONE else PART
     if k in _BY_LANE:
         return ALL if ALL in kids else max(kids, default=NONE)
     return ALL if any(kids) else NONE

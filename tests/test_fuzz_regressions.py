@@ -200,6 +200,25 @@ def test_generated_twin_reads_a_minimum_with_a_constant_as_a_mask():
     assert np.isnan(jax.grad(lambda x: jnp.sum(G.build(program)(x, *wins[1:])[0]))(wins[0])).all()
 
 
+def test_generated_twin_reads_a_clip_clamped_lane_as_carrying_nothing():
+    # The same oracle gap for `jnp.clip` (make fuzz, 2026-11-29): `arccos(x) * clip(y, 0., 1.)`
+    # at `x = 1`. A lane where a bound wins alone holds that constant and carries no derivative:
+    # jaxsafe reads the product there as a mask. The twin counted every lane of a clip as
+    # carrying one; it now carries where `lo <= y <= hi` or `y` is NaN (both sides' lanes).
+    import fuzzgen as G
+    program = G.Program((("bin", "mul",
+                          ("haz", "arccos", ("where", ("mask", "lit", "S", False), ("in", "x"),
+                                             ("in", "x"))),
+                          ("clip", ("in", "y"), 0.0, 1.0)),))
+    m = np.ones((3, 4), f32)
+    for y in ([-1., -1., 2., 2.], [-1., 0.5, 0., np.nan], [1., 2., -3., 0.25]):
+        args = (np.ones(4, f32), np.array(y, f32), m, f32(1.), K1)
+        _check(G.build(program), G.build(program, guarded=True), args)
+    clamped = (np.ones(4, f32), np.array([-1., -1., 2., 2.], f32), m, f32(1.), K1)
+    assert not np.isfinite(jax.grad(lambda x: jnp.sum(G.build(program)(x, *clamped[1:])[0]))(
+        clamped[0])).any()  # plain JAX: NaN where 0 clamps, -inf where 1 does
+
+
 # --------------------------------------------------------------------------- constant predicate
 # Found by the 10,500-example run (2026-11-21), contract point 4 ("nothing to guard, nothing
 # changed"). A scan body holding `where(0. >= 0., arccos(c), c)` (a predicate computed from
