@@ -25,6 +25,8 @@ the new selections drop.
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,13 +43,20 @@ from ._compat import (
     SymbolicZero,
     Tracer,
     bind_eqn,
+    eval_jaxpr,
     trace_to_jaxpr,
     wrap_function,
 )
-from ._masks import broadcast
+from ._masks import broadcast, materialize, not_mask
 from ._nested import call_jaxpr
 from ._rules import rule_for
 from ._zero_lanes import ZeroMask, as_array, union
+
+_DROPPED_COTANGENTS: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
+    "jaxsafe_dropped_cotangents", default=None)
+"""The structural zeros of the cotangents that the next guarded backward rule JAX calls is
+handed (one boolean array or None per output of its call), set by `SeededBackward` around the
+pullback that calls it, taken (and cleared) by that rule."""
 
 
 def guarded_backward(bwd: Any, runner: Callable[[ClosedJaxpr], Callable[..., list]]) -> Any:
@@ -55,8 +64,12 @@ def guarded_backward(bwd: Any, runner: Callable[[ClosedJaxpr], Callable[..., lis
     the program it makes, each time JAX calls it. `runner` (jaxsafe's rewrite) makes the guarded
     program a function whose own derivative (reverse over reverse) is safe too."""
     def run(*args: Any) -> list:
+        seeds = _DROPPED_COTANGENTS.get()
+        if seeds is not None:  # this call's; a rule that the rule calls gets none
+            _DROPPED_COTANGENTS.set(None)
         # arrays are traced; anything else (a symbolic zero, a Python flag) is handed on as is
         traced = [k for k, a in enumerate(args) if isinstance(a, Tracer | jax.Array | np.ndarray)]
+        seeded = _seeded_inputs(args, traced, seeds)
         symbolic: dict[int, Any] = {}
 
         def staged(*xs: Any) -> list:
@@ -69,9 +82,11 @@ def guarded_backward(bwd: Any, runner: Callable[[ClosedJaxpr], Callable[..., lis
 
         closed = trace_to_jaxpr(staged, [jax.typeof(args[k]) for k in traced])
         # the rule's own drops (a `where` written in it) too: a derivative of this derivative
-        # differentiates the program (`runner` is the program itself when nothing is guarded)
-        run_guarded = runner(structural_zeros(closed))
-        values = iter(run_guarded(*[args[k] for k in traced]))
+        # differentiates the program (`runner` is the program itself when nothing is guarded);
+        # the dropped lanes of the cotangents it is handed are its inputs' structural zeros
+        run_guarded = runner(structural_zeros(closed, [jax.typeof(m) for m in seeded.values()],
+                                              list(seeded)))
+        values = iter(run_guarded(*[args[k] for k in traced], *seeded.values()))
         count = len(closed.jaxpr.outvars) + len(symbolic)
         return [symbolic[k] if k in symbolic else next(values) for k in range(count)]
     return wrap_function(run, bwd)
@@ -107,13 +122,124 @@ def guarded_forward(thunk: Any, runner: Callable[[ClosedJaxpr], Callable[..., li
     return wrap_function(make, thunk)
 
 
-def structural_zeros(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """`closed` with structural zeros kept zero through products; itself when none meets one."""
+class SeededBackward:
+    """A `custom_vjp` call whose outputs the program drops in places, staged again so that its
+    guarded backward rule knows the cotangents' dropped lanes (a `MaskedBody`, with no body to
+    plan): the transpose of the `where` outside the call writes zeros there, which the rule
+    then multiplies by its own values (`g[0] / sqrt(x)` at `x = 0`) while the input lane stays
+    live through another output, so the primal cut does not apply. The call is wrapped in a
+    `jax.custom_vjp` whose forward runs the call under `jax.vjp` and saves the output masks;
+    its backward sets them (`_DROPPED_COTANGENTS`) around the pullback, which calls the guarded
+    rule: they seed its structural zeros. A live lane is never seeded, so an inf that reaches
+    one stays (contract 3). Planned only for the calls the backward-rule pass guards, without
+    closed-over constants (JAX refuses to differentiate those: the call stays as it is)."""
+
+    def outside_syms(self, eqn: JaxprEqn, syms: Sequence[Any]) -> list:
+        return [None] * len(eqn.outvars)
+
+    def plan(self, eqn: JaxprEqn, out_kinds: Sequence[Any], plan_body: Callable) -> list | None:
+        return [] if not eqn.params.get("num_consts", 0) else None
+
+    def emit(self, eqn: JaxprEqn, plans: list, invals: list, out_masks: list, params: dict,
+             emit_body: Callable) -> list:
+        seeds = [None if m is None or not is_float(o) else not_mask(materialize(m, shape_of(o)))
+                 for m, o in zip(out_masks, eqn.outvars, strict=True)]
+        placed = tuple(k for k, s in enumerate(seeds) if s is not None)
+        call = _seeded_call(eqn, params, placed)
+        return list(call(tuple(invals), tuple(seeds[k] for k in placed)))
+
+
+def _seeded_call(eqn: JaxprEqn, params: dict, placed: tuple[int, ...]) -> Callable:
+    """`eqn` bound with `params`, as a function of (its operands, the structural zeros of its
+    outputs `placed`) whose backward seeds its guarded rule with those zeros. It closes over
+    no value of the trace it is staged in (a custom_vjp's rules outlive it)."""
+    n_outs = len(eqn.outvars)
+
+    @jax.custom_vjp
+    def seeded(args: tuple, zeros: tuple) -> list:
+        return bind_eqn(eqn, args, params)
+
+    def forward(args: tuple, zeros: tuple) -> tuple:
+        # differentiated in the operands JAX perturbs only, as the call itself would be (a
+        # library's rule may assert that one is not: equinox's `nondifferentiable`)
+        moving = tuple(k for k, a in enumerate(args) if a.perturbed)
+        values = [a.value for a in args]
+
+        def on_moving(*ys: Any) -> list:
+            full = list(values)
+            for k, y in zip(moving, ys, strict=True):
+                full[k] = y
+            return bind_eqn(eqn, full, params)
+        outs, pullback = jax.vjp(on_moving, *(values[k] for k in moving))
+        return outs, (pullback, [z.value for z in zeros], _Positions(moving))
+
+    def backward(saved: tuple, cotangents: list) -> tuple:
+        pullback, zeros, moving = saved
+        handed: list[Any] = [None] * n_outs
+        for k, zero in zip(placed, zeros, strict=True):
+            handed[k] = zero
+        token = _DROPPED_COTANGENTS.set(tuple(handed))
+        try:
+            grads = pullback([_instantiated(c) for c in cotangents])
+        finally:
+            _DROPPED_COTANGENTS.reset(token)
+        out: list[Any] = [None] * len(eqn.invars)
+        for k, g in zip(moving.positions, grads, strict=True):
+            out[k] = g
+        return tuple(out), (None,) * len(placed)
+
+    seeded.defvjp(forward, backward, symbolic_zeros=True)
+    return seeded
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Positions:
+    """Argument positions saved with a custom_vjp's residuals, static (not traced)."""
+    positions: tuple[int, ...]
+
+
+def _instantiated(cotangent: Any) -> Any:
+    """A symbolic zero cotangent as an array of zeros (what a pullback takes)."""
+    if isinstance(cotangent, jax.custom_derivatives.SymbolicZero):
+        aval: Any = cotangent.aval
+        return np.zeros(aval.shape, aval.dtype)
+    return cotangent
+
+
+def _seeded_inputs(args: Sequence[Any], traced: Sequence[int],
+                   seeds: tuple | None) -> dict[int, Any]:
+    """Traced input position -> the boolean array of its structural zeros, for the cotangents
+    (the last arguments) that `seeds` gives, where its shape is theirs."""
+    if seeds is None or len(seeds) > len(args):
+        return {}
+    position = {k: j for j, k in enumerate(traced)}
+    first = len(args) - len(seeds)
+    return {position[first + n]: seed for n, seed in enumerate(seeds)
+            if seed is not None and first + n in position
+            and np.shape(args[first + n]) == np.shape(seed)}
+
+
+def structural_zeros(closed: ClosedJaxpr, seed_avals: Sequence[Any] = (),
+                     seeded: Sequence[int] = ()) -> ClosedJaxpr:
+    """`closed` with structural zeros kept zero through products; itself when none meets one.
+    `seeded`: inputs whose structural zeros are given, as boolean inputs appended in that order
+    (of `seed_avals`); the program returned then takes them, whether it guards or not."""
     interpreter = _Interpreter()
-    new = trace_to_jaxpr(
-        lambda *xs: interpreter.run(closed.jaxpr, closed.consts, xs)[0],
-        [v.aval for v in closed.jaxpr.invars])
-    return new if interpreter.guards else closed
+    n = len(closed.jaxpr.invars)
+
+    def guarded(*xs: Any) -> list:
+        masks: list[ZeroMask] = [None] * n
+        for k, seed in zip(seeded, xs[n:], strict=True):
+            masks[k] = seed
+        return interpreter.run(closed.jaxpr, closed.consts, xs[:n], masks)[0]
+    new = trace_to_jaxpr(guarded, [*(v.aval for v in closed.jaxpr.invars), *seed_avals])
+    if interpreter.guards:
+        return new
+    if not seeded:
+        return closed
+    return trace_to_jaxpr(lambda *xs: eval_jaxpr(closed.jaxpr, closed.consts, *xs[:n]),
+                          [*(v.aval for v in closed.jaxpr.invars), *seed_avals])
 
 
 class _Interpreter:

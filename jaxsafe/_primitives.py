@@ -25,6 +25,7 @@ from . import _bounds as bounds
 from . import _ranges as ranges
 from . import _zero_lanes as zero_lanes
 from ._atoms import dtype_of
+from ._backward import SeededBackward
 from ._bodies import CondBody, RematBody, ScanBody
 from ._carries import (
     moved_lanes,
@@ -589,7 +590,7 @@ register(prims.custom_vjp_call_p, masks=custom_rule_masks, kinds=custom_rule_kin
          runs_bodies_once=True,
          static=custom_rule_syms,
          custom_rule=True, backward_param="bwd", forward_param="fwd_jaxpr_thunk",
-         identity_param="out_trees")
+         identity_param="out_trees", masked_body=SeededBackward())
 register(prims.cond_p, masks=cond_masks, kinds=cond_kinds, nested_params=("branches",),
          runs_bodies_once=True,
          masked_body=CondBody(), body_inputs=cond_body_inputs, body_operands=cond_body_operands)

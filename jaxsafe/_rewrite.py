@@ -283,9 +283,10 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
         found = nonfinite_cotangents(closed, sweep, anywhere, outputs, bounds)
         bad = found.bad
     nested = rewrite_nested_bodies(closed, sweep, report, sweeps, anywhere, bad)
-    nested.update(guard_backward_rules(closed, sweep, report, anywhere, nested, in_body))
+    backward = guard_backward_rules(closed, sweep, report, anywhere, nested, in_body)
+    nested.update(backward)
     sites = place_guards(closed, sweep, seeds, report, bounds)
-    masked = plan_masked_bodies(closed, sweep, report, sweeps, anywhere, bad)
+    masked = plan_masked_bodies(closed, sweep, report, sweeps, anywhere, bad, set(backward))
     decisions = plan_decisions(closed, sweep, sites, masked, report, found, bounds)
     return Plan(closed, sweep, nested, sites, masked, decisions, report)
 
@@ -543,10 +544,13 @@ def assert_same_signature(eqn: JaxprEqn, old: ClosedJaxpr, new: ClosedJaxpr) -> 
 
 
 def plan_masked_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
-                       sweeps: Sweeps, nonfinite: Set, bad: Set) -> dict[int, list]:
+                       sweeps: Sweeps, nonfinite: Set, bad: Set,
+                       backward: Set[int] = frozenset()) -> dict[int, list]:
     """The masked-body pass: equation index -> the plans of its bodies, for the equations with
     a body (`PrimitiveRule.masked_body`) whose outputs the program drops in places.
-    `nonfinite`, `bad`: as for `rewrite_nested_bodies`."""
+    `nonfinite`, `bad`: as for `rewrite_nested_bodies`. `backward`: the calls whose backward
+    rule the backward-rule pass guards; a call with a backward rule is planned only then (its
+    output masks seed the rule's structural zeros, `_backward.SeededBackward`)."""
     finite: dict[int, list[bool]] = {}
     cotangents: dict[int, list[bool]] = {}
     known: dict[int, BodyFacts] = {}
@@ -569,8 +573,10 @@ def plan_masked_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
 
     masked: dict[int, list] = {}
     for i, eqn in enumerate(closed.jaxpr.eqns):
-        handler = rule_for(eqn.primitive).masked_body
-        if handler is None or eqn.effects:
+        rule = rule_for(eqn.primitive)
+        handler = rule.masked_body
+        if handler is None or eqn.effects or (rule.backward_param is not None
+                                              and i not in backward):
             continue
         out_kinds = [sweep.kind(o) for o in eqn.outvars]
         if not any(k == Kind.MAYBE and is_float(o)

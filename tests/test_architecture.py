@@ -218,8 +218,8 @@ def test_every_row_is_consistent():
             assert rule.masks is not None, where  # a static rule has its run-time twin
         if rule.selection is not None:
             assert rule.drops(None) and rule.masks is not None and rule.linear, where
-        if rule.masked_body is not None:
-            assert rule.nested_params, where
+        if rule.masked_body is not None:  # a body, or a backward rule the masks seed
+            assert rule.nested_params or rule.backward_param, where
         if rule.kinds is not None:
             assert rule.masks is not None and rule.align is None, where
         if rule.decreasing:
