@@ -328,9 +328,17 @@ def convolution_pairs(eqn: JaxprEqn) -> tuple[dict[int, int], frozenset[int]]:
              if _untouched(axis)}
     if eqn.params["batch_group_count"] == 1:
         pairs[dims.out_spec[0]] = dims.lhs_spec[0]
-    if eqn.params["feature_group_count"] != 1:
-        return pairs, frozenset()  # a group's features read their group's only: `reads`
+    if eqn.params["feature_group_count"] != 1 or eqn.params["batch_group_count"] != 1:
+        # a group's features read their group's only (features, or batches): `reads`
+        return pairs, frozenset()
     return pairs, frozenset({dims.out_spec[1]})
+
+
+def convolution_kernel_pairs(eqn: JaxprEqn) -> dict[int, int]:
+    """Output feature o is computed with the kernel's output feature o alone (in groups or
+    not): output axis -> kernel axis."""
+    dims = eqn.params["dimension_numbers"]
+    return {dims.out_spec[1]: dims.rhs_spec[0]}
 
 
 def convolution_alignment(eqn: JaxprEqn, k: int) -> list[int | None]:
@@ -378,6 +386,9 @@ class Windows:
     along which every lane reads the same operand lanes."""
     reads: Callable[[JaxprEqn, list[Mask], Sequence[Any]], Mask]
     """The operand lanes live outputs read, at run time, for any mask."""
+    kernel_pairs: Callable[[JaxprEqn], dict[int, int]] | None = None
+    """The output axes along which each lane reads one lane of the kernel's (output axis:
+    kernel axis); the kernel is live where any output is along the others."""
 
 
 def window_drops(windows: Windows) -> Callable[[JaxprEqn], bool]:
@@ -397,16 +408,16 @@ def windowed_masks(windows: Windows) -> MaskRule:
     varies only along axes that run along the operand's (a batch, a 1x1 convolution's) or that
     read the same lanes (a convolution's features): those lanes, where the mask holds along the
     paired axes. Otherwise `windows.reads` (the derivative's, or a thinner one's: a kernel's zero or
-    negative weights cancel nothing). A kernel is live where any output is: a weight that
-    meets only padding still multiplies it (a NaN weight makes a NaN output)."""
+    negative weights cancel nothing). A kernel is live where any output is (of its output
+    feature, `Windows.kernel_pairs`): a weight that meets only padding still multiplies it (a
+    NaN weight makes a NaN output)."""
     def masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
               ctx: Context) -> list[Mask]:
         shape = shape_of(eqn.invars[0])
         out = outs[0]
         kernels: list[Mask] = [None] * (len(eqn.invars) - 1)
         if out is not None:
-            live = reduce_any(out, range(out.ndim))
-            kernels = [broadcast(live, shape_of(v)) for v in eqn.invars[1:]]
+            kernels = [_kernel_mask(windows, eqn, out, shape_of(v)) for v in eqn.invars[1:]]
         per_axis = [(axis[0], _read_lanes(axis)) for axis in windows.axes(eqn)]
         if all(read is not None for _, read in per_axis):
             read_any = all_of([place(read, (a,), shape) for a, read in per_axis
@@ -423,6 +434,17 @@ def windowed_masks(windows: Windows) -> MaskRule:
                                 read_any])] + kernels
         return [windows.reads(eqn, outs, invals)] + kernels
     return masks
+
+
+def _kernel_mask(windows: Windows, eqn: JaxprEqn, out: Any, shape: tuple) -> Mask:
+    """A kernel's lanes that a live output multiplies: along `kernel_pairs`, those of the live
+    output lanes; every lane where there is none."""
+    pairs = windows.kernel_pairs(eqn) if windows.kernel_pairs is not None else {}
+    kept = sorted(pairs)
+    along = reduce_any(out, [d for d in range(out.ndim) if d not in pairs])
+    if not kept:
+        return broadcast(along, shape)
+    return place(along, [pairs[d] for d in kept], shape)
 
 
 def read_by_derivative(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any]) -> Mask:
@@ -468,7 +490,8 @@ def convolution_reads(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any]) ->
 
 
 WINDOW_SUM = Windows(window_sum_axes, window_sum_pairs, read_by_derivative)
-CONVOLUTION = Windows(convolution_axes, convolution_pairs, convolution_reads)
+CONVOLUTION = Windows(convolution_axes, convolution_pairs, convolution_reads,
+                      convolution_kernel_pairs)
 
 
 def slice_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],

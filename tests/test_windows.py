@@ -354,3 +354,39 @@ def test_a_grouped_convolution_keeps_only_the_groups_it_reads(case):
             return jnp.sum(jnp.where(out_mask, y, 0.) ** 2)
         return f
     _check(make(lambda v: v), make(lambda v: jnp.where(live, v, 1.)), x)
+
+
+def test_batch_groups_keep_only_the_batch_each_output_feature_reads():
+    """`batch_group_count=2`: output feature 0 reads batch 0 only, feature 1 batch 1. With
+    feature 1 dropped, batch 1's `sqrt(0)` and `sqrt(-1)` are dead (found by a bug hunt: the
+    output features were taken to read every batch)."""
+    w = jnp.linspace(0.5, 1.5, 2 * 1 * 2).reshape(2, 1, 2)
+    x = jnp.array([[[1., 4., 9.]], [[-1., 0., 1.]]])
+
+    def make(clean):
+        def f(x):
+            y = lax.conv_general_dilated(jnp.sqrt(clean(x)), w, (1,), "VALID",
+                                         batch_group_count=2)
+            return jnp.sum(y[:, 0] ** 2)
+        return f
+    keep = jnp.array([True, False])[:, None, None]
+    _check(make(lambda v: v), make(lambda v: jnp.where(keep, v, 1.)), x)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_dropped_output_feature_drops_its_kernel_slice(groups):
+    """Output feature o is computed with kernel[o] alone: with feature 1 (of 2 per group)
+    dropped, its kernel slice's `sqrt` of a negative weight is dead, as for `x @ sqrt(w)`."""
+    x = 1. + jnp.arange(1 * 2 * 5, dtype=jnp.float32).reshape(1, 2, 5) / 7.
+    w = jnp.linspace(0.25, 2., 4 * (2 // groups) * 2).reshape(4, 2 // groups, 2)
+    w = w.at[1].set(jnp.array([0., -1.])[None, :]).at[3, 0, 0].set(0.)
+    out_mask = jnp.array([True, False, True, False])[None, :, None]
+
+    def make(clean):
+        def f(w):
+            y = lax.conv_general_dilated(x, jnp.sqrt(clean(w)), (1,), "VALID",
+                                         feature_group_count=groups)
+            return jnp.sum(jnp.where(out_mask, y, 0.) ** 2)
+        return f
+    keep = out_mask[0, :, :, None]  # kernel's output features
+    _check(make(lambda v: v), make(lambda v: jnp.where(keep, v, 1.)), w)
