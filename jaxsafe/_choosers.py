@@ -353,7 +353,7 @@ def product_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
         return masks
     shape = shape_of(eqn.outvars[0])
     for k, j in ((0, 1), (1, 0)):
-        if not _maskable(eqn.invars[k]) or not _may_mask(eqn.invars[j], ctx):
+        if not _masks_other(eqn, k, j, ctx):
             continue
         kept = _kept_factor(eqn.invars[j], invals, j, ctx)
         if kept is not None:
@@ -389,6 +389,14 @@ def _may_mask(factor: Any, ctx: Context) -> bool:
     return ctx.may_mask(factor)
 
 
+def _masks_other(eqn: JaxprEqn, k: int, j: int, ctx: Context) -> bool:
+    """Whether factor j may drop lanes of factor k. Not in a square written `h * h`: where `h`
+    is zero and carries no derivative, the lane it would drop is that same lane of `h`, which
+    carries none (a cotangent that reaches it reaches no input)."""
+    return (_maskable(eqn.invars[k]) and eqn.invars[k] is not eqn.invars[j]
+            and _may_mask(eqn.invars[j], ctx))
+
+
 def _maskable(atom: Any) -> bool:
     """A factor whose lanes a mask can drop: a floating-point variable (a literal passes no
     derivative: `0.05 * where(p, x, 0.)` drops nothing)."""
@@ -397,9 +405,7 @@ def _maskable(atom: Any) -> bool:
 
 def product_applies(eqn: JaxprEqn, ctx: Context) -> bool:
     """A product chooses only with a factor that may mask the other."""
-    return not ctx.structural and any(
-        _may_mask(eqn.invars[j], ctx) and _maskable(eqn.invars[k])
-        for k, j in ((0, 1), (1, 0)))
+    return not ctx.structural and any(_masks_other(eqn, k, j, ctx) for k, j in ((0, 1), (1, 0)))
 
 
 def product_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
@@ -409,7 +415,7 @@ def product_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[S
     if syms is None or ctx.structural:
         return syms
     for k, j in ((0, 1), (1, 0)):
-        if syms[k] and _maskable(eqn.invars[k]) and _may_mask(eqn.invars[j], ctx):
+        if syms[k] and _masks_other(eqn, k, j, ctx):
             shape = shape_of(eqn.invars[k])
             factor = eqn.invars[j]
             named = _indicator_literal(factor, shape, ctx)

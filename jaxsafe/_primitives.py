@@ -24,7 +24,7 @@ from jax.lax import linalg as lax_linalg
 from . import _bounds as bounds
 from . import _ranges as ranges
 from . import _zero_lanes as zero_lanes
-from ._atoms import dtype_of
+from ._atoms import dtype_of, literal_value
 from ._backward import SeededBackward
 from ._bodies import CondBody, RematBody, ScanBody
 from ._carries import (
@@ -66,6 +66,7 @@ from ._compat import (
     PRIVATE_PLATFORM_INDEX,
     PRIVATE_RESHARDS,
     JaxprEqn,
+    Literal,
     Primitive,
     shard_map_body_context,
     shard_map_p,
@@ -244,6 +245,13 @@ def _negative_exponent(eqn: JaxprEqn) -> bool:
     return eqn.params["y"] < 0
 
 
+def _no_nonzero_literal(eqn: JaxprEqn) -> bool:
+    """`atan2` is singular only where both operands are 0: never against a nonzero constant
+    (`arctan2(x, 1.)`; its derivative's denominator is at least that constant squared)."""
+    return not any(isinstance(a, Literal) and np.all(np.asarray(literal_value(a)) != 0)
+                   for a in eqn.invars)
+
+
 def _complex_operand(eqn: JaxprEqn) -> bool:
     return np.issubdtype(dtype_of(eqn.invars[0]), np.complexfloating)
 
@@ -292,7 +300,7 @@ register_elementwise(prims.abs_p, guard=Guard({0: 1.0}, _complex_operand),
 register_elementwise(prims.acos_p, prims.asin_p, guard=ZERO)
 register_elementwise(prims.atanh_p, prims.erf_inv_p, guard=POLE_AT_ZERO)
 register_elementwise(prims.acosh_p, guard=Guard({0: 2.0}))
-register_elementwise(prims.atan2_p, guard=Guard({0: 0.0, 1: 1.0}))
+register_elementwise(prims.atan2_p, guard=Guard({0: 0.0, 1: 1.0}, _no_nonzero_literal))
 # overflow: inf in the forward, inf * 0 = NaN in the backward
 register_elementwise(prims.exp_p, guard=POLE_AT_ZERO, bound=bounds.non_negative, increasing=True,
                      range=ranges.exp_range)
