@@ -47,6 +47,7 @@ from ._compat import (
     trace_to_jaxpr,
     wrap_function,
 )
+from ._custom_rules import one_lane_shape
 from ._masks import broadcast, materialize, not_mask
 from ._nested import call_jaxpr
 from ._rules import rule_for
@@ -132,13 +133,18 @@ class SeededBackward:
     its backward sets them (`_DROPPED_COTANGENTS`) around the pullback, which calls the guarded
     rule: they seed its structural zeros. A live lane is never seeded, so an inf that reaches
     one stays (contract 3). Planned only for the calls the backward-rule pass guards, without
-    closed-over constants (JAX refuses to differentiate those: the call stays as it is)."""
+    closed-over constants (JAX refuses to differentiate those: the call stays as it is), and
+    not for one output computed lane to lane, where the primal cut covers the dropped lanes."""
 
     def outside_syms(self, eqn: JaxprEqn, syms: Sequence[Any]) -> list:
         return [None] * len(eqn.outvars)
 
     def plan(self, eqn: JaxprEqn, out_kinds: Sequence[Any], plan_body: Callable) -> list | None:
-        return [] if not eqn.params.get("num_consts", 0) else None
+        # one output computed lane to lane: an input lane is read by its own output lane only,
+        # and the primal cut (stop_gradient in the dropped lanes) already covers it
+        if eqn.params.get("num_consts", 0) or one_lane_shape(eqn):
+            return None
+        return []
 
     def emit(self, eqn: JaxprEqn, plans: list, invals: list, out_masks: list, params: dict,
              emit_body: Callable) -> list:
