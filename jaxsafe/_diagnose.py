@@ -19,7 +19,7 @@ it changes no output) is listed as *masked*, harmless.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -55,7 +55,7 @@ class Origin:
 @dataclasses.dataclass(frozen=True)
 class Finding:
     """Entries of one argument's gradient (or one forward value) with the same verdict and
-    the same origins. `kind`: "leak", "genuine" or "masked"."""
+    the same origins. `kind`: "leak", "genuine", "left" or "masked"."""
 
     kind: str
     argument: str
@@ -67,8 +67,9 @@ class Finding:
 
 @dataclasses.dataclass(frozen=True)
 class Diagnosis:
-    """What `diagnose` found: `leaks` (nan_safe fixes them), `genuine` (real singularities)
-    and `masked` (NaN the forward pass computes only in dropped lanes).
+    """What `diagnose` found: `leaks` (nan_safe fixes them), `genuine` (real singularities),
+    `masked` (NaN the forward pass computes only in dropped lanes) and `left` (non-finite under
+    nan_safe from inf or NaN held only in dropped lanes: a path it does not guard).
 
     Example:
 
@@ -79,6 +80,9 @@ class Diagnosis:
     leaks: tuple[Finding, ...]
     genuine: tuple[Finding, ...]
     masked: tuple[Finding, ...]
+    left: tuple[Finding, ...] = ()
+    """Still non-finite under nan_safe, from inf or NaN that an argument or a constant holds
+    only in lanes the program drops: a path jaxsafe does not guard (not a singularity)."""
 
     def __str__(self) -> str:
         return format_diagnosis(self)
@@ -94,13 +98,35 @@ def _nonfinite(value: Any) -> np.ndarray | None:
     return ~np.isfinite(array)
 
 
-def _run(closed: ClosedJaxpr, args: Sequence[Any], replaced: int | None = None
-         ) -> tuple[list[Any], dict[int, np.ndarray]]:
+def _inputs(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+    """The values of the program's inputs: its constants, then its arguments (an input's
+    origin index is `-1 - position` in this list)."""
+    return [*closed.consts, *args]
+
+
+def _held(closed: ClosedJaxpr, args: Sequence[Any]) -> dict[int, np.ndarray]:
+    """The inputs that hold inf or NaN (origins that no equation makes), by origin index."""
+    found = {}
+    for j, value in enumerate(_inputs(closed, args)):
+        bad = _nonfinite(value)
+        if bad is not None and bad.any():
+            found[-1 - j] = bad
+    return found
+
+
+def _run(closed: ClosedJaxpr, args: Sequence[Any], replaced: int | Collection[int] = (),
+         value: float = 1.0) -> tuple[list[Any], dict[int, np.ndarray]]:
     """The outputs of `closed` on `args`, equation by equation, and its origins (equations
     making inf or NaN from finite operands), each with the non-finite lanes of its first
-    output. `replaced`: an equation whose non-finite outputs are replaced by 1."""
-    env: dict = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
-    env.update(zip(closed.jaxpr.invars, args, strict=True))
+    output. `replaced`: equations whose non-finite outputs are replaced by `value` (negative:
+    an input's non-finite lanes, `_held`)."""
+    replaced = {replaced} if isinstance(replaced, int) else set(replaced)
+    values = _inputs(closed, args)
+    for o in replaced:
+        if o < 0:
+            held = np.asarray(values[-1 - o])
+            values[-1 - o] = np.where(~np.isfinite(held), np.full((), value, held.dtype), held)
+    env: dict = dict(zip([*closed.jaxpr.constvars, *closed.jaxpr.invars], values, strict=True))
     origins: dict[int, np.ndarray] = {}
     for i, eqn in enumerate(closed.jaxpr.eqns):
         invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
@@ -109,17 +135,31 @@ def _run(closed: ClosedJaxpr, args: Sequence[Any], replaced: int | None = None
         if any(b is not None and b.any() for b in bad):
             if all(not (m := _nonfinite(v)) is not None or not m.any() for v in invals):
                 origins[i] = bad[0] if bad[0] is not None else np.zeros((), bool)
-            if i == replaced:
-                outs = [o if b is None else np.where(b, np.ones((), np.asarray(o).dtype), o)
+            if i in replaced:
+                outs = [o if b is None else np.where(b, np.full((), value, np.asarray(o).dtype), o)
                         for o, b in zip(outs, bad, strict=True)]
         env.update(zip(eqn.outvars, outs, strict=True))
     return [v.val if isinstance(v, Literal) else env[v] for v in closed.jaxpr.outvars], origins
 
 
-def _fixed_by(closed: ClosedJaxpr, args: Sequence[Any], origin: int) -> list[np.ndarray]:
+def _fixed_by(closed: ClosedJaxpr, args: Sequence[Any], origin: int | Collection[int]
+              ) -> list[np.ndarray]:
     """Per output, the lanes that are finite once `origin`'s inf and NaN are replaced."""
     outs, _ = _run(closed, args, replaced=origin)
     return [np.zeros(np.shape(o), bool) if (m := _nonfinite(o)) is None else ~m for o in outs]
+
+
+def _input_origin(closed: ClosedJaxpr, index: int, names: Sequence[str]) -> Origin:
+    """An input that holds inf or NaN, named: an argument, or a closed-over constant."""
+    j = -1 - index
+    n_consts = len(closed.consts)
+    what = (f"inf or NaN held by a closed-over constant of shape {np.shape(closed.consts[j])}"
+            if j < n_consts else f"inf or NaN held by {_leaf_name(names, j - n_consts)}")
+    return Origin(what, None, False)
+
+
+def _leaf_name(names: Sequence[str], k: int) -> str:
+    return names[k] if k < len(names) else f"argument leaf {k}"
 
 
 def _origin(eqn: JaxprEqn, forward: ClosedJaxpr) -> Origin:
@@ -150,7 +190,7 @@ def _attribute(closed: ClosedJaxpr, args: Sequence[Any], origins: Iterable[int]
 
 
 def _group(kind: str, argument: str, lanes: np.ndarray, values: np.ndarray,
-           fixes: dict[int, np.ndarray], eqns: Sequence[JaxprEqn], forward: ClosedJaxpr,
+           fixes: dict[int, np.ndarray], name: Callable[[int], Origin],
            guards_at: Callable[[Origin], tuple[Guard, ...]]) -> list[Finding]:
     """One finding per set of origins, over the entries of `lanes`."""
     groups: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
@@ -159,7 +199,7 @@ def _group(kind: str, argument: str, lanes: np.ndarray, values: np.ndarray,
         groups.setdefault(which, []).append(index)
     found = []
     for which, entries in groups.items():
-        origins = tuple(dict.fromkeys(_origin(eqns[o], forward) for o in which))
+        origins = tuple(dict.fromkeys(name(o) for o in which))
         guards = tuple(dict.fromkeys(g for origin in origins for g in guards_at(origin)))
         found.append(Finding(kind, argument, tuple(entries),
                              tuple(float(values[e]) for e in entries), origins, guards))
@@ -257,26 +297,99 @@ class _Call:
         safe_outs, safe_origins = _run(safe_program, self.leaves)
         names = (self.names if len(self.names) == len(plain_outs)
                  else [f"gradient leaf {k}" for k in range(len(plain_outs))])
+        leaves = [f"argument leaf {k}" for k in range(len(self.leaves))]
+        plain_name = self.namer(plain_program, forward, leaves)
+        safe_name = self.namer(safe_program, forward, leaves)
+        dropped = _dropped_inputs(safe_program, forward, self.leaves)
         leaks: list[Finding] = []
         genuine: list[Finding] = []
+        left: list[Finding] = []
         plain_fixes = safe_fixes = None  # each program re-run once per origin, when needed
+        all_dropped: list[np.ndarray] | None = None
         for k, (p, s) in enumerate(zip(plain_outs, safe_outs, strict=True)):
             p_bad, s_bad = _nonfinite(p), _nonfinite(s)
             if p_bad is None or s_bad is None or not p_bad.any():
                 continue
             if (p_bad & ~s_bad).any():
                 if plain_fixes is None:
-                    plain_fixes = _attribute(plain_program, self.leaves, plain_origins)
+                    plain_fixes = _attribute(plain_program, self.leaves,
+                                             {**plain_origins, **_held(plain_program,
+                                                                       self.leaves)})
                 leaks += _group("leak", names[k], p_bad & ~s_bad, np.asarray(p),
-                                {o: f[k] for o, f in plain_fixes.items()},
-                                plain_program.jaxpr.eqns, forward, guards_at)
+                                {o: f[k] for o, f in plain_fixes.items()}, plain_name,
+                                guards_at)
             if s_bad.any():
                 if safe_fixes is None:
-                    safe_fixes = _attribute(safe_program, self.leaves, safe_origins)
-                genuine += _group("genuine", names[k], s_bad, np.asarray(s),
-                                  {o: f[k] for o, f in safe_fixes.items()},
-                                  safe_program.jaxpr.eqns, forward, lambda o: ())
-        return Diagnosis(tuple(leaks), tuple(genuine), _masked(forward, self.leaves))
+                    safe_fixes = _attribute(safe_program, self.leaves,
+                                            {**safe_origins, **_held(safe_program, self.leaves)})
+                fixes = {o: f[k] for o, f in safe_fixes.items()}
+                # an entry that only inf or NaN held in dropped lanes makes (all of them
+                # replaced at once: two such inputs may meet in it) is not a singularity of the
+                # branch that is taken: a path jaxsafe did not guard
+                if all_dropped is None:
+                    all_dropped = _fixed_by(safe_program, self.leaves, dropped) if dropped \
+                        else [np.zeros(np.shape(o), bool) for o in safe_outs]
+                by_drops = s_bad & all_dropped[k]
+                left += _group("left", names[k], by_drops, np.asarray(s),
+                               {o: by_drops for o in sorted(dropped, reverse=True)},
+                               safe_name, lambda o: ())
+                genuine += _group("genuine", names[k], s_bad & ~by_drops, np.asarray(s),
+                                  fixes, safe_name, lambda o: ())
+        return Diagnosis(tuple(leaks), tuple(genuine), _masked(forward, self.leaves),
+                         tuple(left))
+
+    @staticmethod
+    def namer(program: ClosedJaxpr, forward: ClosedJaxpr, leaves: Sequence[str]
+              ) -> Callable[[int], Origin]:
+        def name(o: int) -> Origin:
+            if o < 0:
+                return _input_origin(program, o, leaves)
+            return _origin(program.jaxpr.eqns[o], forward)
+        return name
+
+
+PROBES = (0.0, 1.0, -1.0)
+"""The finite values an input's inf and NaN are replaced by to show that its lanes are dropped
+(each must leave every output as it was: one value can saturate, `exp(-1e3 * x * x)` at 1)."""
+
+
+def _dropped_inputs(program: ClosedJaxpr, forward: ClosedJaxpr, args: Sequence[Any]
+                    ) -> set[int]:
+    """The inputs of `program` (origin indices) that hold inf or NaN only in lanes the forward
+    program drops: replacing them there by any of `PROBES` changes none of its outputs, which
+    are finite (a non-finite output may hide a live lane: NaN whatever it holds)."""
+    outs, _ = _run(forward, args)
+    if any((m := _nonfinite(o)) is not None and m.any() for o in outs):
+        return set()
+    found = set()
+    for o in list(_held(program, args))[:MAX_ORIGINS]:
+        at = _same_input(program, forward, -1 - o)
+        if at is not None and all(
+                all(_same_bits(a, b) for a, b in zip(
+                    outs, _run(forward, args, -1 - at, probe)[0], strict=True))
+                for probe in PROBES):
+            found.add(o)
+    return found
+
+
+def _same_input(program: ClosedJaxpr, forward: ClosedJaxpr, j: int) -> int | None:
+    """The position in `forward`'s inputs (constants, then arguments) of `program`'s input j:
+    the same argument, or a constant with the same value."""
+    n, m = len(program.consts), len(forward.consts)
+    if j >= n:
+        return m + (j - n)
+    value = program.consts[j]
+    for i, c in enumerate(forward.consts):
+        if c is value or (np.shape(c) == np.shape(value)
+                          and np.asarray(c).dtype == np.asarray(value).dtype
+                          and np.array_equal(np.asarray(c), np.asarray(value), equal_nan=True)):
+            return i
+    return None
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
 def _indices(lanes: np.ndarray) -> list[tuple[int, ...]]:
@@ -285,9 +398,12 @@ def _indices(lanes: np.ndarray) -> list[tuple[int, ...]]:
 
 
 def _masked(forward: ClosedJaxpr, leaves: list) -> tuple[Finding, ...]:
-    """The forward pass's origins whose inf and NaN no output sees."""
+    """The forward pass's origins whose inf and NaN no output sees. None where an output is
+    itself non-finite: another origin may then hide a live one's NaN."""
     outs, origins = _run(forward, leaves)
     before = [m for o in outs if (m := _nonfinite(o)) is not None]
+    if any(m.any() for m in before):
+        return ()
     found = []
     for o in list(origins)[:MAX_ORIGINS]:
         after, _ = _run(forward, leaves, replaced=o)
@@ -326,6 +442,12 @@ def format_diagnosis(diagnosis: Diagnosis) -> str:
         lines.append(f"genuine: {_entries(f)}: non-finite under nan_safe "
                      f"too (a singularity of the branch that is taken)")
         lines += [f"  from {origin}" for origin in f.origins]
+    for f in diagnosis.left:
+        lines.append(f"left: {_entries(f)}: non-finite under nan_safe too, but not a "
+                     f"singularity of the branch that is taken")
+        lines += [f"  from {origin}, only in lanes the program drops, along a path nan_safe "
+                  f"does not guard (how-it-works, Limitations): replace those lanes by a safe "
+                  f"value before they are used (the double where)" for origin in f.origins]
     for f in diagnosis.masked:
         lines += [f"masked: {origin} computes inf or NaN only in lanes that are dropped "
                   f"(harmless)" for origin in f.origins]

@@ -212,3 +212,81 @@ def test_a_body_left_unguarded_is_still_reported():
     assert not report.changed and not report.guards
     text = str(report)
     assert "left dot_general operand 0 unguarded" in text and "run-time reduction" in text
+
+
+def test_diagnose_tells_inf_held_in_dropped_lanes_from_a_singularity():
+    # a value net over every step's observations, taken before the scan whose body drops the
+    # terminal steps: the NaN observations are dropped, but reach w's gradient through the
+    # matmul before the loop, which nan_safe does not guard (a documented limitation). Not a
+    # singularity of the branch that is taken: "left", naming the value that holds them.
+    done = jnp.array([[False, True], [False, False], [True, False]])
+    obs = jnp.ones((3, 2, 2)).at[0, 1].set(jnp.nan).at[2, 0].set(jnp.nan)
+
+    def step(c, inputs):
+        d, v = inputs
+        return c + jnp.where(d, 0.0, v), None
+
+    def returns(w):
+        return jnp.sum(jax.lax.scan(step, jnp.zeros(2), (done, jnp.tanh(obs @ w)))[0])
+    w = jnp.array([0.3, -0.5])
+    assert np.isnan(np.asarray(jax.grad(jaxsafe.nan_safe(returns))(w))).all()
+    found = jaxsafe.diagnose(returns)(w)
+    assert not found.genuine and not found.leaks
+    (left,) = found.left
+    assert left.entries == ((0,), (1,))
+    assert "closed-over constant of shape (3, 2, 2)" in left.origins[0].primitive
+    assert str(found).startswith("left: argument 0 entries [0], [1]: non-finite under nan_safe")
+
+
+def test_diagnose_keeps_inf_held_in_a_live_lane_genuine():
+    # the same NaN in a lane the program reads: a real NaN of the taken branch (contract 3)
+    def f(w, x):
+        return jnp.sum(jnp.where(w > -10.0, x * w, 0.0))  # keeps every lane of x * w
+    x = jnp.array([1.0, jnp.nan])
+    found = jaxsafe.diagnose(f)(jnp.ones(2), x)
+    assert not found.left and not found.leaks
+    (genuine,) = found.genuine
+    assert genuine.entries == ((1,),)
+    assert genuine.origins[0].primitive == "inf or NaN held by argument leaf 1"
+
+
+def test_diagnose_names_an_argument_that_holds_the_leaked_nan():
+    # nan_safe fixes it: a leak, from the argument's NaN, fed a zero cotangent by the where
+    def f(w, x):
+        return jnp.sum(jnp.where(jnp.isfinite(x), x * w, 0.0))
+    found = jaxsafe.diagnose(f)(jnp.ones(2), jnp.array([1.0, jnp.nan]))
+    (leak,) = found.leaks
+    assert leak.entries == ((1,),) and not found.genuine and not found.left
+    assert "held by argument leaf 1" in str(found)
+
+
+def test_diagnose_does_not_call_a_saturated_or_nan_output_a_drop():
+    # found by a bug hunt: an input's inf in a live lane looked dropped when the output kept its
+    # bits with 1 in its place (exp(-1e3 * x * x) is 0 at 1 too), or was NaN from elsewhere
+    saturated = lambda x: jnp.sum(jnp.exp(-1e3 * x * x))  # noqa: E731
+    found = jaxsafe.diagnose(saturated)(jnp.array([jnp.inf, 0.5, 2.0]))
+    assert not found.left and len(found.genuine) == 1
+    nan_loss = lambda x, y: jnp.sum(x * jnp.exp(-x)) + jnp.sum(jnp.sqrt(y))  # noqa: E731
+    found = jaxsafe.diagnose(nan_loss)(jnp.array([jnp.inf, 1.0]), jnp.array([-1.0, 4.0]))
+    assert not found.left and len(found.genuine) == 1
+    assert not found.masked  # the sqrt(-1) reaches the loss: not harmless
+
+
+def test_diagnose_replaces_every_dropped_input_at_once():
+    # two inputs whose NaN meet in one entry (xs @ w + zs @ w before a scan that drops their
+    # rows): neither replaced alone makes it finite; together they do
+    done = jnp.array([True, False])
+
+    def step(c, inputs):
+        d, v = inputs
+        return c + jnp.where(d, 0.0, v), None
+
+    def f(xs, zs, w):
+        return jax.lax.scan(step, 0.0, (done, xs @ w + zs @ w))[0]
+    xs = jnp.ones((2, 2)).at[0, 0].set(jnp.nan)
+    zs = jnp.ones((2, 2)).at[0, 1].set(jnp.inf)
+    found = jaxsafe.diagnose(f, argnums=2)(xs, zs, jnp.array([0.5, -0.5]))
+    assert not found.genuine
+    (left,) = found.left
+    assert {o.primitive for o in left.origins} == {"inf or NaN held by argument leaf 0",
+                                                   "inf or NaN held by argument leaf 1"}
