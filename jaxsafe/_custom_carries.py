@@ -8,12 +8,13 @@ read structurally, every lane of the call carries what its operand carries, and
 
 A call that `_custom_rules` reads by value (one lane shape, a tangent program that decides on
 primal values only) carries in a lane where its rule's tangent program carries a tangent there
-(the tangents take their operands' carrying lanes, the primals none) or its body does (as the
-primal body computes it, each operand that carries in some lane counted as carrying in every
-lane). So a lane carries nothing only where both say so: the rule's derivative is an exact zero
-there, and the value there is one the body's own constants fix (relu's 0), which `held` reads
-from the body (`FreeValues`). Where the rule only selects and moves its tangents
-(`_Tangents.weighs` false), its zeros are selections (`Carries.selects`).
+(the tangents take their operands' carrying lanes, the primals none). Where the rule only
+selects and moves its tangents (`_Tangents.weighs` false), that alone decides, and its zeros
+are selections (`Carries.selects`): at relu's 0 itself, where the body's `max` ties, the rule
+hands back an exact zero, as reverse mode reads it, and the value is the body's constant there
+too (a tie's operands are equal), which `held` reads from the body (`FreeValues`). A rule that
+weighs carries also where its body does (as the primal body computes it, each operand that
+carries in some lane counted as carrying in every lane).
 """
 
 from __future__ import annotations
@@ -148,7 +149,10 @@ def _lanes(closed: ClosedJaxpr, classes: dict, inputs: Sequence[Mask],
 
 
 def custom_jvp_lanes(eqn: JaxprEqn, masks: list, value: Callable[[int], Any]) -> Mask:
-    """The output lanes that carry: where the rule's tangent or the body may."""
+    """The output lanes that carry: where the rule's tangent may (the rule is the call's
+    derivative: at relu's 0, where the body's `max` ties, its tangent is an exact zero, as
+    reverse mode reads it), for a rule that only selects its tangents; for one that weighs,
+    also where the body may."""
     programs = _programs(eqn)
     if programs is None:  # pragma: no cover - its class is ALL or NONE, never asked
         return None
@@ -160,6 +164,8 @@ def custom_jvp_lanes(eqn: JaxprEqn, masks: list, value: Callable[[int], Any]) ->
         rule = _lanes(tangents, _classes(tangents, _rule_inputs(classes)),
                       [zeros(shape_of(v)) for v in eqn.invars] + list(masks),
                       operands + [_zero_tangent(v) for v in eqn.invars])
+    if custom_jvp_selects(eqn):
+        return rule
     inputs = _body_inputs(classes)
     inner = _lanes(body, _classes(body, inputs),
                    [zeros(shape_of(v)) if c == Carry.NONE else m if c == Carry.PART else None

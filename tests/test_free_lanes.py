@@ -289,3 +289,28 @@ def test_a_power_of_a_held_zero_is_guarded_for_forward_over_forward(name, f, han
         assert_finite(got)
         assert_close(got, order(hand)(x), rtol=1e-5)
     assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+
+
+@pytest.mark.parametrize("name", ["relu", "relu6"])
+def test_relu_at_its_kink_carries_nothing_in_forward_mode_as_in_reverse(name):
+    """At exactly 0 (and 6 for relu6), the body's `max` ties, but the rule hands back an exact
+    zero tangent (JAX's relu'(0) = 0): reverse mode reads the lane as dropped (0), and forward
+    mode did not (NaN in every column a sum mixes it into)."""
+    x = jnp.array([-1., 0., 0.5, 2., 5., 6., 7.])
+    f = {"relu": lambda v: jnp.sqrt(jax.nn.relu(v)),
+         "relu6": lambda v: jnp.sqrt(6. - jax.nn.relu6(v)) + jnp.sqrt(jax.nn.relu6(v))}[name]
+    loss = lambda v: jnp.sum(f(v) * jnp.arange(1., 8.))  # noqa: E731
+
+    def hand(v):
+        kept = (v > 0) & (v < 6) if name == "relu6" else v > 0
+        inner = jnp.where(kept, v, 1.)
+        if name == "relu":
+            return jnp.sum(jnp.where(kept, jnp.sqrt(inner), 0.) * jnp.arange(1., 8.))
+        r = jnp.where(v >= 6, 6., jnp.where(v <= 0, 0., inner))
+        return jnp.sum((jnp.where(kept, jnp.sqrt(6. - inner), jnp.sqrt(6. - r))
+                        + jnp.where(kept, jnp.sqrt(inner), jnp.sqrt(r))) * jnp.arange(1., 8.))
+    safe = nan_safe(loss)
+    assert np.isnan(np.asarray(jax.jacfwd(loss)(x))).any()
+    assert_close(jax.grad(safe)(x), jax.grad(hand)(x))
+    assert_close(jax.jacfwd(safe)(x), jax.grad(hand)(x))
+    assert_close(jax.jacfwd(safe)(x), jax.grad(safe)(x))
