@@ -148,7 +148,8 @@ class SeededBackward:
 
     def emit(self, eqn: JaxprEqn, plans: list, invals: list, out_masks: list, params: dict,
              emit_body: Callable) -> list:
-        seeds = [None if m is None or not is_float(o) else not_mask(materialize(m, shape_of(o)))
+        seeds = [None if m is None or not is_float(o)
+                 else broadcast(not_mask(materialize(m, shape_of(o))), shape_of(o))
                  for m, o in zip(out_masks, eqn.outvars, strict=True)]
         placed = tuple(k for k, s in enumerate(seeds) if s is not None)
         call = _seeded_call(eqn, params, placed)

@@ -135,3 +135,19 @@ def test_nothing_dropped_is_unchanged():
 def test_explain_names_the_backward_rule():
     text = str(jaxsafe.explain(dropped_sqrt)(X))
     assert "backward rule" in text
+
+
+def test_a_row_mask_seeds_every_lane_of_its_rows():
+    # the mask of the dropped output is a row mask (computed along rows, broadcast over them)
+    def loss(x):
+        a, b = two_outputs(x)
+        ok = jnp.min(x, axis=1) > 0
+        return jnp.sum(jnp.where(ok[:, None], a, 0.0) + b)
+
+    def hand(x):
+        ok = jnp.min(x, axis=1) > 0
+        a, _ = two_outputs(jnp.where(ok[:, None], x, 1.0))
+        return jnp.sum(jnp.where(ok[:, None], a, 0.0) + 2.0 * x)
+    x = jnp.array([[1.0, 2.0, 3.0, 4.0], [0.0, 1.0, 2.0, 3.0], [4.0, -1.0, 1.0, 1.0]])
+    assert np.isnan(np.asarray(jax.grad(loss)(x))).any()
+    assert_close(jax.grad(jaxsafe.nan_safe(loss))(x), jax.grad(hand)(x))
