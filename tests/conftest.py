@@ -123,6 +123,7 @@ _SAMPLED = {
      "test_a_custom_rule_whose_body_indexes_by_its_own_values_cuts_a_dropped_row"): 6,
     ("test_composition.py", "test_transform_of_nan_safe_equals_transform_of_hand_fix"): 5,
     ("test_already_safe.py", "test_hand_guarded_code_is_left_as_it_is"): 5,
+    ("test_found_by_hunts.py", "test_a_gamma_sample_s_shape_in_a_dropped_lane_is_guarded"): 1,
 }
 
 

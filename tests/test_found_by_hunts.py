@@ -1002,33 +1002,38 @@ def test_a_dense_constant_mask_that_drops_whole_rows_guards_the_matmul_before_a_
     assert np.isnan(np.asarray(jax.grad(jaxsafe.nan_safe(g))(w, x))).any()
 
 
-def test_a_gamma_sample_s_shape_in_a_dropped_lane_is_guarded():
+@pytest.mark.parametrize("sampler", ["gamma", "beta", "dirichlet"])
+def test_a_gamma_sample_s_shape_in_a_dropped_lane_is_guarded(sampler):
     """Hunt X: `jax.random.gamma` (and `beta`, `dirichlet`) had a row saying it is finite for
     finite operands, which a shape of 0 or below breaks (NaN), and no liveness: a masked
     sample's shape kept plain JAX's NaN gradient. Each lane is sampled from its own key, so
-    the guard (shape 1 in a dropped lane) leaves the live lanes' samples bit for bit."""
+    the guard (shape 1 in a dropped lane) leaves the live lanes' samples bit for bit. (The
+    samplers compile a loop each: `make test` runs gamma, `make test-tables` the others.)"""
     key = jax.random.PRNGKey(0)
+    if sampler == "dirichlet":
+        # padded components: their samples are 0 and still in every sample's normalizer
+        # (live), but the log of a padded sample is dropped (plain JAX: 0 * inf there, NaN in
+        # every used lane)
+        concentration = jnp.array([[1., 2., 0., 0.], [0.5, 0.5, 3., 0.]])
+        used = concentration > 0
+
+        def dirichlet_log(c):
+            sample = jax.random.dirichlet(key, jnp.where(used, c, 0.))
+            return jnp.sum(jnp.where(used, jnp.log(sample), 0.))
+
+        assert np.isnan(jax.grad(dirichlet_log)(concentration)[np.asarray(used)]).all()
+        value, g = jax.jit(jax.value_and_grad(jaxsafe.nan_safe(dirichlet_log)))(concentration)
+        assert_bitwise(value, jax.jit(dirichlet_log)(concentration))
+        assert np.isfinite(g).all() and (np.asarray(g)[~np.asarray(used)] == 0).all()
+        return
     a = jnp.array([0., -1., 2., np.nan, 0.7])
     live = jnp.array([False, False, True, False, True])
-    for sample in (lambda a: jax.random.gamma(key, a), lambda a: jax.random.beta(key, a, 2.)):
-        f = lambda a, sample=sample: jnp.sum(jnp.where(live, sample(a), 0.))
-        by_hand = lambda a, sample=sample: jnp.sum(
-            jnp.where(live, sample(jnp.where(live, a, 1.)), 0.))
-        assert np.isnan(jax.grad(f)(a)).any()
-        value, g = jax.jit(jax.value_and_grad(jaxsafe.nan_safe(f)))(a)
-        assert_bitwise(value, jax.jit(f)(a))
-        assert_close(g, jax.grad(by_hand)(a), rtol=1e-5)
-        assert_close(jax.jacfwd(jaxsafe.nan_safe(f))(a), jax.jacfwd(by_hand)(a), rtol=1e-5)
-    # padded components: their samples are 0 and still in every sample's normalizer (live), but
-    # the log of a padded sample is dropped (plain JAX: 0 * inf there, NaN in every used lane)
-    concentration = jnp.array([[1., 2., 0., 0.], [0.5, 0.5, 3., 0.]])
-    used = concentration > 0
-
-    def dirichlet_log(c):
-        sample = jax.random.dirichlet(key, jnp.where(used, c, 0.))
-        return jnp.sum(jnp.where(used, jnp.log(sample), 0.))
-
-    assert np.isnan(jax.grad(dirichlet_log)(concentration)[np.asarray(used)]).all()
-    value, g = jax.jit(jax.value_and_grad(jaxsafe.nan_safe(dirichlet_log)))(concentration)
-    assert_bitwise(value, jax.jit(dirichlet_log)(concentration))
-    assert np.isfinite(g).all() and (np.asarray(g)[~np.asarray(used)] == 0).all()
+    sample = {"gamma": lambda a: jax.random.gamma(key, a),
+              "beta": lambda a: jax.random.beta(key, a, 2.)}[sampler]
+    f = lambda a: jnp.sum(jnp.where(live, sample(a), 0.))  # noqa: E731
+    by_hand = lambda a: jnp.sum(jnp.where(live, sample(jnp.where(live, a, 1.)), 0.))  # noqa: E731
+    assert np.isnan(jax.grad(f)(a)).any()
+    value, g = jax.jit(jax.value_and_grad(jaxsafe.nan_safe(f)))(a)
+    assert_bitwise(value, jax.jit(f)(a))
+    assert_close(g, jax.grad(by_hand)(a), rtol=1e-5)
+    assert_close(jax.jacfwd(jaxsafe.nan_safe(f))(a), jax.jacfwd(by_hand)(a), rtol=1e-5)
