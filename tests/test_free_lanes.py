@@ -314,3 +314,17 @@ def test_relu_at_its_kink_carries_nothing_in_forward_mode_as_in_reverse(name):
     assert_close(jax.grad(safe)(x), jax.grad(hand)(x))
     assert_close(jax.jacfwd(safe)(x), jax.grad(hand)(x))
     assert_close(jax.jacfwd(safe)(x), jax.grad(safe)(x))
+
+
+def test_a_product_with_relu_at_its_kink_carries_nothing_as_below_it():
+    """`relu(v) * v` at v == 0: relu's rule takes its constant branch there (an exact zero
+    tangent), so the product is that branch's constant 0 times v, as it is for v < 0: sqrt's
+    infinite derivative meets a zero that carries nothing, in both modes (plain JAX: NaN)."""
+    x = jnp.array([-1., 0., 0.5])
+    for f in (lambda v: jnp.sqrt(jax.nn.relu(v) * v),
+              lambda v: jnp.sqrt(jax.nn.relu(v) * jnp.exp(v))):
+        safe = nan_safe(f)
+        forward, reverse = np.diag(jax.jacfwd(safe)(x)), np.diag(jax.jacrev(safe)(x))
+        assert np.isnan(np.diag(jax.jacrev(f)(x))[1])
+        assert forward[0] == reverse[0] == 0. and forward[1] == reverse[1] == 0.
+        assert_close(forward[2], np.diag(jax.jacrev(f)(x))[2])
