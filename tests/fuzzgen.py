@@ -911,7 +911,9 @@ class _Emitter:
 
         def reads(x):  # the lanes at or before a True: a running op reads its prefix
             return f"(lax.cumsum({x}.astype(jnp.int32), axis=0, reverse=True) > 0)"
-        return self.let(f"({ao} == {near}) | {reads(nan_out)} | "
+        # (with a live output at or after it: where there is none, `near` is the sentinel
+        # `far`, which an infinite lane equals)
+        return self.let(f"(({ao} == {near}) & {reads(live)}) | {reads(nan_out)} | "
                         f"(jnp.isnan({ao}) & {reads(live)})", "k")
 
     def pool_chosen(self, node, env2, m):

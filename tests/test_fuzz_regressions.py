@@ -219,6 +219,20 @@ def test_generated_twin_reads_a_clip_clamped_lane_as_carrying_nothing():
         clamped[0])).any()  # plain JAX: NaN where 0 clamps, -inf where 1 does
 
 
+def test_generated_twin_chooses_no_lane_of_a_running_max_no_output_reads():
+    # Found by `make fuzz` (2026-11-30), an oracle gap: `where(all False, cummax(m / 0.), m)`.
+    # No output of the running max is live, so `m / 0.` is dropped whole and m's gradient is
+    # the identity's (jaxsafe). The twin took a lane as chosen where it equals the running max
+    # at the nearest live output after it, whose sentinel when there is none is +inf, which
+    # `1 / 0.` equals: it kept the division live (NaN). It now needs a live output after it.
+    import fuzzgen as G
+    program = G.Program((("where", ("mask", "np", "M", (False,) * 12),
+                          ("cum", "max", ("div", ("in", "m"), ("const", 0.0, "M"))),
+                          ("in", "m")),))
+    args = (np.ones(4, f32), np.ones(4, f32), np.ones((3, 4), f32), f32(1.), ~K1)
+    _check(G.build(program), G.build(program, guarded=True), args)
+
+
 # --------------------------------------------------------------------------- constant predicate
 # Found by the 10,500-example run (2026-11-21), contract point 4 ("nothing to guard, nothing
 # changed"). A scan body holding `where(0. >= 0., arccos(c), c)` (a predicate computed from
