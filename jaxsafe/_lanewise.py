@@ -31,10 +31,22 @@ from typing import Any
 from ._aligned import Aligned, Placement, aligned_axes, classes_of
 from ._atoms import shape_of
 from ._compat import ClosedJaxpr, JaxprEqn, scan_counts
-from ._masks import any_of, broadcast, broadcast_mask, place, reduce_any
+from ._hoisted import hoisted_mask, step_mask_program
+from ._masks import all_of, any_of, broadcast, broadcast_mask, place, reduce_any
 from ._nested import call_jaxpr, sub_jaxprs
 from ._rules import Context, Kind, LoopLinks, Mask, rule_for
-from ._symbolic import FALSE, TRUE, Sym, given_mask, move, one_step, output_mask_literal, sym_or
+from ._symbolic import (
+    FALSE,
+    TRUE,
+    Sym,
+    given_mask,
+    move,
+    one_step,
+    opaque,
+    output_mask_literal,
+    sym_and,
+    sym_or,
+)
 
 
 def _lane_to_lane(eqn: JaxprEqn) -> bool:
@@ -182,7 +194,8 @@ def scan_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     the same coordinates is, at some step (at that step, for a stacked input of a scan without
     carries). Any other operand: a stacked input of a scan without carries, a step is live where
     that step of some output is (`_step_mask`); otherwise every lane is live where any output
-    lane is."""
+    lane is. A stacked input is also dropped where the body drops it by the step's own stacked
+    inputs and the constants (`_hoisted.py`)."""
     anything = _anything(outs)
     al = scan_alignment(eqn)
     n_lead = sum(scan_counts(eqn.params))
@@ -199,6 +212,8 @@ def scan_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
             m = _step_mask(outs, shape)
         elif m is ANYTHING:
             m = anything if anything is None else broadcast(anything, shape)
+        if stacked:  # and what the body drops by one step's stacked inputs (`_hoisted.py`)
+            m = all_of([m, hoisted_mask(eqn, k, ctx.structural, invals)])
         masks.append(m)
     return masks
 
@@ -218,7 +233,8 @@ def _aligned_kind(al: Aligned, placed: Placement, out_kinds: Sequence[Kind]) -> 
 def scan_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]:
     """Operands with aligned axes take the kinds of the outputs that share them, the stacked
     inputs of a scan without carries the union of its outputs' kinds; every other operand is
-    live (the conservative default)."""
+    live (the conservative default). A stacked input the body drops by the step's inputs alone
+    is MAYBE (`_hoisted.py`)."""
     al = scan_alignment(eqn)
     n_lead = sum(scan_counts(eqn.params))
     step = max(out_kinds) if _step_by_step(eqn) else None  # any step of any output
@@ -226,11 +242,15 @@ def scan_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]
     for k in range(len(eqn.invars)):
         aligned = None if al is None else _aligned_kind(al, al.inputs[k], out_kinds)
         if aligned is not None:
-            kinds.append(aligned)
+            kind = aligned
         elif step is not None and k >= n_lead:
-            kinds.append(step)
+            kind = step
         else:
-            kinds.append(Kind.LIVE)
+            kind = Kind.LIVE
+        if kind == Kind.LIVE and k >= n_lead \
+                and step_mask_program(eqn, k, ctx.structural) is not None:
+            kind = Kind.MAYBE  # the body drops some of its lanes by the step's inputs
+        kinds.append(kind)
     return kinds
 
 
@@ -265,7 +285,10 @@ def scan_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]
             found = FALSE
             for sym in out_syms:
                 found = sym_or(found, move(sym, {0: 0}))
-        syms.append(TRUE if found is None else found)
+        found = TRUE if found is None else found
+        if stacked and step_mask_program(eqn, k, ctx.structural) is not None:
+            found = sym_and(found, opaque()) or opaque()  # and what the body drops by step
+        syms.append(found)
     return syms
 
 

@@ -25,6 +25,7 @@ primal provably never reads are dropped.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Container, Generator, Mapping, Sequence
 from typing import Any
 
@@ -147,15 +148,33 @@ def read(env: Any, atom: Any) -> Any:
         return env[atom]
 
 
-def evaluate(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> dict:
-    """The original value of every variable of `jaxpr` (emitted on the current trace)."""
-    env: dict = dict(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    with staged():
-        for eqn in jaxpr.eqns:
-            env.update(zip(eqn.outvars, bind_eqn(eqn, [_lookup(env, v) for v in eqn.invars]),
-                           strict=True))
-    return env
+class Values:
+    """The original value of every variable of a jaxpr, each computed (emitted on the current
+    trace) when first read: a mask rule of a nested call reads its predicates, and an input it
+    never reads is never asked for (`_hoisted.py` reads a loop body's step this way, where
+    reading a carry is an error). `args` may be lazy (`LazyOperands`)."""
+
+    def __init__(self, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]):
+        self.memo: dict = dict(zip(jaxpr.constvars, consts, strict=True))
+        self.inputs = {v: k for k, v in enumerate(jaxpr.invars)}
+        self.args = args
+        self.producer = {o: (e, j) for e in jaxpr.eqns for j, o in enumerate(e.outvars)}
+
+    def __getitem__(self, v: Any) -> Any:
+        return demand(v, self.memo, self._rule)
+
+    def _rule(self, v: Any) -> Generator[Any, Any, Any]:
+        if v in self.inputs:
+            return self.args[self.inputs[v]]
+        eqn, j = self.producer[v]
+        vals = []
+        for u in eqn.invars:
+            vals.append(literal_value(u) if isinstance(u, Literal) else (yield u))
+        with staged():
+            outs = bind_eqn(eqn, vals)
+        for o, value in zip(eqn.outvars, outs, strict=True):
+            self.memo.setdefault(o, value)
+        return outs[j]
 
 
 class LazyOperands(Sequence):
@@ -166,8 +185,10 @@ class LazyOperands(Sequence):
         self.env, self.atoms = env, atoms
 
     def __getitem__(self, k):  # type: ignore[override]
-        if isinstance(k, slice):
-            return [self._read(a) for a in self.atoms[k]]
+        if isinstance(k, slice):  # lazy too: a cond's operands past its index
+            part = copy.copy(self)
+            part.atoms = self.atoms[k]
+            return part
         return self._read(self.atoms[k])
 
     def __len__(self) -> int:
@@ -398,7 +419,7 @@ class Sweep:
         invars = closed.jaxpr.invars
         if all(sweep.kind(v) == Kind.LIVE for v in invars):
             return [None] * len(invars)
-        env = evaluate(closed.jaxpr, closed.consts, invals)
+        env = Values(closed.jaxpr, closed.consts, invals)
         mask_of = sweep.masks(env, out_masks)
         return [mask_of(v) for v in invars]
 

@@ -215,19 +215,18 @@ def test_a_body_left_unguarded_is_still_reported():
 
 
 def test_diagnose_tells_inf_held_in_dropped_lanes_from_a_singularity():
-    # a value net over every step's observations, taken before the scan whose body drops the
-    # terminal steps: the NaN observations are dropped, but reach w's gradient through the
-    # matmul before the loop, which nan_safe does not guard (a documented limitation). Not a
-    # singularity of the branch that is taken: "left", naming the value that holds them.
+    # a value net over every step's observations, taken before a `fori_loop` that reads them
+    # at its counter and drops the terminal steps: the NaN observations are dropped, but reach
+    # w's gradient through the matmul before the loop, which nan_safe does not guard (the
+    # counter is a carry: a documented limitation). Not a singularity of the branch that is
+    # taken: "left", naming the value that holds them.
     done = jnp.array([[False, True], [False, False], [True, False]])
     obs = jnp.ones((3, 2, 2)).at[0, 1].set(jnp.nan).at[2, 0].set(jnp.nan)
 
-    def step(c, inputs):
-        d, v = inputs
-        return c + jnp.where(d, 0.0, v), None
-
     def returns(w):
-        return jnp.sum(jax.lax.scan(step, jnp.zeros(2), (done, jnp.tanh(obs @ w)))[0])
+        values = jnp.tanh(obs @ w)
+        step = lambda i, c: c + jnp.where(done[i], 0.0, values[i])  # noqa: E731
+        return jnp.sum(jax.lax.fori_loop(0, 3, step, jnp.zeros(2)))
     w = jnp.array([0.3, -0.5])
     assert np.isnan(np.asarray(jax.grad(jaxsafe.nan_safe(returns))(w))).all()
     found = jaxsafe.diagnose(returns)(w)
@@ -273,16 +272,15 @@ def test_diagnose_does_not_call_a_saturated_or_nan_output_a_drop():
 
 
 def test_diagnose_replaces_every_dropped_input_at_once():
-    # two inputs whose NaN meet in one entry (xs @ w + zs @ w before a scan that drops their
-    # rows): neither replaced alone makes it finite; together they do
+    # two inputs whose NaN meet in one entry (xs @ w + zs @ w before a loop that reads them at
+    # its counter and drops their first row): neither replaced alone makes it finite;
+    # together they do
     done = jnp.array([True, False])
 
-    def step(c, inputs):
-        d, v = inputs
-        return c + jnp.where(d, 0.0, v), None
-
     def f(xs, zs, w):
-        return jax.lax.scan(step, 0.0, (done, xs @ w + zs @ w))[0]
+        values = xs @ w + zs @ w
+        step = lambda i, c: c + jnp.where(done[i], 0.0, values[i])  # noqa: E731
+        return jax.lax.fori_loop(0, 2, step, 0.0)
     xs = jnp.ones((2, 2)).at[0, 0].set(jnp.nan)
     zs = jnp.ones((2, 2)).at[0, 1].set(jnp.inf)
     found = jaxsafe.diagnose(f, argnums=2)(xs, zs, jnp.array([0.5, -0.5]))
