@@ -56,8 +56,9 @@ test-tables: $(STAMP)
 	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "tables and not slow" \
 		tests/test_transparency.py tests/test_guard_table.py
 	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "tables and not slow" \
-		tests/test_already_safe.py tests/test_backward_rules.py tests/test_choosers.py \
-		tests/test_composition.py tests/test_found_by_hunts.py tests/test_hostile.py \
+		tests/test_aligned.py tests/test_already_safe.py tests/test_api.py \
+		tests/test_backward_rules.py tests/test_choosers.py tests/test_composition.py \
+		tests/test_found_by_hunts.py tests/test_free_lanes.py tests/test_hostile.py \
 		tests/test_linalg.py tests/test_nonfinite_data.py
 	JAX_ENABLE_X64=1 $(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder \
 		-m "tables and not slow" tests/test_x64.py tests/test_x64_transparency.py \

@@ -418,3 +418,16 @@ def test_an_unchanged_program_is_returned_as_it_is():
     new, report = rewrite_with_report(closed)
     assert new is closed and not report.changed
     assert isinstance(new, ClosedJaxpr)
+
+
+def test_make_test_tables_runs_every_sampled_sweep_s_module():
+    """`make test` runs the first cases of the sweeps `conftest._SAMPLED` names and marks the
+    rest `tables`: `make test-tables` must run their modules, or those cases run nowhere."""
+    import conftest
+
+    makefile = (pathlib.Path(__file__).parent.parent / "Makefile").read_text()
+    target = makefile[makefile.index("\ntest-tables:"):]
+    target = target[:target.index("\n\n")]
+    missing = sorted({module for module, _ in conftest._SAMPLED} - set(
+        name.removeprefix("tests/") for name in target.split()))
+    assert not missing, f"add these to make test-tables: {missing}"
