@@ -55,6 +55,8 @@ class _Step(Sequence):
 
 # body jaxpr -> {(stacked input index, structural): the step's mask program, or None}
 _STEP_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# body jaxpr -> the sweeps its step programs are read from (its liveness with every output live)
+_SWEEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def step_mask_program(eqn: JaxprEqn, k: int, structural: bool) -> ClosedJaxpr | None:
@@ -75,7 +77,8 @@ def _traced(body: ClosedJaxpr, eqn: JaxprEqn, k: int, structural: bool) -> Close
     n_consts, n_carry = scan_counts(eqn.params)
     if any(isinstance(c, Tracer) for c in body.consts):
         return None  # an outer trace's value: the program, cached per body, must not hold it
-    sweep = Sweeps().get(jaxpr, [Kind.LIVE] * len(jaxpr.outvars), structural)
+    sweeps = _SWEEPS.setdefault(jaxpr, Sweeps())  # one per body, whichever operand asks
+    sweep = sweeps.get(jaxpr, [Kind.LIVE] * len(jaxpr.outvars), structural)
     target = jaxpr.invars[k]
     if sweep.kind(target) != Kind.MAYBE:
         return None
