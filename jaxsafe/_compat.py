@@ -17,7 +17,7 @@ import dataclasses
 import importlib
 import inspect
 import pathlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -167,6 +167,13 @@ def transpose_to_zero_where_missing(primitive: Primitive) -> None:
         return [ad.Zero(operand.aval) if ad.is_undefined_primal(operand) else None]
 
     ad.primitive_transposes[primitive] = zero_transpose
+
+
+def varies_over_manual_axes(avals: Iterable[Any]) -> bool:
+    """Whether a value of a `shard_map` body varies over its manual mesh axes (`{V:d}`): a
+    constant that meets it is cast to vary too (`pvary`), which JAX can stage but not run, so
+    its masks are never computed at trace time (`_masks.at_trace_time`)."""
+    return any(_varying_axes(a) for a in avals)
 
 
 def _varying_axes(aval: Any) -> frozenset:

@@ -34,7 +34,15 @@ import numpy as np
 from ._atoms import dtype_of, is_float, literal_value, shape_of
 from ._bounds import Bounds, never_loses
 from ._carries import Carry, carry_classes, carrying_lanes
-from ._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, bind_eqn
+from ._compat import (
+    ClosedJaxpr,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    bind_eqn,
+    varies_over_manual_axes,
+)
 from ._constants import small_constant
 from ._free import FreeValues
 from ._masks import (
@@ -294,6 +302,7 @@ class Sweep:
         self._free_values: FreeValues | None = None  # what lanes carrying nothing hold
         self._bounds: Bounds | None = None  # lower bounds and ranges: on a `max`'s demand
         self._own: set | None = None  # this program's variables: on a body's formulas' demand
+        self._varying: bool | None = None  # over a shard_map's manual axes (`masks`)
         # per equation, the formula each operand receives from it (the guard pass reads them)
         self.operand_syms: list[list[Sym]] = [[] for _ in jaxpr.eqns]
         self.syms = self._static_liveness(
@@ -541,8 +550,12 @@ class Sweep:
 
     def masks(self, env: Any, out_masks: Sequence[Mask]) -> RuntimeMasks:
         """The run-time masks of this jaxpr's values, emitted on first demand. `env` maps a
-        variable to its original value (it may compute values on demand)."""
-        return RuntimeMasks(self, env, out_masks)
+        variable to its original value (it may compute values on demand). Staged, not
+        computed at trace time, in a `shard_map` body whose values vary over its axes."""
+        if self._varying is None:
+            self._varying = varies_over_manual_axes(
+                v.aval for v in (*self.jaxpr.invars, *self.jaxpr.constvars))
+        return RuntimeMasks(self, env, out_masks, early=not self._varying)
 
 
 class RuntimeMasks:

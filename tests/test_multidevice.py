@@ -420,3 +420,65 @@ def test_explain_of_a_shard_map_body_knows_every_collective_and_pvary():
     report = nan_safe(sm).trace(xs)[1]
     assert report.changed and _unknown_anywhere(report) == []
     assert "unknown" not in str(jaxsafe.explain(sm)(xs))
+
+
+@pytest.mark.parametrize("factor", ["literal", "closed-over constant", "mask"])
+def test_nan_safe_inside_a_shard_map_body_differentiates_a_masked_product(factor):
+    """`nan_safe` called inside the body (not around the `shard_map`): its rewrite is traced when
+    JAX differentiates the body, over values that vary over the mesh axis. A product's mask
+    compared a value with a constant at trace time, which JAX casts to vary (`pvary`) and
+    cannot run: `jax.grad` raised. Masks of such a program are staged. Reference: the
+    hand-written double where."""
+    mesh = jax.make_mesh((8,), ("d",))
+    scale = jnp.array([0.5, 0.25])
+
+    def one(x, fix=False):
+        root = jnp.sqrt(jnp.where(x > 0, x, 1.) if fix else x)
+        if factor == "mask":
+            return jnp.sum(root * (x > 0))
+        weighted = root * (0.5 if factor == "literal" else scale[0])
+        return jnp.sum(jnp.where(x > 0, weighted, 0.))
+
+    def loss(body):
+        return jax.shard_map(lambda x: jax.lax.psum(body(x), "d"), mesh=mesh,
+                             in_specs=P("d"), out_specs=P())
+
+    xs = jax.device_put(jnp.linspace(-1., 1., 16), NamedSharding(mesh, P("d")))
+    if factor != "mask":  # XLA folds the NaN times a constant 0 of a mask away
+        assert np.isnan(np.asarray(jax.jit(jax.grad(loss(one)))(xs))).any()  # the leak
+    got = jax.jit(jax.grad(loss(nan_safe(one))))(xs)
+    assert_close(got, jax.jit(jax.grad(loss(lambda x: one(x, fix=True))))(xs))
+    assert_bitwise(jax.jit(loss(nan_safe(one)))(xs), jax.jit(loss(one))(xs))
+
+
+def test_nan_safe_inside_a_shard_map_body_guards_work_before_a_scan():
+    """GAE per device: a value net over the shard's observations, then a scan whose body drops
+    the terminal steps (`_hoisted.py`), with `nan_safe` inside the body."""
+    mesh = jax.make_mesh((8,), ("d",))
+    w = jnp.array([0.1, -0.2, 0.3])
+    obs = (jnp.arange(8 * 4 * 3, dtype=jnp.float32).reshape(8, 4, 3) / 50 + 0.5).at[:, 2].set(
+        jnp.nan)
+    done = jnp.tile(jnp.array([False, False, True, False]), (8, 1))
+    obs, done = (jax.device_put(a, NamedSharding(mesh, P("d"))) for a in (obs, done))
+
+    def gae(w, obs, done):
+        values = obs @ w
+
+        def step(adv, inputs):
+            v, d = inputs
+            adv = jnp.where(d, 0., 1. - v + 0.9 * adv)
+            return adv, adv
+        return jnp.sum(jax.lax.scan(step, values[0] * 0., (values, done), reverse=True)[1] ** 2)
+
+    def by_hand(w, obs, done):
+        return gae(w, jnp.where(done[:, None], 0., obs), done)
+
+    def loss(per_device):
+        def body(w, o, d):
+            return jax.lax.psum(per_device(w, o[0], d[0]), "d")
+        return lambda w: jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d"), P("d")),
+                                       out_specs=P())(w, obs, done)
+
+    got = jax.jit(jax.grad(loss(nan_safe(gae))))(w)
+    assert np.isfinite(np.asarray(got)).all()
+    assert_close(got, jax.jit(jax.grad(loss(by_hand)))(w))
