@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 
 import hypothesis.strategies as st
 import jax
@@ -693,6 +694,7 @@ class _Emitter:
         self.events: set = set()        # twin: shapes that meet an open jaxsafe bug (KNOWN_BUGS)
         self.ocache: dict = {}
         self.sunk_env: dict = {}  # a body's leaves of a chain moved into it: name -> (o, g)
+        self.recorded: dict = {}  # twin: body input -> the masks `tw` reaches it with (hoist)
 
     def let(self, expr: str, prefix: str = "v") -> str:
         name = f"{prefix}{next(self.counter)}"
@@ -1076,6 +1078,8 @@ class _Emitter:
         assert (m is not None) == maybe, (node, m, maybe)
         k = node[0]
         if k == "in":
+            if node[1] in self.recorded:
+                self.recorded[node[1]].append(m)
             return env2[node[1]][1], node[1] in self.taint_inputs, False
         if k == "const":
             return self.ev(node, {}), tested, False
@@ -1274,41 +1278,50 @@ class _Emitter:
         # as for a cond (tw_cond)
         bad = bad or _body_has_hazard(t) or _body_has_hazard(y) or \
             _anywhere(xs, set(self.taint_inputs)) or _anywhere(init, set(self.taint_inputs))
-        xs_g, xs_t, xs_c = self.tw(xs, env2, xs_m, xs_m is not None, tested, bad)
-        init_g, init_t, init_c = self.tw(init, env2, lane, lane is not None, tested, bad)
         xs_shape = shape_of(xs, self.env)
         elem = {"V": "S", "M": "V"}[xs_shape]
+        sunk = _sinkable_chain(xs, self.env) \
+            if _dropped_leaf(t, "xi") or _dropped_leaf(y, "xi") else None
+        if sunk is None:  # jaxsafe's hoist (`jaxsafe/_hoisted.py`): what the body drops by xi
+            hoisted = self.hoisted(t, y, {"xi": elem}, {"xi": xs_o}, "xi", bad)
+            xs_m = _and_masks(xs_m, hoisted)
+        xs_g, xs_t, xs_c = self.tw(xs, env2, xs_m, xs_m is not None, tested, bad)
+        init_g, init_t, init_c = self.tw(init, env2, lane, lane is not None, tested, bad)
         ym = m if out == "ys" else None
         fn = f"body{next(self.counter)}"
         b = self.sub({"c": elem, "xi": elem})
         # jaxsafe's sinking pass (`jaxsafe/_sinking.py`): an elementwise chain that computes the
         # stacked operand, with a non-linear operation in it, is computed in the body when the
-        # body drops some lane of its step's input: then the body's guards reach it
-        sunk = _sinkable_chain(xs, self.env) \
-            if _dropped_leaf(t, "xi") or _dropped_leaf(y, "xi") else None
+        # body drops some lane of its step's input: then the body's guards reach it. Its
+        # stacked leaves are the loop's inputs then, each dropped before the loop where the
+        # body drops it by the step's inputs (the hoist)
         stacked_in: list[tuple[str, str]] = []
         if sunk is not None:
             chain, leaves = sunk
-            renamed = {}
+            renamed, stacked_leaves, outer = {}, [], {}
             for leaf in leaves:
                 name = f"l{next(self.counter)}"
-                leaf_shape = shape_of(leaf, self.env)
                 lo = self.orig(leaf, env2)
-                if leaf_shape == xs_shape:  # one slice per step
-                    lg = self.tw(leaf, env2, xs_m, xs_m is not None, tested, bad)[0]
-                    stacked_in.append((lo, lg))
+                if shape_of(leaf, self.env) == xs_shape:  # one slice per step
                     b.env[name] = elem
-                    benv_extra = (f"{name}_o", f"{name}_g")
+                    b.sunk_env[name] = (f"{name}_o", f"{name}_g")
+                    stacked_leaves.append((leaf, name, lo))
+                    outer[name] = lo
                 else:  # a scalar: the same at every step (a constant of the loop)
                     lg = self.tw(leaf, env2, None, False, tested, bad)[0]
                     b.env[name] = "S"
-                    benv_extra = (lo, lg)
+                    b.sunk_env[name] = (lo, lg)
                 renamed[leaf] = ("in", name)
                 if tested or _anywhere(leaf, set(self.taint_inputs)):
                     b.taint_inputs.add(name)
-                b.sunk_env[name] = benv_extra
             t = _replace_leaf(t, ("in", "xi"), _renamed_leaves(chain, renamed))
             y = _replace_leaf(y, ("in", "xi"), _renamed_leaves(chain, renamed))
+            for leaf, name, lo in stacked_leaves:
+                hoisted = self.hoisted(t, y, {n: b.env[n] for n in outer} | {"xi": elem},
+                                       outer, name, bad, b.sunk_env)
+                lm = _and_masks(xs_m, hoisted)
+                lg = self.tw(leaf, env2, lm, lm is not None, tested, bad)[0]
+                stacked_in.append((lo, lg))
         # what the body receives may be non-finite as jaxsafe judges a body's inputs: computed
         # from an argument or a NaN-prone operation, guards not counted; the carry `c + t` from
         # the init or from what t makes of the rest (the fixpoint, one step for one carry)
@@ -1339,6 +1352,37 @@ class _Emitter:
         changed = (maybe and out == "ys" and (_has_hazard(y) or _has_dropped_hazard(t))) \
             or (forwarded and xs_c) or lane is not None
         return self.let(f"{r}[0][1]" if out == "carry" else f"{r}[1]"), tainted, changed
+
+    def hoisted(self, t, y, inputs: dict, outer: dict, target: str, bad: bool,
+                sunk_env: dict | None = None):
+        """jaxsafe's hoist (`jaxsafe/_hoisted.py`): the lanes of a scan's stacked input that its
+        body keeps, with every output live at every step, computed for every step at once
+        before the loop (`jax.vmap`) where that mask reads the step's stacked inputs alone
+        (never the carry); else None. `inputs`: the body's stacked inputs and their shapes at
+        one step; `outer`: their stacked values (original) outside; `target`: the one asked.
+        The masks come from the twin's own rules, as the body reaches `target` with them."""
+        hb = self.sub({"c": inputs.get("xi", "S"), **inputs})
+        hb.events = set()  # a throwaway twin of the body: its events are not the program's
+        hb.recorded = {target: []}
+        hb.sunk_env = dict(sunk_env or {})
+        hb.taint_inputs = {"c", *inputs}  # as a body's inputs may be, for its masks' rules
+        benv = {"c": ("c_o", "c_g"), "xi": ("xi_o", "xi_g"), **hb.sunk_env}
+        hb.tw(t, benv, None, False, False, bad)
+        hb.tw(y, benv, None, False, False, bad)
+        masks = hb.recorded[target]
+        if not masks or any(m is None for m in masks):
+            return None  # live in every lane where read whole, or not read (DEAD, no hoist)
+        union = hb.let(" | ".join(f"({m})" for m in masks), "k")
+        needed = _needed_lines(hb.lines, union)
+        if needed is None:
+            return None  # reads the carry, or the guarded program: not known before the loop
+        names = [n for n in outer if n in inputs]
+        params = [f"{'xi' if n == 'xi' else n}_o" for n in names]
+        fn = f"hoist{next(self.counter)}"
+        self.line(f"def {fn}({', '.join(params)}):")
+        self.lines += needed
+        self.line(f"    return jnp.broadcast_to({union}, {SHAPES[inputs[target]]!r})")
+        return self.let(f"jax.vmap({fn})({', '.join(outer[n] for n in names)})", "k")
 
     def tw_cond(self, node, env2, m, maybe, tested, bad=False):
         # A branch runs again on the guarded operand and decides on what it reads, so the
@@ -1497,6 +1541,36 @@ def _renamed_leaves(node, renamed: dict):
     if node[0] == "div":
         return ("div", _renamed_leaves(node[1], renamed), _renamed_leaves(node[2], renamed))
     raise ValueError(node)
+
+
+def _and_masks(a, b):
+    """The intersection of two masks' expressions (None: every lane live)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return f"({a}) & ({b})"
+
+
+def _needed_lines(lines: list[str], target: str):
+    """The lines of a body twin that compute `target`, in order; None when one reads the carry
+    (`c_o`, `c_g`) or a guarded value (`*_g`): a mask computed from them is not known before
+    the loop."""
+    defined = {}
+    for i, line in enumerate(lines):
+        name, _, expr = line.strip().partition(" = ")
+        if expr:
+            defined[name] = (i, expr)
+    keep, todo = set(), [target]
+    while todo:
+        name = todo.pop()
+        if name in keep:
+            continue
+        if name in ("c_o", "c_g") or name.endswith("_g"):
+            return None
+        if name not in defined:
+            continue  # an input's original value, a module (jnp), a literal's name
+        keep.add(name)
+        todo.extend(re.findall(r"[A-Za-z_]\w*", defined[name][1]))
+    return [lines[defined[n][0]] for n in sorted(keep, key=lambda n: defined[n][0])]
 
 
 def _replace_leaf(node, leaf, by):

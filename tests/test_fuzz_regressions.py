@@ -181,6 +181,31 @@ def test_generated_twin_computes_a_stacked_chain_in_the_body_that_drops_it():
     _check(G.build(program), G.build(program, guarded=True), args)
 
 
+@pytest.mark.parametrize("stacked", ["matmul", "sunk chain over a matmul"])
+def test_generated_twin_drops_before_the_loop_what_the_body_drops_by_the_step(stacked):
+    # jaxsafe's hoist (jaxsafe/_hoisted.py, 2026-11-30): a scan's stacked operand that the body
+    # drops by the step's own input (`where(xi > 0, xi, 0.)`) is dropped before the loop too, so
+    # `log(m)`'s 0 in a dropped row reaches no gradient through the matmul before the scan. The
+    # twin kept the operand live and gave plain JAX's NaN; it now models the hoist (the body's
+    # masks of the input, with every output live, where they read no carry), also for the
+    # stacked leaves of a chain the sinking pass moves into the body (`sqrt(1 + xs)`).
+    import fuzzgen as G
+    xs = ("dot", ("col", 0, ("in", "m")), ("haz", "log", ("in", "m")))
+    if stacked != "matmul":
+        xs = ("haz", "sqrt", ("bin", "add", ("const", 1.0, "V"), xs))
+    body = ("where", ("cmp", "gt", ("in", "xi"), 0.0), ("in", "xi"), ("const", 0.0, "S"))
+    scan = ("scan", xs, ("const", 0.0, "S"), body, ("bin", "mul", ("in", "c"), ("const", 2.0, "S")),
+            "carry")
+    program = G.Program((scan,))
+    m = np.ones((3, 4), f32)
+    m[2, 3] = 0.  # log 0 = -inf in step 3, which the body drops
+    args = (np.ones(4, f32), np.ones(4, f32), m, f32(1.), K1)
+    grad_m = jax.grad(lambda m: jnp.sum(G.build(program)(*args[:2], m, *args[3:])[0]))
+    assert np.isnan(grad_m(m)).any()  # plain JAX's leak
+    assert "jax.vmap(hoist" in G.emit(program, guarded=True)
+    _check(G.build(program), G.build(program, guarded=True), args)
+
+
 def test_generated_twin_reads_a_minimum_with_a_constant_as_a_mask():
     # Found by `make fuzz` (2026-11-29), an oracle gap older than the session: `arccos(x) *
     # min(y, 0.)` at `x = 1`. Where the constant 0 wins, the factor is 0 and carries no
