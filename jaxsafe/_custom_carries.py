@@ -20,14 +20,14 @@ carries in some lane counted as carrying in every lane).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from ._atoms import dtype_of, literal_value, shape_of
 from ._carries import Carry, carry_classes, carrying_lanes
-from ._compat import ClosedJaxpr, JaxprEqn, Literal, bind_eqn
+from ._compat import ClosedJaxpr, JaxprEqn, Literal
 from ._custom_rules import (
     flat_body,
     one_lane_shape,
@@ -36,11 +36,10 @@ from ._custom_rules import (
     tangent_program,
 )
 from ._free import FreeValues, Held, held_union
-from ._liveness import Sweeps, differentiable_operands
+from ._liveness import Sweeps, Values, differentiable_operands
 from ._masks import any_of, known_false, zeros
 from ._nested import call_jaxpr
 from ._rules import Kind, Mask
-from ._walk import demand
 
 
 def _programs(eqn: JaxprEqn) -> tuple[ClosedJaxpr, ClosedJaxpr] | None:
@@ -117,20 +116,10 @@ def _output_class(closed: ClosedJaxpr, classes: dict) -> Carry:
 
 def _values(closed: ClosedJaxpr, args: Sequence[Any]) -> Callable[[Any], Any]:
     """An inner program's values on `args`, each emitted when first read (a predicate)."""
-    jaxpr = closed.jaxpr
-    memo: dict = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-    memo.update(zip(jaxpr.invars, args, strict=True))
-    producer = {o: (e, j) for e in jaxpr.eqns for j, o in enumerate(e.outvars)}
-
-    def rule(v: Any) -> Generator[Any, Any, Any]:
-        eqn, j = producer[v]
-        vals = []
-        for u in eqn.invars:
-            vals.append(literal_value(u) if isinstance(u, Literal) else (yield u))
-        return bind_eqn(eqn, vals)[j]
+    values = Values(closed.jaxpr, closed.consts, args)
 
     def read(atom: Any) -> Any:
-        return literal_value(atom) if isinstance(atom, Literal) else demand(atom, memo, rule)
+        return literal_value(atom) if isinstance(atom, Literal) else values[atom]
 
     return read
 

@@ -106,7 +106,6 @@ def _batches(program: ClosedJaxpr, avals: list, n_consts: int) -> bool:
     if program.effects:
         return False
     consts, stacked = avals[:n_consts], avals[n_consts:]
-
     try:
         jax.eval_shape(lambda *xs: _over_steps(program, xs[:n_consts], xs[n_consts:]),
                        *consts, *[jax.ShapeDtypeStruct((2, *a.shape), a.dtype)
