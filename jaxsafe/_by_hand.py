@@ -44,6 +44,7 @@ from ._symbolic import (
     FALSE,
     Sym,
     disjoint,
+    forced_everywhere,
     implies,
     negate,
     predicate_literal,
@@ -102,7 +103,8 @@ class HandGuards:
                                                            strict=True))
                           if d and isinstance(v, Var) and is_float(v)]
         singular = frozenset(term for term in dead
-                             if not self._safe_on_diagonal(eqn, differentiated, term))
+                             if not self._safe_on_diagonal(eqn, differentiated, term)
+                             and not self._safe_at_taken_constants(eqn, differentiated, term))
         return singular == FALSE or self._tangent_dropped(i, out, singular)
 
     def covers_value(self, i: int, eqn: JaxprEqn, k: int) -> bool:
@@ -184,6 +186,54 @@ class HandGuards:
                        for k in operands):
                     return True
         return False
+
+    def _safe_at_taken_constants(self, eqn: JaxprEqn, operands: list[int],
+                                 term: frozenset) -> bool:
+        """Whether, in the lanes of `term`, every operand of `eqn` is one known scalar that
+        the selections `term` decides took from a constant, at which `eqn` is finite with its
+        derivatives in each of `operands` to `PROOF_ORDER`: there the tangents are zero and
+        meet finite derivatives (`sqrt(where(p, x, 1.))` whose lanes a `where(p, ...)` drops
+        after a loop or a sum that mixes them, so that no forward walk can follow them)."""
+        point = []
+        for u in eqn.invars:
+            value = self._taken_constant(u, term)
+            if value is None:
+                return False
+            point.append(value)
+        return all(finite_with_derivatives(eqn, point, PROOF_ORDER, wrt=k) for k in operands)
+
+    def _taken_constant(self, operand: Any, term: frozenset) -> np.ndarray | None:
+        """The one scalar `operand` holds in the lanes of `term`: a literal, or a constant the
+        `select_n`s on `term`'s predicates take there (None: unknown, or not one scalar)."""
+        v = operand
+        for _ in range(MAX_STEPS):
+            if isinstance(v, Literal):
+                return np.asarray(literal_value(v))
+            value = self.sweep.constant(v)
+            if value is not None:
+                flat = np.ravel(np.asarray(value))
+                if flat.size == 0 or not np.all(flat == flat[0]):
+                    return None
+                return flat[0]
+            producer = self.sweep.producer_of(v)
+            if producer is None or len(producer.invars) != 3 \
+                    or shape_of(producer.invars[1]) != shape_of(v):
+                return None
+            selection = rule_for(producer.primitive).selection
+            pred = producer.invars[0]
+            if selection is None or not selection.by_predicate or not isinstance(pred, Var) \
+                    or dtype_of(pred) != np.bool_:
+                return None
+            key, _, embed = predicate_literal(pred, True, self.sweep.broadcast_of,
+                                              self.sweep.same_as)
+            holds = {positive for k, positive, e in term if k is key and e == embed}
+            forced = forced_everywhere(term).get(key)
+            if forced is not None:
+                holds.add(forced)
+            if len(holds) != 1:
+                return None
+            v = producer.invars[2 if holds.pop() else 1]
+        return None
 
     def _decided(self, operand: Any, term: frozenset) -> dict:
         """The predicates `term` decides lane by lane for `operand` (same shape, same axes),
@@ -268,8 +318,8 @@ class HandGuards:
             strict, value_side = not strict, 1 - value_side
         a, c = compare.invars[value_side], compare.invars[1 - value_side]
         bound = literal_value(c) if isinstance(c, Literal) else self.sweep.constant(c)
-        if bound is None or np.size(bound) != 1 or not isinstance(a, Var):
-            return False
+        if bound is None or np.size(bound) != 1 or not isinstance(a, Var) or not is_float(a):
+            return False  # an integer compared (`x.astype(int) > 0`): no float bound to carry
         point = np.asarray(bound, dtype_of(a)).reshape(())
         if not lit[1] and (a in self.nonfinite or not np.isfinite(point)):
             return False

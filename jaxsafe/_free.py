@@ -137,7 +137,40 @@ class FreeValues:
                 and rule.selection.larger_wins is not None:
             helds = [() if h != () and never_wins_alone(eqn, k, self.bounds) else h
                      for k, h in enumerate(helds)]
+        if rule.selection is not None and rule.selection.by_predicate:
+            helds = self._taken_where_compared(eqn, helds)
         return _combined(eqn, rule, classes, helds)
+
+    def _taken_where_compared(self, eqn: JaxprEqn, helds: list[Held]) -> list[Held]:
+        """A `select_n` on a comparison of one of its own cases with a constant takes that case
+        only where the comparison says so: of what it holds, only the values that pass.
+        `jnp.where(s > 0, s, 1.)` with `s = jnp.maximum(q, 0.)`: `s` carries nothing where it
+        is 0, a value the `where` never takes (a hand-written double where over a ReLU)."""
+        pred = eqn.invars[0]
+        compare = self.sweep.producer_of(pred) if isinstance(pred, Var) else None
+        if compare is None or len(eqn.invars) != 3 or len(compare.invars) != 2 \
+                or dtype_of(pred) != np.bool_ or not rule_for(compare.primitive).foldable \
+                or compare.invars[0] is compare.invars[1]:
+            return helds
+        out = list(helds)
+        for k in (1, 2):
+            case, held = eqn.invars[k], helds[k]
+            if held is None or not isinstance(case, Var) or case not in compare.invars:
+                continue
+            at = compare.invars.index(case)
+            other = compare.invars[1 - at]
+            bound = literal_value(other) if isinstance(other, Literal) \
+                else self.sweep.constant(other)
+            if bound is None or np.size(bound) != 1 or shape_of(case) != shape_of(pred):
+                continue
+            bound = np.asarray(bound).reshape(())
+            kept = []
+            for value in held:
+                operands = [value, bound] if at == 0 else [bound, value]
+                if bool(np.asarray(fold(compare, operands)[0])) == (k == 2):
+                    kept.append(value)
+            out[k] = tuple(kept)
+        return out
 
     def free_sym(self, atom: Any) -> Sym:
         """The lanes of `atom` that carry no derivative, as a static formula that holds every

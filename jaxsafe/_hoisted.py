@@ -1,4 +1,5 @@
-"""A scan's per-step drops, hoisted: the stacked inputs its body drops by the stacked inputs.
+"""A scan's per-step drops, hoisted: the stacked inputs and constants its body drops by the
+stacked inputs and constants.
 
 A scan with carries is read conservatively outside (`_lanewise.py`): a stacked input without an
 aligned axis is live where any output is. But a body often drops a step by what that step reads
@@ -12,10 +13,12 @@ reaches `w`'s gradient through the matmul's transpose.
 
 The body's mask is read with every output of the body live at every step (what the outputs
 outside keep is joined in after, as `_lanewise` does), so it is a mask the body would compute
-anyway, never narrower. Where it reads a carry (a value the step computes from what earlier
-steps did), it cannot be known before the loop: the input stays live where any output is
-(contract 5). The step's mask program is traced once per body and input, with its own mask
-scope, and runs as plain JAX.
+anyway, never narrower. A constant of the loop (a cost matrix built before a Sinkhorn loop
+whose body masks padded pairs by a closed-over mask) is read at every step: its mask is the OR
+over the steps of the body's masks of it. Where it reads a carry (a value the step computes
+from what earlier steps did), it cannot be known before the loop: the input stays live where
+any output is (contract 5). The step's mask program is traced once per body and input, with
+its own mask scope, and runs as plain JAX.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import jax
 
 from ._atoms import shape_of
 from ._compat import ClosedJaxpr, JaxprEqn, Tracer, eval_jaxpr, scan_counts
-from ._masks import all_staged, broadcast, mask_scope, materialize, staged
+from ._masks import all_staged, broadcast, mask_scope, materialize, reduce_any, staged
 from ._rules import Kind, Mask
 
 
@@ -60,9 +63,9 @@ _SWEEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def step_mask_program(eqn: JaxprEqn, k: int, structural: bool) -> ClosedJaxpr | None:
-    """The mask of the scan's stacked input `k` at one step, as a program of the constants and
-    one step's stacked inputs, where the body drops some of its lanes by those alone; else
-    None."""
+    """The mask of the scan's stacked input or constant `k` at one step, as a program of the
+    constants and one step's stacked inputs, where the body drops some of its lanes by those
+    alone; else None."""
     body = eqn.params["jaxpr"]
     known = _STEP_MASKS.setdefault(body.jaxpr, {})
     if (k, structural) not in known:
@@ -106,6 +109,8 @@ def _batches(program: ClosedJaxpr, avals: list, n_consts: int) -> bool:
     if program.effects:
         return False
     consts, stacked = avals[:n_consts], avals[n_consts:]
+    if not stacked:  # one program for every step
+        return True
     try:
         jax.eval_shape(lambda *xs: _over_steps(program, xs[:n_consts], xs[n_consts:]),
                        *consts, *[jax.ShapeDtypeStruct((2, *a.shape), a.dtype)
@@ -124,8 +129,9 @@ def _over_steps(program: ClosedJaxpr, consts: Sequence[Any], stacked: Sequence[A
 
 
 def hoisted_mask(eqn: JaxprEqn, k: int, structural: bool, invals: Any) -> Mask:
-    """The mask of the scan's stacked input `k` that its body computes at every step (None:
-    not known before the loop)."""
+    """The mask of the scan's stacked input `k` that its body computes at every step, or of
+    its constant `k`, the OR over the steps of the body's masks (None: not known before the
+    loop)."""
     program = step_mask_program(eqn, k, structural)
     if program is None:
         return None
@@ -134,4 +140,8 @@ def hoisted_mask(eqn: JaxprEqn, k: int, structural: bool, invals: Any) -> Mask:
     consts = [invals[j] for j in range(n_consts)]
     stacked = [invals[j] for j in range(n_lead, len(eqn.invars))]
     with staged():  # the step's values as the program computes them, bit for bit
-        return _over_steps(program, consts, stacked)
+        if k >= n_lead:
+            return _over_steps(program, consts, stacked)
+        if not stacked:  # every step computes the same mask
+            return eval_jaxpr(program.jaxpr, program.consts, *consts)[0]
+        return reduce_any(_over_steps(program, consts, stacked), [0])

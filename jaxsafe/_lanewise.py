@@ -37,7 +37,6 @@ from ._nested import call_jaxpr, sub_jaxprs
 from ._rules import Context, Kind, LoopLinks, Mask, rule_for
 from ._symbolic import (
     FALSE,
-    TRUE,
     Sym,
     given_mask,
     move,
@@ -198,7 +197,7 @@ def scan_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     inputs and the constants (`_hoisted.py`)."""
     anything = _anything(outs)
     al = scan_alignment(eqn)
-    n_lead = sum(scan_counts(eqn.params))
+    n_consts, n_lead = scan_counts(eqn.params)[0], sum(scan_counts(eqn.params))
     by_step = _step_by_step(eqn)
     steps = eqn.params["length"] if by_step else None
     masks: list[Mask] = []
@@ -212,7 +211,7 @@ def scan_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
             m = _step_mask(outs, shape)
         elif m is ANYTHING:
             m = anything if anything is None else broadcast(anything, shape)
-        if stacked:  # and what the body drops by one step's stacked inputs (`_hoisted.py`)
+        if stacked or k < n_consts:  # and what the body drops by the step's own inputs
             m = all_of([m, hoisted_mask(eqn, k, ctx.structural, invals)])
         masks.append(m)
     return masks
@@ -232,12 +231,13 @@ def _aligned_kind(al: Aligned, placed: Placement, out_kinds: Sequence[Kind]) -> 
 
 def scan_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]:
     """Operands with aligned axes take the kinds of the outputs that share them, the stacked
-    inputs of a scan without carries the union of its outputs' kinds; every other operand is
-    live (the conservative default). A stacked input the body drops by the step's inputs alone
-    is MAYBE (`_hoisted.py`)."""
+    inputs of a scan without carries the union of its outputs' kinds step by step; every other
+    operand the union of its outputs' kinds (it is live where any output lane is). A stacked
+    input the body drops by the step's inputs alone is MAYBE (`_hoisted.py`)."""
     al = scan_alignment(eqn)
-    n_lead = sum(scan_counts(eqn.params))
-    step = max(out_kinds) if _step_by_step(eqn) else None  # any step of any output
+    n_consts, n_lead = scan_counts(eqn.params)[0], sum(scan_counts(eqn.params))
+    anywhere = max(out_kinds, default=Kind.LIVE)
+    step = anywhere if _step_by_step(eqn) else None  # any step of any output
     kinds = []
     for k in range(len(eqn.invars)):
         aligned = None if al is None else _aligned_kind(al, al.inputs[k], out_kinds)
@@ -246,8 +246,8 @@ def scan_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]
         elif step is not None and k >= n_lead:
             kind = step
         else:
-            kind = Kind.LIVE
-        if kind == Kind.LIVE and k >= n_lead \
+            kind = anywhere  # live where any output lane is (`_anything`)
+        if kind == Kind.LIVE and (k >= n_lead or k < n_consts) \
                 and step_mask_program(eqn, k, ctx.structural) is not None:
             kind = Kind.MAYBE  # the body drops some of its lanes by the step's inputs
         kinds.append(kind)
@@ -258,11 +258,12 @@ def scan_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]
     """The static formulas of the operands, as `scan_masks` computes their masks: an operand
     with aligned axes, the OR over the outputs that have all of its classes of their formulas
     moved onto it (step by step where `scan_masks` goes step by step); a stacked input of a
-    scan without carries with none, its step's; any other operand is live. So a drop after a
+    scan without carries with none, its step's; any other operand, the OR of every output's
+    formula over all of its axes (live where any output lane is). So a drop after a
     second scan (a stacked LSTM's upper layer) reaches the first one's per-step outputs along
     the rows, and its body's matmul operand in a padded row is guarded."""
     al = scan_alignment(eqn)
-    n_lead = sum(scan_counts(eqn.params))
+    n_consts, n_lead = scan_counts(eqn.params)[0], sum(scan_counts(eqn.params))
     n_carry = scan_counts(eqn.params)[1]
     by_step = _step_by_step(eqn)
     syms: list[Sym] = []
@@ -281,12 +282,11 @@ def scan_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]
             if by_step and stacked:
                 mapping[0] = 0
             found = sym_or(FALSE if found is None else found, move(sym, mapping))
-        if found is None and by_step and stacked:
+        if found is None:  # as `scan_masks`: step by step, or where any output lane is
             found = FALSE
             for sym in out_syms:
-                found = sym_or(found, move(sym, {0: 0}))
-        found = TRUE if found is None else found
-        if stacked and step_mask_program(eqn, k, ctx.structural) is not None:
+                found = sym_or(found, move(sym, {0: 0} if by_step and stacked else {}))
+        if (stacked or k < n_consts) and step_mask_program(eqn, k, ctx.structural) is not None:
             found = sym_and(found, opaque()) or opaque()  # and what the body drops by step
         syms.append(found)
     return syms

@@ -653,11 +653,14 @@ def _masks_products(eqn: JaxprEqn) -> bool:
 
 
 def _value_numbers(jaxpr: Jaxpr) -> dict:
-    """Variable -> the first variable computed by the same lane-to-lane (or broadcast)
-    equation on the same operands, for the variables that have an earlier twin. Size-1 axes do
-    not count: a reshape, squeeze or broadcast that only adds or removes them is its operand,
-    so `le(x, eps)` for x of shape (n, 1) and `le(squeeze(x), eps)` are one predicate (the twin
-    may have another shape, with the same axes of size above 1, in order)."""
+    """Variable -> the first variable computed by the same equation (the same primitive and
+    parameters, no effects, a function of its operands alone: elementwise or evaluable on
+    constants, never `rng_uniform`) on the same operands, for the variables that have an
+    earlier twin: `x[0] > 0` written twice is one
+    predicate. Size-1 axes do not count: a reshape, squeeze or broadcast that only adds or
+    removes them is its operand, so `le(x, eps)` for x of shape (n, 1) and `le(squeeze(x),
+    eps)` are one predicate (the twin may have another shape, with the same axes of size above
+    1, in order)."""
     first: dict = {}
     same: dict = {}
     for eqn in jaxpr.eqns:
@@ -668,8 +671,8 @@ def _value_numbers(jaxpr: Jaxpr) -> dict:
         if _only_size_one_axes_move(eqn):
             same[out] = same.get(eqn.invars[0], eqn.invars[0])
             continue
-        if not (rule.elementwise or rule.broadcast):
-            continue
+        if not (rule.foldable or rule.elementwise or rule.broadcast):
+            continue  # a value made anew at each call (`rng_uniform`), a body, an unknown
         try:
             key = (eqn.primitive, tuple(sorted(eqn.params.items())), _sizes(out),
                    tuple(_operand_key(v, same) for v in eqn.invars))
@@ -693,7 +696,7 @@ def _only_size_one_axes_move(eqn: JaxprEqn) -> bool:
     if len(eqn.invars) != 1 or not isinstance(eqn.invars[0], Var):
         return False
     rule = rule_for(eqn.primitive)
-    if not (rule.broadcast or (rule.linear and rule.align is not None)):
+    if not rule.moves_only or rule.align is None:  # `neg`, a cast: other values (hunt AG)
         return False
     u, v = eqn.invars[0], eqn.outvars[0]
     if _sizes(u) != _sizes(v):

@@ -225,7 +225,7 @@ def register_elementwise(*primitives: Primitive, **facts: Any) -> None:
 
 def register_movement(*primitives: Primitive, **facts: Any) -> None:
     """Primitives that move lanes without computing on them: linear, evaluable on constants."""
-    register(*primitives, **{"linear": True, "foldable": True, **facts})
+    register(*primitives, **{"linear": True, "foldable": True, "moves_only": True, **facts})
 
 
 def register_reduction(*primitives: Primitive, **facts: Any) -> None:

@@ -70,7 +70,7 @@ from ._masks import all_staged
 from ._nested import any_equation, sub_jaxprs
 from ._plan import Plan
 from ._report import AnalysisFailedWarning, Report, failure_text, note_failure, strict
-from ._rules import Kind, rule_for
+from ._rules import GuardMismatchError, Kind, rule_for
 from ._sinking import sink_into_scans
 from ._sites import place_guards
 from ._symbolic import Sym
@@ -87,11 +87,14 @@ def rewrite_with_report(closed: ClosedJaxpr, finite_invars: Sequence[bool] | Non
     see through is left as it is, never guessed), with an `AnalysisFailedWarning` that carries
     the error and the equation it was raised at."""
     assert finite_invars is None or len(finite_invars) == len(closed.jaxpr.invars)
+    symbolic = _symbolic_dimensions(closed)
+    if symbolic:
+        return closed, _not_analysed(closed, symbolic)
     with fewer_collections():
         try:
             new, report = _rewrite(closed, Sweeps(), finite_invars)
         except Exception as error:
-            if strict():
+            if strict() or isinstance(error, GuardMismatchError):  # the user's to fix
                 raise
             return closed, _failed(closed, error)
     # the diagnostics compare the flattened original (what was analysed) with the result
@@ -129,6 +132,22 @@ def _unplace(report: Report) -> None:
         report.skipped.append((site.eqn, "unguarded: every lane it would guard is live (its "
                                          "masks, known when jaxsafe traced, hold everywhere)"))
     report.sites.clear()
+
+
+def _symbolic_dimensions(closed: ClosedJaxpr) -> list[str]:
+    """The symbolic dimensions of the program's arguments (`jax.export` shape polymorphism):
+    the analysis computes masks from concrete shapes."""
+    return sorted({str(d) for v in closed.jaxpr.invars for d in getattr(v.aval, "shape", ())
+                   if not isinstance(d, int | np.integer)})
+
+
+def _not_analysed(closed: ClosedJaxpr, symbolic: list[str]) -> Report:
+    """A program over symbolic shapes runs as it is, with a warning that says what to do."""
+    text = (f"jaxsafe does not analyse programs over symbolic shapes (jax.export shape "
+            f"polymorphism: {', '.join(symbolic)}): the original program runs unchanged, its "
+            f"dropped lanes unguarded. Export with concrete shapes to have them guarded.")
+    warnings.warn(AnalysisFailedWarning(text), stacklevel=3)
+    return Report(failure=text, original=closed, rewritten=closed)
 
 
 def _failed(closed: ClosedJaxpr, error: Exception) -> Report:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -429,6 +430,10 @@ class PrimitiveRule:
     """Lane to lane (operands of rank 0 or with size-1 axes broadcast)."""
     paired: bool = False
     """Output k is operand k, unchanged (`device_put`, `optimization_barrier`): lane to lane."""
+    moves_only: bool = False
+    """Moves lanes without computing on them (a reshape, a slice, a gather, a broadcast): every
+    output lane holds an operand lane's value or a padding value, exactly (not `neg`, not a
+    cast)."""
     foldable: bool = False
     """Evaluated at planning time on small constants (a predicate computed from literals)."""
     connective: Connective | None = None
@@ -628,10 +633,40 @@ def guard_table() -> dict[Primitive, Guard]:
     return {p: r.guard for p, r in RULES.items() if r.guard is not None}
 
 
+class GuardMismatchError(ValueError):
+    """A registered guard that does not fit an equation of its primitive (an operand index it
+    does not have): the user's registration, not a failure of the analysis, so it is raised."""
+
+
+@functools.lru_cache(maxsize=256)
+def _finite_in(value: float, dtype: np.dtype) -> bool:
+    """Whether a guard's safe value stays finite cast to an operand's dtype (`1e300` in
+    float32 does not)."""
+    if not np.issubdtype(dtype, np.inexact):
+        return True
+    with np.errstate(over="ignore"):
+        return bool(np.isfinite(np.asarray(value).astype(dtype)))
+
+
 def guard_for(eqn: JaxprEqn) -> Guard | None:
     """The guard that applies to `eqn`, or None."""
     guard = rule_for(eqn.primitive).guard
-    return guard if guard is not None and guard.applies(eqn) else None
+    if guard is None or not guard.applies(eqn):
+        return None
+    missing = sorted(k for k in guard.safe if k >= len(eqn.invars))
+    if missing:
+        raise GuardMismatchError(
+            f"register_guard({eqn.primitive}): `safe` names operand(s) {missing}, but "
+            f"{eqn.primitive} has {len(eqn.invars)} operand(s) here; register it again with "
+            f"operand indices below {len(eqn.invars)}.")
+    for k, value in guard.safe.items():
+        dtype = getattr(eqn.invars[k].aval, "dtype", None)
+        if dtype is not None and not _finite_in(value, np.dtype(dtype)):
+            raise GuardMismatchError(
+                f"register_guard({eqn.primitive}): the safe value {value!r} of operand {k} is "
+                f"not finite in its dtype {np.dtype(dtype).name}; register a value inside that "
+                f"dtype's range.")
+    return guard
 
 
 def alignment(eqn: JaxprEqn, k: int) -> list[int | None] | None:

@@ -270,8 +270,30 @@ def disjoint(a: Sym, b: Sym) -> bool:
 
 def implies(a: Sym, b: Sym) -> bool:
     """Whether every lane in `a` is in `b`: each term of `a` holds every literal of some term of
-    `b` (a conservative test: False when it cannot tell)."""
-    return all(any(tb <= ta for tb in b) for ta in a)
+    `b`, itself or through a predicate it forces in every lane (`forced_everywhere`); a
+    conservative test: False when it cannot tell."""
+    for ta in a:
+        forced = forced_everywhere(ta)
+        if not any(tb <= ta or forced and all(lit in ta or forced.get(lit[0]) is lit[1]
+                                              for lit in tb) for tb in b):
+            return False
+    return True
+
+
+def forced_everywhere(term: Term) -> dict:
+    """The predicates `term` decides in every lane of every frame, with their values: where an
+    OR of one literal over every lane of a value fails (`not any(p)`: the negated unknown of a
+    full reduction, whose frame is `()`), that literal fails in every lane, and a literal is
+    carried only along axes kept whole, so it covers every lane of its predicate."""
+    forced: dict = {}
+    for key, positive, embed in term:
+        if positive or not isinstance(key, Unknown) or embed != () or key.embed != () \
+                or key.parts is None or len(key.parts) != 1:
+            continue
+        (part_key, part_positive, _), = key.parts
+        if not isinstance(part_key, Unknown):
+            forced[part_key] = not part_positive
+    return forced
 
 
 def runs_only_along(sym: Sym, axes: Iterable[int]) -> bool:

@@ -1266,27 +1266,35 @@ class _Emitter:
         # moved out of the scan by JAX (`lax.scan` forwards it), so the stacked output is the
         # operand and takes the mask from outside; the scan itself is then unused (its carry is
         # not the output) and jaxsafe plans without it.
+        # Otherwise every operand is live where any lane of the output is (all of it dropped:
+        # the whole loop is).
         _, xs, init, t, y, out = node
         xs_o, init_o = self.orig(xs, env2), self.orig(init, env2)
         forwarded = out == "ys" and y == ("in", "xi")
-        lane = None
+        xs_shape = shape_of(xs, self.env)
+        elem = {"V": "S", "M": "V"}[xs_shape]
+        lane, anywhere = None, None
         if m is not None and not forwarded and lanewise(node, self.env):
             lane = self.let(f"jnp.any({m}, axis=0)", "k") if out == "ys" else m
+        elif m is not None and not forwarded:
+            anywhere = self.let(f"jnp.any({m})", "k")
         xs_m = m if forwarded else None
+        init_m = lane
         if lane is not None:
             xs_m = self.let(f"jnp.broadcast_to({lane}, {SHAPES['M']!r})", "k")
+        if anywhere is not None:
+            xs_m = self.let(f"jnp.broadcast_to({anywhere}, {SHAPES[xs_shape]!r})", "k")
+            init_m = self.let(f"jnp.broadcast_to({anywhere}, {SHAPES[elem]!r})", "k")
         # as for a cond (tw_cond)
         bad = bad or _body_has_hazard(t) or _body_has_hazard(y) or \
             _anywhere(xs, set(self.taint_inputs)) or _anywhere(init, set(self.taint_inputs))
-        xs_shape = shape_of(xs, self.env)
-        elem = {"V": "S", "M": "V"}[xs_shape]
         sunk = _sinkable_chain(xs, self.env) \
             if _dropped_leaf(t, "xi") or _dropped_leaf(y, "xi") else None
         if sunk is None:  # jaxsafe's hoist (`jaxsafe/_hoisted.py`): what the body drops by xi
             hoisted = self.hoisted(t, y, {"xi": elem}, {"xi": xs_o}, "xi", bad)
             xs_m = _and_masks(xs_m, hoisted)
         xs_g, xs_t, xs_c = self.tw(xs, env2, xs_m, xs_m is not None, tested, bad)
-        init_g, init_t, init_c = self.tw(init, env2, lane, lane is not None, tested, bad)
+        init_g, init_t, init_c = self.tw(init, env2, init_m, init_m is not None, tested, bad)
         ym = m if out == "ys" else None
         fn = f"body{next(self.counter)}"
         b = self.sub({"c": elem, "xi": elem})
@@ -1298,7 +1306,7 @@ class _Emitter:
         stacked_in: list[tuple[str, str]] = []
         if sunk is not None:
             chain, leaves = sunk
-            renamed, stacked_leaves, outer = {}, [], {}
+            renamed, stacked_leaves, const_leaves, outer = {}, [], [], {}
             for leaf in leaves:
                 name = f"l{next(self.counter)}"
                 lo = self.orig(leaf, env2)
@@ -1308,9 +1316,8 @@ class _Emitter:
                     stacked_leaves.append((leaf, name, lo))
                     outer[name] = lo
                 else:  # a scalar: the same at every step (a constant of the loop)
-                    lg = self.tw(leaf, env2, None, False, tested, bad)[0]
                     b.env[name] = "S"
-                    b.sunk_env[name] = (lo, lg)
+                    const_leaves.append((leaf, name, lo))
                 renamed[leaf] = ("in", name)
                 if tested or _anywhere(leaf, set(self.taint_inputs)):
                     b.taint_inputs.add(name)
@@ -1322,6 +1329,14 @@ class _Emitter:
                 lm = _and_masks(xs_m, hoisted)
                 lg = self.tw(leaf, env2, lm, lm is not None, tested, bad)[0]
                 stacked_in.append((lo, lg))
+            # a constant: dropped where the body drops it at every step (the hoist's OR)
+            for leaf, name, lo in const_leaves:
+                b.sunk_env[name] = (lo, f"{name}_g")  # the hoist reads `lo`, never this
+                hoisted = self.hoisted(t, y, {n: b.env[n] for n in outer} | {"xi": elem,
+                                       name: "S"}, outer, name, bad, b.sunk_env, const=True)
+                lm = _and_masks(anywhere, hoisted)
+                lg = self.tw(leaf, env2, lm, lm is not None, tested, bad)[0]
+                b.sunk_env[name] = (lo, lg)
         # what the body receives may be non-finite as jaxsafe judges a body's inputs: computed
         # from an argument or a NaN-prone operation, guards not counted; the carry `c + t` from
         # the init or from what t makes of the rest (the fixpoint, one step for one carry)
@@ -1350,17 +1365,20 @@ class _Emitter:
         # the operands are live (unless the body is lane by lane), so a guard inside them
         # changes no lane the scan reads
         changed = (maybe and out == "ys" and (_has_hazard(y) or _has_dropped_hazard(t))) \
-            or (forwarded and xs_c) or lane is not None
+            or (forwarded and xs_c) or lane is not None \
+            or (anywhere is not None and (xs_c or init_c))
         return self.let(f"{r}[0][1]" if out == "carry" else f"{r}[1]"), tainted, changed
 
     def hoisted(self, t, y, inputs: dict, outer: dict, target: str, bad: bool,
-                sunk_env: dict | None = None):
+                sunk_env: dict | None = None, const: bool = False):
         """jaxsafe's hoist (`jaxsafe/_hoisted.py`): the lanes of a scan's stacked input that its
         body keeps, with every output live at every step, computed for every step at once
         before the loop (`jax.vmap`) where that mask reads the step's stacked inputs alone
         (never the carry); else None. `inputs`: the body's stacked inputs and their shapes at
-        one step; `outer`: their stacked values (original) outside; `target`: the one asked.
-        The masks come from the twin's own rules, as the body reaches `target` with them."""
+        one step; `outer`: their stacked values (original) outside; `target`: the one asked
+        (`const`: a constant of the loop, read by the body as it is outside: the OR over the
+        steps). The masks come from the twin's own rules, as the body reaches `target` with
+        them."""
         hb = self.sub({"c": inputs.get("xi", "S"), **inputs})
         hb.events = set()  # a throwaway twin of the body: its events are not the program's
         hb.recorded = {target: []}
@@ -1382,7 +1400,8 @@ class _Emitter:
         self.line(f"def {fn}({', '.join(params)}):")
         self.lines += needed
         self.line(f"    return jnp.broadcast_to({union}, {SHAPES[inputs[target]]!r})")
-        return self.let(f"jax.vmap({fn})({', '.join(outer[n] for n in names)})", "k")
+        steps = self.let(f"jax.vmap({fn})({', '.join(outer[n] for n in names)})", "k")
+        return self.let(f"jnp.any({steps}, axis=0)", "k") if const else steps
 
     def tw_cond(self, node, env2, m, maybe, tested, bad=False):
         # A branch runs again on the guarded operand and decides on what it reads, so the

@@ -1111,3 +1111,91 @@ def test_atan2_against_a_nonzero_constant_needs_no_guard():
     hand = lambda x: f(jnp.where(x > 2, x, 3.0))  # noqa: E731
     assert np.isnan(np.asarray(jax.grad(f)(nan))).any()
     assert_close(jax.grad(jaxsafe.nan_safe(f))(nan), jax.grad(hand)(nan))
+
+
+def _relu_double_where(relu):
+    def f(q):
+        s = relu(q)
+        return jnp.sum(jnp.where(s > 0, jnp.sqrt(jnp.where(s > 0, s, 1.)), 0.))
+    return f
+
+
+def _first_lane_twice(x):
+    """`x[0] > 0` written in each `where`: two slices of `x`, one predicate."""
+    return jnp.sum(jnp.where(x[0] > 0, jnp.sqrt(jnp.where(x[0] > 0, x, 1.)), 0.))
+
+
+@pytest.mark.parametrize("f", [_relu_double_where(jax.nn.relu), _first_lane_twice],
+                         ids=["relu", "first_lane_twice"])
+def test_a_double_where_over_a_relu_or_an_indexed_predicate_is_left_as_it_is(f):
+    """The inner `where` takes `s` only where `s > 0`: where the ReLU's 0 wins (`s` carries no
+    derivative there) it takes 1., at which `sqrt` is finite with its derivatives."""
+    for x in (jnp.array([-1., 0., 2.]), jnp.array([1., 0., 2.])):
+        assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+        safe = jaxsafe.nan_safe(f)
+        assert_close(jax.grad(safe)(x), jax.jit(jax.grad(f))(x))
+        assert_close(jax.jacfwd(safe)(x), jax.jit(jax.jacfwd(f))(x))
+        assert_close(jax.hessian(safe)(x), jax.jit(jax.hessian(f))(x))
+
+
+def test_a_double_where_whose_inner_where_keeps_the_singular_point_keeps_its_cut():
+    """`where(s >= 0, s, 1.)` takes `s` where the ReLU's 0 wins: `sqrt(0)` there, in lanes
+    that carry no derivative, whose forward-mode `inf * 0` is cut."""
+    f = lambda q: jnp.sum(jnp.sqrt(jnp.where(jnp.maximum(q, 0.) >= 0, jnp.maximum(q, 0.), 1.)))
+    x = jnp.array([-1., 2.])
+    assert "guarded sqrt" in str(jaxsafe.explain(f)(x))
+    assert_close(jax.jacfwd(jaxsafe.nan_safe(f))(x), jnp.array([0., .5 / jnp.sqrt(2.)]))
+
+
+def _neg_twin(x):
+    return jnp.where(x > 0, jnp.where(-x > 0, 0., jnp.sqrt(x - 1.)), 0.)
+
+
+def _real_imag_twin(x):
+    z = lax.complex(x, -1.)
+    return jnp.where(jnp.real(z) > 0, jnp.where(jnp.imag(z) > 0, 0., jnp.sqrt(x)), 0.)
+
+
+def _cast_twin(x):
+    return jnp.where(x > 0, jnp.where(x.astype(jnp.int32) > 0, 0., jnp.sqrt(x - .25)), 0.)
+
+
+def _summed_neg_twin(x):
+    return jnp.sum(jnp.where(jnp.sum(x) > 0, jnp.where(jnp.sum(-x) > 0, 0., jnp.sqrt(x - 1.)),
+                             0.))
+
+
+def _random_twin(x):
+    p = lax.rng_uniform(0., 1., x.shape) > .5
+    q = lax.rng_uniform(0., 1., x.shape) > .5
+    return jnp.sum(jnp.where(p, jnp.where(q, 0., jnp.sqrt(x)), 0.))
+
+
+@pytest.mark.parametrize(("f", "x"), [
+    (_neg_twin, jnp.float32(2.)), (_neg_twin, jnp.float32(.5)),
+    (_real_imag_twin, jnp.float32(4.)), (_cast_twin, jnp.float32(.5)),
+    (_summed_neg_twin, jnp.array([2., 3.])),
+], ids=["neg", "neg-live-nan", "real-imag", "cast", "summed-neg"])
+def test_predicates_on_values_an_equation_changes_are_not_one_predicate(f, x):
+    """`-x > 0` is not `x > 0`, `imag(z)` is not `real(z)`, a cast to int is not its operand
+    (hunt AG): the inner `where` takes its live branch, whose derivative (or NaN) stays."""
+    assert_close(jax.grad(jaxsafe.nan_safe(f))(x), jax.grad(f)(x))
+    assert_close(jax.hessian(jaxsafe.nan_safe(f))(x), jax.hessian(f)(x))
+
+
+def test_two_calls_of_a_stateful_random_primitive_are_not_one_predicate():
+    x = 4 * jnp.ones(16)
+    got = jax.grad(jaxsafe.nan_safe(_random_twin))(x)
+    assert np.count_nonzero(got) > 0  # the lanes where p holds and q does not: .25 each
+    assert set(np.unique(np.asarray(got)).tolist()) <= {0., .25}
+
+
+def test_a_negated_predicate_does_not_pass_for_the_hand_fix_s():
+    """The inner `where` on `-x > 0` is no guard for the outer one on `x > 0`: every lane
+    dropped, so every derivative is 0 (contract 2), not the `sqrt(-1)`'s NaN."""
+    def f(x):
+        y = jnp.sqrt(jnp.where(-x > 0, x, 1.))
+        return jnp.sum(jnp.where(x > 0, y * .9 + jnp.sum(y) * .1, 0.))
+    x = jnp.array([-1., -2.])
+    assert np.isnan(jax.grad(f)(x)).all()
+    assert_close(jax.grad(jaxsafe.nan_safe(f))(x), jnp.zeros(2))

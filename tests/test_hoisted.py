@@ -1,6 +1,8 @@
 """A scan's per-step drops, hoisted (`jaxsafe/_hoisted.py`): a stacked input that the body drops
 by one step's stacked inputs alone is dropped before the loop too, so what computes it there
-(a value network over every step's observations) is guarded as outside a loop.
+(a value network over every step's observations) is guarded as outside a loop. A loop
+constant that the body drops at every step (a cost matrix whose padded pairs each Sinkhorn step
+masks) is dropped before the loop by the OR over the steps.
 
 References: the hand-written double where on the observations, and plain JAX on the program
 with the dropped rows replaced by finite ones."""
@@ -9,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_bitwise, assert_close
 
 import jaxsafe
 
@@ -226,3 +229,82 @@ def test_a_step_mask_that_cannot_run_for_every_step_at_once_is_not_hoisted():
             jnp.array([.5, 7., 1., 9.]))
     assert np.array_equal(jaxsafe.nan_safe(f)(*args), jax.jit(f)(*args))
     np.testing.assert_array_equal(jax.grad(jaxsafe.nan_safe(f))(*args), jax.grad(f)(*args))
+
+
+MX, MY = jnp.array([True, True, False]), jnp.array([True, True, True, False])
+
+
+def _sinkhorn(x, y, loop, by_hand=False):
+    """Log-domain Sinkhorn between padded point clouds, the cost matrix made before the loop and
+    read whole by every step, its padded pairs masked in the body by closed-over masks."""
+    if by_hand:
+        x, y = jnp.where(MX[:, None], x, 0.), jnp.where(MY[:, None], y, 0.)
+    cost = jnp.sum((x[:, None, :] - y[None, :, :]) ** 2, -1)
+    pairs = MX[:, None] & MY[None, :]
+    la = jnp.where(MX, -jnp.log(MX.sum()), -jnp.inf)
+    lb = jnp.where(MY, -jnp.log(MY.sum()), -jnp.inf)
+
+    def step(fg):
+        f, g = fg
+        f = jnp.where(MX, -.5 * jax.scipy.special.logsumexp(
+            jnp.where(pairs, (g[None] - cost) / .5 + lb[None], -jnp.inf), axis=1), 0.)
+        g = jnp.where(MY, -.5 * jax.scipy.special.logsumexp(
+            jnp.where(pairs, (f[:, None] - cost) / .5 + la[:, None], -jnp.inf), axis=0), 0.)
+        return f, g
+    fg = (jnp.zeros(3), jnp.zeros(4))
+    if loop == "fori_loop":
+        fg = jax.lax.fori_loop(0, 3, lambda i, c: step(c), fg)
+    else:
+        fg = jax.lax.scan(lambda c, _: (step(c), None), fg, None, length=3)[0]
+    f, g = fg
+    plan = jnp.exp(jnp.where(pairs, (f[:, None] + g[None] - cost) / .5 + la[:, None]
+                             + lb[None], -jnp.inf))
+    return jnp.sum(jnp.where(pairs, plan * cost, 0.))
+
+
+@pytest.mark.no_leak_check  # numerics of whole loops
+@pytest.mark.parametrize("loop", ["fori_loop", "scan"])
+def test_a_loop_constant_its_body_masks_by_closed_over_masks_is_dropped_before_the_loop(loop):
+    """The padded points' NaN and inf reach the cost matrix before the loop; every step reads it
+    whole and masks its padded pairs: the OR over the steps of the body's mask drops them."""
+    x = jnp.array([[0., 1.], [1., .5], [jnp.nan, jnp.inf]])
+    y = jnp.array([[.2, .3], [1., 1.], [.5, -.5], [jnp.inf, jnp.nan]])
+    f = lambda x, y: _sinkhorn(x, y, loop)
+    hand = lambda x, y: _sinkhorn(x, y, loop, by_hand=True)
+    assert_bitwise(jaxsafe.nan_safe(f)(x, y), jax.jit(f)(x, y))
+    assert np.isnan(jax.grad(f)(x, y)).all()  # plain JAX: NaN in every entry
+    assert_close(jax.grad(jaxsafe.nan_safe(f), (0, 1))(x, y), jax.grad(hand, (0, 1))(x, y),
+                 rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.no_leak_check  # numerics of whole loops
+@pytest.mark.parametrize("by", ["closed_over_mask", "step_flag"])
+def test_a_loop_constant_dropped_at_every_step_is_guarded_at_every_order(by):
+    m = jnp.array([True, False])
+    flags = jnp.array([[True, False], [True, False], [True, False]])
+
+    def f(x, by_hand=False):
+        c = jnp.log(jnp.where(m, x, 1.) if by_hand else x)
+        if by == "closed_over_mask":
+            return jax.lax.fori_loop(0, 3, lambda i, s: s + jnp.sum(jnp.where(m, c, 0.)), 0.)
+        return jax.lax.scan(lambda s, t: (s + jnp.sum(jnp.where(t, c, 0.)), None), 0.,
+                            flags)[0]
+    hand = lambda x: f(x, by_hand=True)
+    for x in (jnp.array([2., 0.]), jnp.array([2., -1.]), jnp.array([2., jnp.nan])):
+        assert_bitwise(jaxsafe.nan_safe(f)(x), jax.jit(f)(x))
+        assert_close(jax.grad(jaxsafe.nan_safe(f))(x), jax.grad(hand)(x))
+    assert_close(jax.hessian(jaxsafe.nan_safe(f))(x), jax.hessian(hand)(x))
+    assert_close(jax.jacfwd(jaxsafe.nan_safe(f))(x), jax.jacfwd(hand)(x))
+    live = jnp.array([0., 1.])  # a live log(0): plain JAX's inf stays
+    assert_bitwise(jax.grad(jaxsafe.nan_safe(f))(live), jax.grad(f)(live))
+    assert np.isinf(jax.grad(f)(live)[0])
+
+
+def test_a_loop_constant_a_carry_decides_on_stays_as_plain_jax():
+    """Which lanes of `c` a step reads depends on the carry: not known before the loop."""
+    def f(x):
+        c = jnp.log(x)
+        return jax.lax.fori_loop(0, 2, lambda i, s: s + jnp.where(s < 1., c, 0.), 0. * x)
+    x = jnp.array([2., 0.])
+    assert_bitwise(jax.grad(lambda x: jaxsafe.nan_safe(f)(x).sum())(x),
+                   jax.grad(lambda x: f(x).sum())(x))
