@@ -168,7 +168,9 @@ def _normalize_static(fun: Callable, static_argnums, static_argnames, who: str):
     return tuple(sorted(nums)), tuple(sorted(names))
 
 
-_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex, Tracer)
+# a ShapeDtypeStruct: `jaxsafe.make_jaxpr` and `explain` trace over shapes, as `jax.make_jaxpr`
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex, Tracer,
+                jax.ShapeDtypeStruct)
 
 FiniteArgs = bool | int | Sequence[int] | Any
 """`True`/`False`, argument positions, or a pytree prefix of booleans over the positional
@@ -535,7 +537,8 @@ class NanSafeFunction:
         new signature traces (and rewrites) once. Re-made when a guard is registered. A call
         that a differentiating trace makes has a front of its own (`_staged_forward`)."""
         generation, jitted = self._fronts.get(forward, (-1, None))
-        if jitted is None or generation != _guards.GENERATION:
+        if jitted is None or generation != _guards.GENERATION or not self._cache_size:
+            # cache_size=0: every call traces again, jax.jit's own trace cache included
             # a new callable each time: jax.jit shares its trace cache between jits of one
             # function, and the old traces hold the programs rewritten before the registration
             staged = type(self)._staged_forward if forward else type(self)._staged
@@ -556,7 +559,8 @@ class NanSafeFunction:
     def _leaf_front(self) -> Callable:
         """`jax.jit` over the array leaves only, the others static: for arguments with leaves
         that are not arrays (an Equinox module's functions), which `jax.jit` rejects."""
-        if self._leaf_jitted is None or self._leaf_generation != _guards.GENERATION:
+        if self._leaf_jitted is None or self._leaf_generation != _guards.GENERATION \
+                or not self._cache_size:
             self._leaf_jitted = jax.jit(functools.partial(type(self)._staged_leaves, self),
                                         static_argnums=0)
             self._leaf_generation = _guards.GENERATION

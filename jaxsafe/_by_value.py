@@ -138,7 +138,9 @@ class _ValueTrace(Trace):
 
 def concrete_values(leaves: Sequence[Any]) -> list[Any] | None:
     """The leaves' concrete values (an eager call, or the primals of an eager jax.grad), or
-    None where any is abstract (under jit or vmap)."""
+    None where any is abstract (under jit or vmap, a ShapeDtypeStruct)."""
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        return None
     try:
         return [concrete_value(x) for x in leaves]
     except ConcretizationTypeError:

@@ -60,7 +60,7 @@ class Finding:
     kind: str
     argument: str
     entries: tuple[tuple[int, ...], ...]
-    values: tuple[float, ...]
+    values: tuple[float | complex, ...]
     origins: tuple[Origin, ...]
     guards: tuple[Guard, ...] = ()
 
@@ -201,8 +201,9 @@ def _group(kind: str, argument: str, lanes: np.ndarray, values: np.ndarray,
     for which, entries in groups.items():
         origins = tuple(dict.fromkeys(name(o) for o in which))
         guards = tuple(dict.fromkeys(g for origin in origins for g in guards_at(origin)))
+        scalar = complex if np.iscomplexobj(values) else float  # a complex gradient's entries
         found.append(Finding(kind, argument, tuple(entries),
-                             tuple(float(values[e]) for e in entries), origins, guards))
+                             tuple(scalar(values[e]) for e in entries), origins, guards))
     return found
 
 

@@ -47,18 +47,40 @@ def register_guard(primitive: Primitive, safe: Mapping[int, float] | float,
     if not isinstance(primitive, Primitive):
         raise TypeError(
             f"register_guard: `primitive` must be a jax.extend.core.Primitive, got {primitive!r}.")
+    if applies is not None and not callable(applies):
+        raise TypeError(f"register_guard: `applies` must be a callable taking the equation "
+                        f"(or None), got {type(applies).__name__}: {applies!r}.")
     if not isinstance(safe, Mapping):
         safe = {0: safe}
+    if not safe:
+        raise ValueError(f"register_guard: `safe` names no operand of {primitive}; give "
+                         f"`{{operand_index: value}}`, or one value for operand 0.")
+    checked = {}
     for index, value in safe.items():
-        if not isinstance(index, int) or index < 0:
-            raise TypeError(f"register_guard: operand index {index!r} must be an int >= 0.")
-        if not np.isfinite(complex(value)):
-            raise ValueError(f"register_guard: safe value {value!r} for operand {index} of "
+        if not isinstance(index, int | np.integer) or isinstance(index, bool) or index < 0:
+            raise TypeError(f"register_guard: operand index {index!r} in `safe` must be an "
+                            f"int >= 0.")
+        checked[int(index)] = value
+        if not _real_number(value):
+            raise TypeError(f"register_guard: `safe` value {value!r} for operand {index} of "
+                            f"{primitive} must be a real number (a Python or NumPy scalar).")
+        if not np.isfinite(float(value)):
+            raise ValueError(f"register_guard: `safe` value {value!r} for operand {index} of "
                              f"{primitive} must be finite.")
-    guard = Guard(dict(safe)) if applies is None else Guard(dict(safe), applies)
+    guard = Guard(checked) if applies is None else Guard(checked, applies)
     global GENERATION
     GENERATION += 1
     if primitive in RULES:
         update(primitive, guard=guard)
     else:  # not evaluated at planning time: a user primitive need not run on the host
         register_elementwise(primitive, guard=guard, foldable=False)
+
+
+def _real_number(value: object) -> bool:
+    """A real scalar: an int or float, Python or NumPy, or a 0-d real array (not a bool, a
+    string or a complex number: the guard's value is cast to the operand's dtype)."""
+    if isinstance(value, bool | np.bool_):
+        return False
+    array = np.asarray(value) if isinstance(value, int | float | np.number | np.ndarray) \
+        else None
+    return array is not None and array.ndim == 0 and array.dtype.kind in "iuf"

@@ -31,6 +31,9 @@ def assert_no_leaks(fun: Callable, *args: Any, static_argnums: int | Sequence[in
         def test_my_loss_guards_its_log():  # in a pytest suite
             assert_no_leaks(my_loss, jnp.ones(4))
     """
+    if not callable(fun):
+        raise TypeError(f"assert_no_leaks: `fun` must be callable, got {type(fun).__name__}: "
+                        f"{fun!r}.")
     report = explain(fun, static_argnums=static_argnums, static_argnames=static_argnames,
                      finite_args=finite_args)(*args, **kwargs)
     guards = report.guards

@@ -297,3 +297,54 @@ def test_python_control_flow_under_jit_keeps_jax_s_error_and_adds_one_line():
     frames = [f.filename for f in traceback.extract_tb(ours.value.__traceback__)]
     assert not any("/jaxsafe/" in f for f in frames), frames
     assert jax.grad(nan_safe(branchy))(4.) == 0.25  # eager: traced at the values
+
+
+def test_cache_size_zero_traces_every_plain_call_again():
+    """`cache_size=0`: every call traces `f` again, so a value and a derivative come from the
+    same `f` (jax.jit's own trace cache is not kept either)."""
+    scale = [1.0]
+    f = lambda x: jnp.where(x > 0, jnp.log(x), 0.) * scale[0]
+    h = nan_safe(f, cache_size=0)
+    x = jnp.array([0., 2.])
+    assert_bitwise(h(x), jax.jit(f)(x))
+    scale[0] = 3.0
+    assert_bitwise(h(x), jnp.array([0., 3. * jnp.log(2.)]))
+    value, grad = jax.value_and_grad(lambda x: h(x).sum())(x)
+    assert_bitwise(value, h(x).sum())
+    assert_bitwise(grad, jnp.array([0., 1.5]))
+
+
+def test_make_jaxpr_and_explain_take_shape_dtype_structs_as_jax_make_jaxpr_does():
+    g = lambda x: jnp.where(x > 0, jnp.sqrt(x), 0.)
+    spec = jax.ShapeDtypeStruct((4,), jnp.float32)
+    assert str(jaxsafe.make_jaxpr(g)(spec)) == str(jaxsafe.make_jaxpr(g)(jnp.ones(4)))
+    assert "1 guard" in str(jaxsafe.explain(g)(spec))
+
+
+def test_a_program_over_symbolic_shapes_runs_as_it_is_with_a_warning_that_says_so():
+    """jax.export's shape polymorphism: the analysis needs concrete shapes. The program runs
+    as `jax.jit(f)` does, and the warning says what to do (not "a bug in jaxsafe")."""
+    from jax import export
+    f = lambda x: jnp.sqrt(x)[1:]
+    gf = jax.jit(jax.grad(lambda x: nan_safe(f)(x).sum()))
+    spec = jax.ShapeDtypeStruct(export.symbolic_shape("n"), jnp.float32)
+    with pytest.warns(jaxsafe.AnalysisFailedWarning, match="symbolic shapes.*concrete shapes"):
+        exported = export.export(gf)(spec)
+    x = jnp.array([0., 1., 4.])
+    assert_bitwise(exported.call(x), jax.grad(lambda x: f(x).sum())(x))
+    assert_bitwise(jax.jit(gf)(x), jnp.array([0., .5, .25]))  # concrete shapes: guarded
+
+
+@pytest.mark.no_leak_check  # diagnose compiles several programs
+def test_diagnose_reports_a_complex_gradient_s_entries_as_complex_numbers(recwarn):
+    f = lambda z: jnp.sum(jnp.abs(jnp.where(jnp.abs(z) > 0, jnp.sqrt(z), 0.)))
+    z = jnp.array([0j, 1 + 1j])
+    diagnosis = jaxsafe.diagnose(f)(z)
+    entries = [v for finding in diagnosis.leaks for v in finding.values]
+    assert entries and all(isinstance(v, complex) for v in entries)
+    assert not [w for w in recwarn if issubclass(w.category, np.exceptions.ComplexWarning)]
+
+
+def test_assert_no_leaks_names_itself_for_a_function_that_is_not_callable():
+    with pytest.raises(TypeError, match="assert_no_leaks: `fun` must be callable"):
+        jaxsafe.testing.assert_no_leaks(3, 1.)
