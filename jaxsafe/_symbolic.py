@@ -486,8 +486,10 @@ def move(sym: Sym, mapping: dict[int, int]) -> Sym:
             continue
         if gone:
             axes = tuple(sorted(touched))
-            source = tuple(sorted(inverse[a] for a in axes)) if len(inverse) == len(mapping) \
-                else None  # two axes onto one: no frame to name it in
+            # the frame of the collapsed literals, where this value's axes are that frame's
+            # own (not two axes onto one, not a transpose: `_implied_by_reduction` compares)
+            source = axes if len(inverse) == len(mapping) and \
+                all(inverse[a] == a for a in axes) else None
             kept.append((Unknown(frozenset(gone), source), True, axes))
         terms.add(frozenset(kept))
     return _simplify(terms)

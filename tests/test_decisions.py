@@ -222,6 +222,31 @@ def test_symbolic_move_is_an_or_over_the_removed_axis(a, vals):
         np.testing.assert_array_equal(_evaluate(moved, values, (2, 1))[:, 0], full.any(axis=1))
 
 
+def test_a_transposed_or_of_a_literal_is_not_implied_by_the_literal():
+    """A move that collapses an axis and swaps two others: at lane (i, j, k) the unknown is
+    OR_k' c[j, i, k'], which c[i, j, k] does not imply; the OR of both keeps both terms."""
+    c = Var(jax.core.ShapedArray((2, 2, 2), jnp.bool_))
+    lit = (c, True, (0, 1, 2))
+    moved = S.move(frozenset({frozenset({lit})}), {0: 1, 1: 0})  # onto a (2, 2, 2) value
+    both = S.sym_or(moved, frozenset({frozenset({lit})}))
+    assert frozenset({lit}) in both
+    kept = S.move(frozenset({frozenset({lit})}), {0: 0, 1: 1})  # the same frame: absorbed
+    assert S.sym_or(kept, frozenset({frozenset({lit})})) == kept
+
+
+def test_not_any_of_a_literal_forces_its_negation_in_every_lane():
+    c = Var(jax.core.ShapedArray((2, 3), jnp.bool_))
+    lit = (c, True, (0, 1))
+    none = S.sym_not(S.move(frozenset({frozenset({lit})}), {}))  # not any(c)
+    assert S.implies(none, frozenset({frozenset({(c, False, (0, 1))})}))
+    assert S.implies(none, frozenset({frozenset({(c, False, (1, 0))})}))  # any frame
+    assert not S.implies(none, frozenset({frozenset({(c, True, (0, 1))})}))
+    # not any(c and d) forces nothing about c alone
+    d = Var(jax.core.ShapedArray((2, 3), jnp.bool_))
+    both = S.sym_not(S.move(frozenset({frozenset({lit, (d, True, (0, 1))})}), {}))
+    assert not S.implies(both, frozenset({frozenset({(c, False, (0, 1))})}))
+
+
 # ----------------------------------------- a bound of the original program, after a guard
 
 _KEEP_FIRST_TWO = jnp.array([True, True, False])
