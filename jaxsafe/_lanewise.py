@@ -9,7 +9,7 @@ and norms; an RNN over time its batch rows. Lane i of a value along its aligned 
 depends only on lane i of what it reads, at that step and the ones before, so the fixed point is
 immediate: an operand's lane is live exactly where some output that has all of its classes is
 live at the same coordinates, at some step; an operand with no aligned axis is live where
-anything is.
+any output it reaches is (`reached_outputs`: through the body and the carries).
 
 `scan_masks` / `scan_kinds` are the scan row's liveness rules; `carry_masks` and `body_syms`
 give the body's carries their masks and formulas when the body is rewritten
@@ -30,9 +30,9 @@ from typing import Any
 
 from ._aligned import Aligned, Placement, aligned_axes, classes_of
 from ._atoms import shape_of
-from ._compat import ClosedJaxpr, JaxprEqn, scan_counts
+from ._compat import ClosedJaxpr, JaxprEqn, Var, scan_counts
 from ._hoisted import hoisted_mask, step_mask_program
-from ._masks import all_of, any_of, broadcast, broadcast_mask, place, reduce_any
+from ._masks import all_of, any_of, broadcast, broadcast_mask, place, reduce_any, zeros
 from ._nested import call_jaxpr, sub_jaxprs
 from ._rules import Context, Kind, LoopLinks, Mask, rule_for
 from ._symbolic import (
@@ -170,6 +170,44 @@ def _anything(outs: Sequence[Mask]) -> Mask:
     return any_of([reduce_any(m, range(m.ndim)) if m is not None else None for m in outs])
 
 
+# body jaxpr -> per scan operand, the scan outputs it can reach
+_REACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def reached_outputs(eqn: JaxprEqn) -> list[frozenset[int]]:
+    """Per operand of a scan, the outputs it can reach: through the body's equations within a
+    step (an equation's outputs read all of its operands, a nested body included), and
+    through the carries to later steps, to a fixed point; a carry's init reaches its final
+    carry (a loop of no steps). An output no path reaches from an operand cannot make it live:
+    a loop's second carry, dropped whole after it, leaves the first one's init live."""
+    body = eqn.params["jaxpr"].jaxpr
+    hit = _REACHED.get(body)
+    if hit is not None:
+        return hit
+    n_consts, n_carry = scan_counts(eqn.params)
+    reads: dict[Any, frozenset[int]] = {v: frozenset({i}) for i, v in enumerate(body.invars)}
+    for e in body.eqns:
+        found = frozenset().union(*(reads.get(u, frozenset()) for u in e.invars
+                                    if isinstance(u, Var)))
+        reads.update((o, found) for o in e.outvars)
+    reach = [set() for _ in body.invars]
+    for j, v in enumerate(body.outvars):
+        for i in reads.get(v, frozenset()) if isinstance(v, Var) else ():
+            reach[i].add(j)
+    for c in range(n_carry):
+        reach[n_consts + c].add(c)
+    changed = True
+    while changed:  # a carry reached goes on to what its next step's input reaches
+        changed = False
+        for r in reach:
+            more = set().union(*(reach[n_consts + j] for j in r if j < n_carry)) - r
+            if more:
+                r |= more
+                changed = True
+    _REACHED[body] = out = [frozenset(r) for r in reach]
+    return out
+
+
 def _step_by_step(eqn: JaxprEqn) -> bool:
     """A scan without carries (`lax.map`): step t reads step t's inputs and the constants."""
     return scan_counts(eqn.params)[1] == 0 and len(eqn.outvars) > 0
@@ -192,10 +230,11 @@ def scan_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     """An operand with aligned axes (`_aligned.py`): its lane is live where some output lane at
     the same coordinates is, at some step (at that step, for a stacked input of a scan without
     carries). Any other operand: a stacked input of a scan without carries, a step is live where
-    that step of some output is (`_step_mask`); otherwise every lane is live where any output
-    lane is. A stacked input is also dropped where the body drops it by the step's own stacked
-    inputs and the constants (`_hoisted.py`)."""
-    anything = _anything(outs)
+    that step of some output is (`_step_mask`); otherwise every lane is live where any lane of
+    an output it reaches is (`reached_outputs`). A stacked input or a constant is also dropped
+    where the body drops it by the step's own stacked inputs and the constants
+    (`_hoisted.py`)."""
+    reach = reached_outputs(eqn)
     al = scan_alignment(eqn)
     n_consts, n_lead = scan_counts(eqn.params)[0], sum(scan_counts(eqn.params))
     by_step = _step_by_step(eqn)
@@ -209,7 +248,10 @@ def scan_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
             m = _projected(eqn, al, outs, al.inputs[k], shape, stacked, steps)
         if m is ANYTHING and by_step and stacked:
             m = _step_mask(outs, shape)
+        elif m is ANYTHING and not reach[k]:
+            m = zeros(shape)  # it reaches no output
         elif m is ANYTHING:
+            anything = _anything([outs[o] for o in sorted(reach[k])])
             m = anything if anything is None else broadcast(anything, shape)
         if stacked or k < n_consts:  # and what the body drops by the step's own inputs
             m = all_of([m, hoisted_mask(eqn, k, ctx.structural, invals)])
@@ -232,12 +274,12 @@ def _aligned_kind(al: Aligned, placed: Placement, out_kinds: Sequence[Kind]) -> 
 def scan_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]:
     """Operands with aligned axes take the kinds of the outputs that share them, the stacked
     inputs of a scan without carries the union of its outputs' kinds step by step; every other
-    operand the union of its outputs' kinds (it is live where any output lane is). A stacked
-    input the body drops by the step's inputs alone is MAYBE (`_hoisted.py`)."""
+    operand the union of the kinds of the outputs it reaches (`reached_outputs`). A stacked
+    input or a constant the body drops by the step's inputs alone is MAYBE (`_hoisted.py`)."""
     al = scan_alignment(eqn)
     n_consts, n_lead = scan_counts(eqn.params)[0], sum(scan_counts(eqn.params))
-    anywhere = max(out_kinds, default=Kind.LIVE)
-    step = anywhere if _step_by_step(eqn) else None  # any step of any output
+    reach = reached_outputs(eqn)
+    step = max(out_kinds, default=Kind.LIVE) if _step_by_step(eqn) else None  # any output's
     kinds = []
     for k in range(len(eqn.invars)):
         aligned = None if al is None else _aligned_kind(al, al.inputs[k], out_kinds)
@@ -245,8 +287,8 @@ def scan_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]
             kind = aligned
         elif step is not None and k >= n_lead:
             kind = step
-        else:
-            kind = anywhere  # live where any output lane is (`_anything`)
+        else:  # live where any output lane it reaches is (`_anything`)
+            kind = max((out_kinds[o] for o in reach[k]), default=Kind.DEAD)
         if kind == Kind.LIVE and (k >= n_lead or k < n_consts) \
                 and step_mask_program(eqn, k, ctx.structural) is not None:
             kind = Kind.MAYBE  # the body drops some of its lanes by the step's inputs
@@ -258,14 +300,15 @@ def scan_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]
     """The static formulas of the operands, as `scan_masks` computes their masks: an operand
     with aligned axes, the OR over the outputs that have all of its classes of their formulas
     moved onto it (step by step where `scan_masks` goes step by step); a stacked input of a
-    scan without carries with none, its step's; any other operand, the OR of every output's
-    formula over all of its axes (live where any output lane is). So a drop after a
+    scan without carries with none, its step's; any other operand, the OR over the outputs it
+    reaches of their formulas over all of their axes. So a drop after a
     second scan (a stacked LSTM's upper layer) reaches the first one's per-step outputs along
     the rows, and its body's matmul operand in a padded row is guarded."""
     al = scan_alignment(eqn)
     n_consts, n_lead = scan_counts(eqn.params)[0], sum(scan_counts(eqn.params))
     n_carry = scan_counts(eqn.params)[1]
     by_step = _step_by_step(eqn)
+    reach = reached_outputs(eqn)
     syms: list[Sym] = []
     for k in range(len(eqn.invars)):
         stacked = k >= n_lead
@@ -282,10 +325,13 @@ def scan_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]
             if by_step and stacked:
                 mapping[0] = 0
             found = sym_or(FALSE if found is None else found, move(sym, mapping))
-        if found is None:  # as `scan_masks`: step by step, or where any output lane is
-            found = FALSE
-            for sym in out_syms:
-                found = sym_or(found, move(sym, {0: 0} if by_step and stacked else {}))
+        if found is None:  # as `scan_masks`: step by step, or where any output lane it
+            found = FALSE  # reaches is
+            for o, sym in enumerate(out_syms):
+                if by_step and stacked:
+                    found = sym_or(found, move(sym, {0: 0}))
+                elif o in reach[k]:
+                    found = sym_or(found, move(sym, {}))
         if (stacked or k < n_consts) and step_mask_program(eqn, k, ctx.structural) is not None:
             found = sym_and(found, opaque()) or opaque()  # and what the body drops by step
         syms.append(found)

@@ -98,3 +98,33 @@ def test_a_where_after_a_loop_is_guarded_as_its_hand_fix_under_vmap_and_jit():
     xs = jnp.array([-1., 0., .5, 2.])
     got = jax.jit(jax.vmap(jax.grad(nan_safe(f))))(xs)
     assert_close(got, jax.vmap(jax.grad(hand))(xs))
+
+
+def _two_carries(b_reads_a, steps=3):
+    def f(x, by_hand=False):
+        a0 = jnp.sqrt(jnp.where(x > 0, x, 1.) if by_hand else x)
+        def step(carry, _):
+            a, b = carry
+            return (a * .9, b + (a if b_reads_a else 1.)), None
+        (a, b), _ = lax.scan(step, (a0, 2. * x), None, length=steps)
+        return jnp.where(x > 0, a, 0.) + b
+    return f
+
+
+@pytest.mark.parametrize("steps", [3, 0])
+def test_a_carry_dropped_whole_drops_its_init_while_another_carry_is_live(steps):
+    """`a` is dropped after the loop where `x <= 0`; `b` is live and never reads `a`: `a`'s
+    init reaches no live output, and its `sqrt` is guarded (with no steps, the final carry is
+    the init)."""
+    f = _two_carries(False, steps)
+    hand = lambda x: f(x, by_hand=True)
+    for x in (jnp.float32(-1.), jnp.float32(0.), jnp.float32(2.)):
+        assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+        assert_close(jax.grad(nan_safe(f))(x), jax.grad(hand)(x))
+        assert_close(jax.hessian(nan_safe(f))(x), jax.hessian(hand)(x))
+
+
+def test_a_dropped_carry_that_a_live_one_reads_stays_live():
+    f = _two_carries(True)
+    for x in (jnp.float32(-1.), jnp.float32(0.), jnp.float32(2.)):
+        assert_bitwise(jax.grad(nan_safe(f))(x), jax.grad(f)(x))  # NaN and inf included
