@@ -12,7 +12,7 @@ help:
 	@echo "Targets:"
 	@echo "  make demo    build $(VENV) and run examples/quickstart.py"
 	@echo "  make test    build $(VENV), run the house checks (make lint) and the test suite (not slow)"
-	@echo "  make test-tables  the table sweeps in float16, bfloat16 and float64, and the stats functions behind a where, the longest sweeps' later cases (make test runs the rest; CI runs both)"
+	@echo "  make test-tables  the table sweeps in float16, bfloat16 and float64, the half of their float32 cases make test leaves out, the stats functions behind a where, the longest sweeps' later cases (make test runs the rest; CI runs both)"
 	@echo "  make test-libs  install the heavy libraries (jax-md, Flax) and run their tests (CI runs it)"
 	@echo "  make test-jax-min  the core and composition tests on the lowest JAX supported, in its own venv (CI runs it)"
 	@echo "  make test-jax-newest  the same on the newest JAX checked (needs PYTHON312=python3.12; not in CI)"
@@ -48,13 +48,14 @@ test: lint
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -m "not slow" \
 		tests/test_multidevice.py
 
-# The table sweeps in their other dtypes (float16, bfloat16; float64 with x64): `make test` runs
-# every case of the tables in float32 (tests/conftest.py marks the rest `tables`). CI runs both.
+# The table sweeps in their other dtypes (float16, bfloat16; float64 with x64) and the half of
+# their float32 cases that `make test` leaves out (tests/conftest.py marks them `tables`). CI
+# runs both.
 # The longest other sweeps run their first cases in `make test`, the rest here
 # (tests/conftest.py `_SAMPLED`: its modules are the second command's).
 test-tables: $(STAMP)
 	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "tables and not slow" \
-		tests/test_transparency.py tests/test_guard_table.py
+		tests/test_transparency.py tests/test_guard_table.py tests/test_drop_table.py
 	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "tables and not slow" \
 		tests/test_aligned.py tests/test_already_safe.py tests/test_api.py \
 		tests/test_backward_rules.py tests/test_choosers.py tests/test_composition.py \
