@@ -12,7 +12,7 @@ help:
 	@echo "Targets:"
 	@echo "  make demo    build $(VENV) and run examples/quickstart.py"
 	@echo "  make test    build $(VENV), run the house checks (make lint) and the test suite (not slow)"
-	@echo "  make test-tables  the table sweeps in float16, bfloat16 and float64, the half of their float32 cases make test leaves out, the stats functions behind a where, the longest sweeps' later cases (make test runs the rest; CI runs both)"
+	@echo "  make test-tables  what make test leaves out: the table sweeps in float16, bfloat16 and float64, the half of their float32 cases make test does not run, the stats functions behind a where, the longest sweeps' later cases, the tests listed in tests/long_tests.txt (CI runs both)"
 	@echo "  make test-libs  install the heavy libraries (jax-md, Flax) and run their tests (CI runs it)"
 	@echo "  make test-jax-min  the core and composition tests on the lowest JAX supported, in its own venv (CI runs it)"
 	@echo "  make test-jax-newest  the same on the newest JAX checked (needs PYTHON312=python3.12; not in CI)"
@@ -37,7 +37,7 @@ demo: $(STAMP)
 # compile-bound. `make fuzz` stays in one process (it writes tests/.fuzz-counts.json).
 test: lint
 	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder \
-		-m "not slow and not libs and not tables" \
+		-m "not slow and not libs and not tables and not long" \
 		--ignore=tests/test_x64.py \
 		--ignore=tests/test_x64_transparency.py --ignore=tests/test_x64_where.py \
 		--ignore=tests/test_multidevice.py
@@ -48,19 +48,17 @@ test: lint
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -m "not slow" \
 		tests/test_multidevice.py
 
-# The table sweeps in their other dtypes (float16, bfloat16; float64 with x64) and the half of
-# their float32 cases that `make test` leaves out (tests/conftest.py marks them `tables`). CI
-# runs both.
-# The longest other sweeps run their first cases in `make test`, the rest here
-# (tests/conftest.py `_SAMPLED`: its modules are the second command's).
+# What `make test` leaves out, marked by tests/conftest.py: the table sweeps in their other
+# dtypes (float16, bfloat16; float64 with x64) and the half of their float32 cases that
+# `make test` does not run (`tables`), the later cases of the longest other sweeps (`_SAMPLED`,
+# also `tables`), and the tests that took 2 s or more (tests/long_tests.txt, `long`). CI runs
+# both targets.
 test-tables: $(STAMP)
-	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "tables and not slow" \
-		tests/test_transparency.py tests/test_guard_table.py tests/test_drop_table.py
-	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "tables and not slow" \
-		tests/test_aligned.py tests/test_already_safe.py tests/test_api.py \
-		tests/test_backward_rules.py tests/test_choosers.py tests/test_composition.py \
-		tests/test_found_by_hunts.py tests/test_free_lanes.py tests/test_hostile.py \
-		tests/test_linalg.py tests/test_nonfinite_data.py
+	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder \
+		-m "(tables or long) and not slow and not libs" \
+		--ignore=tests/test_x64.py \
+		--ignore=tests/test_x64_transparency.py --ignore=tests/test_x64_where.py \
+		--ignore=tests/test_multidevice.py tests
 	JAX_ENABLE_X64=1 $(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder \
 		-m "tables and not slow" tests/test_x64.py tests/test_x64_transparency.py \
 		tests/test_x64_where.py

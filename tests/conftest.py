@@ -9,6 +9,7 @@ many more programs, opt out with `pytestmark = pytest.mark.no_leak_check` (a tes
 
 import gc
 import os
+import pathlib
 import zlib
 
 import jax
@@ -162,7 +163,13 @@ _SAMPLED = {
 }
 
 
-def _mark_sampled(items) -> None:
+def _whole_modules(config) -> bool:
+    """Whether the command line named modules or folders, not single tests (`file::test`): only
+    then can a missing test of `_SAMPLED` or long_tests.txt be told from one not asked for."""
+    return not any("::" in str(arg) for arg in config.args)
+
+
+def _mark_sampled(items, check: bool) -> None:
     seen: dict = {}
     for item in items:
         key = (item.path.name, getattr(item, "originalname", item.name))
@@ -172,15 +179,44 @@ def _mark_sampled(items) -> None:
         seen[key] = seen.get(key, 0) + 1
         if seen[key] > keep:
             item.add_marker(pytest.mark.tables)
-    collected = {item.path.name for item in items}
+    collected = {item.path.name for item in items} if check else set()
     missing = [key for key in _SAMPLED if key[0] in collected and key not in seen]
     assert not missing, f"_SAMPLED names tests that do not exist: {missing}"
+
+
+# 2026-11-30: still 17-18 minutes in a fresh clone on 2 cores, against the 10 the house allows.
+# `make test`'s time is compile-bound (about 60 ms of XLA per program on this host, a dozen
+# programs a test) and long-tailed: the 308 tests that took 2 s or more took 1596 of its 2074
+# worker-seconds. `tests/long_tests.txt` (written by tests/long_tests.py from a --junitxml
+# report) lists those of 1.5 s or more, less the quickest case of each parametrized test and
+# the first test of each module; they are marked `long` and run by `make test-tables` (CI runs
+# both).
+_LONG_TESTS = pathlib.Path(__file__).with_name("long_tests.txt")
+
+
+def _listed_long_tests() -> frozenset[str]:
+    lines = _LONG_TESTS.read_text().splitlines()
+    return frozenset(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+
+
+def _mark_long(items, check: bool) -> None:
+    listed = _listed_long_tests()
+    seen = set()
+    for item in items:
+        nodeid = "tests/" + item.nodeid.split("tests/", 1)[-1]
+        if nodeid in listed:
+            item.add_marker(pytest.mark.long)
+            seen.add(nodeid)
+    collected = {"tests/" + item.path.name for item in items} if check else set()
+    missing = sorted(n for n in listed - seen if n.split("::")[0] in collected)
+    assert not missing, f"tests/long_tests.txt names tests that do not exist: {missing}"
 
 
 def pytest_collection_modifyitems(session, config, items):
     for item in items:
         if _in_tables(item):
             item.add_marker(pytest.mark.tables)
-    _mark_sampled(items)
+    _mark_sampled(items, _whole_modules(config))
+    _mark_long(items, _whole_modules(config))
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole

@@ -420,15 +420,43 @@ def test_an_unchanged_program_is_returned_as_it_is():
     assert isinstance(new, ClosedJaxpr)
 
 
-def test_make_test_tables_runs_every_sampled_sweep_s_module():
-    """`make test` runs the first cases of the sweeps `conftest._SAMPLED` names, and half of
-    the cases of the tables `conftest._HALVED_TABLES` names, and marks the rest `tables`:
-    `make test-tables` must run their modules, or those cases run nowhere."""
-    import conftest
-
+def test_make_test_tables_runs_what_make_test_leaves_out():
+    """`make test` leaves out what conftest marks `tables` (the later cases of the sweeps
+    `_SAMPLED` names, half of the tables `_HALVED_TABLES` names) and `long` (the tests of
+    tests/long_tests.txt): `make test-tables` must run the main session's whole folder with
+    both markers, or those tests run nowhere."""
     makefile = (pathlib.Path(__file__).parent.parent / "Makefile").read_text()
-    target = makefile[makefile.index("\ntest-tables:"):]
-    target = target[:target.index("\n\n")]
-    missing = sorted(({module for module, _ in conftest._SAMPLED} | conftest._HALVED_TABLES)
-                     - set(name.removeprefix("tests/") for name in target.split()))
-    assert not missing, f"add these to make test-tables: {missing}"
+
+    def target(name):
+        text = makefile[makefile.index(f"\n{name}:"):]
+        return text[:text.index("\n\n")]
+    test, tables = target("test"), target("test-tables")
+    assert '-m "not slow and not libs and not tables and not long"' in test
+    assert '-m "(tables or long) and not slow and not libs"' in tables
+    main_session = tables[:tables.index("JAX_ENABLE_X64")]
+    assert main_session.rstrip().endswith(" tests"), main_session
+    main_test = test[:test.index("JAX_ENABLE_X64")]
+    ignored = [word.removeprefix("--ignore=") for word in main_test.split()
+               if word.startswith("--ignore=")]
+    assert all(f"--ignore={name}" in main_session for name in ignored), ignored
+
+
+def test_long_tests_keeps_quickest_cases_and_module_openers_in_make_test(tmp_path):
+    """tests/long_tests.py lists the tests of 1.5 s or more, less the quickest case of a
+    parametrized test and the first test of a module (its time holds the module's fixtures)."""
+    import long_tests
+
+    report = tmp_path / "report.xml"
+    report.write_text("""<testsuites><testsuite>
+      <testcase classname="tests.test_a" name="test_opens" time="80"/>
+      <testcase classname="tests.test_a" name="test_single" time="3"/>
+      <testcase classname="tests.test_a" name="test_quick" time="1.4"/>
+      <testcase classname="tests.test_a" name="test_sweep[one]" time="5"/>
+      <testcase classname="tests.test_a" name="test_sweep[two]" time="4"/>
+      <testcase classname="tests.test_b" name="test_sweep[one]" time="0.1"/>
+      <testcase classname="tests.test_b" name="test_sweep[two]" time="2"/>
+    </testsuite></testsuites>""")
+    assert long_tests.long_tests(str(report), 1.5) == [
+        "tests/test_a.py::test_single", "tests/test_a.py::test_sweep[one]",
+        "tests/test_b.py::test_sweep[two]"]
+    assert long_tests.long_tests(str(report), 6.0) == []
