@@ -23,10 +23,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ._atoms import is_float
+import numpy as np
+
+from ._atoms import is_float, literal_value, shape_of
 from ._bounds import Bounds, never_weighed_by_zero
 from ._carries import Carry
-from ._compat import ClosedJaxpr, JaxprEqn, Var
+from ._compat import ClosedJaxpr, JaxprEqn, Literal, Var
 from ._cotangents import Cotangents, selects_by_value
 from ._liveness import Sweep
 from ._report import Report, Site, note_failure
@@ -134,7 +136,8 @@ def _plan_equation(i: int, eqn: JaxprEqn, sweep: Sweep, sites: Mapping[int, Site
                 and selects_by_value(eqn, sweep) \
                 and cotangents.weighs_nonfinite(eqn, carrying := _carrying(eqn, sweep)) \
                 and any(carrying) and not (
-                bounds is not None and never_weighed_by_zero(eqn, carrying, bounds)):
+                bounds is not None and never_weighed_by_zero(eqn, carrying, bounds)) \
+                and not wins_wherever_live(eqn, carrying, sweep):
             # its derivative weighs a cotangent that may be inf or NaN: select it instead
             out.selections.add(i)
             report.selections.append(eqn)
@@ -151,6 +154,68 @@ def _plan_equation(i: int, eqn: JaxprEqn, sweep: Sweep, sites: Mapping[int, Site
     if selects_by_value(eqn, sweep):
         out.selections.add(i)  # any changed operand: decide on the original values
         report.selections.append(eqn)
+
+
+def wins_wherever_live(eqn: JaxprEqn, carrying: list[bool], sweep: Sweep) -> bool:
+    """Whether the one operand of a `max` (`min`) that carries a derivative wins alone in every
+    lane where the result is live: each term of the result's live mask holds a comparison of the
+    result, or of that operand, that puts it strictly above (below) the other operands,
+    constants. Its
+    cotangent, non-zero in live lanes only, is then weighed by 1 and never by 0: nothing to
+    re-decide. `jnp.where(s > 0, jnp.sqrt(jnp.where(s > 0, s, 1.)), 0.)` with
+    `s = jnp.maximum(q, 0.)`: the hand-written double where over a ReLU."""
+    larger = rule_for(eqn.primitive).selection
+    larger = None if larger is None or larger.by_predicate else larger.larger_wins
+    if larger is None or sum(carrying) != 1 or len(eqn.outvars) != 1:
+        return False
+    found = [_scalar_constant(v, sweep) for v, c in zip(eqn.invars, carrying, strict=True)
+             if not c]
+    bounds = [b for b in found if b is not None]
+    out = eqn.outvars[0]
+    mover = next(v for v, c in zip(eqn.invars, carrying, strict=True) if c)
+    if len(bounds) != len(found) or not isinstance(mover, Var):
+        return False
+    terms = sweep.sym(out)
+    return bool(terms) and all(
+        any(_beyond(lit, (out, mover), bounds, larger, sweep) for lit in term) for term in terms)
+
+
+def _scalar_constant(atom: Any, sweep: Sweep) -> float | None:
+    value = literal_value(atom) if isinstance(atom, Literal) else sweep.constant(atom)
+    if value is None or np.size(value) != 1 or not np.isfinite(value).all():
+        return None
+    return float(np.asarray(value).reshape(()))
+
+
+def _beyond(lit: tuple, values: tuple[Var, Var], others: list[float], larger: bool,
+            sweep: Sweep) -> bool:
+    """Whether the literal `lit` holds only where one of `values` (a `max`'s result, its operand
+    that carries) is strictly above every value of `others` (strictly below, for a `min`): a
+    positive comparison of it with a constant."""
+    key, positive, embed = lit
+    out = values[0]
+    lane_to_lane = tuple(i if n != 1 else None for i, n in enumerate(shape_of(out)))
+    if not positive or not isinstance(key, Var) or shape_of(key) != shape_of(out) \
+            or embed != lane_to_lane:
+        return False  # not the comparison of each lane itself (a transposed or broadcast one)
+    compare = sweep.producer_of(key)
+    if compare is None or len(compare.invars) != 2:
+        return False
+    order = rule_for(compare.primitive).bounds_below
+    if order is None:
+        return False
+    strict, bounded = order
+    side = bounded if larger else 1 - bounded  # where `out` must sit in the comparison
+    compared = compare.invars[side]
+    if not isinstance(compared, Var) or sweep.same_as(compared) not in \
+            {sweep.same_as(v) for v in values}:
+        return False
+    point = _scalar_constant(compare.invars[1 - side], sweep)
+    if point is None:
+        return False
+    if larger:
+        return all(point > c or (strict and point >= c) for c in others)
+    return all(point < c or (strict and point <= c) for c in others)
 
 
 def _carrying(eqn: JaxprEqn, sweep: Sweep) -> list[bool]:

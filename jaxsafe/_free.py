@@ -145,7 +145,10 @@ class FreeValues:
         """A `select_n` on a comparison of one of its own cases with a constant takes that case
         only where the comparison says so: of what it holds, only the values that pass.
         `jnp.where(s > 0, s, 1.)` with `s = jnp.maximum(q, 0.)`: `s` carries nothing where it
-        is 0, a value the `where` never takes (a hand-written double where over a ReLU)."""
+        is 0, a value the `where` never takes (a hand-written double where over a ReLU). The
+        comparison may be of a twin of the case, or of an operand of the `max` (`min`) that
+        computes the case (`jnp.where(q > 0, s, 1.)`): that operand is at most (least) the
+        case's value, and a comparison false (true) there stays so below (above) it."""
         pred = eqn.invars[0]
         compare = self.sweep.producer_of(pred) if isinstance(pred, Var) else None
         if compare is None or len(eqn.invars) != 3 or len(compare.invars) != 2 \
@@ -155,22 +158,49 @@ class FreeValues:
         out = list(helds)
         for k in (1, 2):
             case, held = eqn.invars[k], helds[k]
-            if held is None or not isinstance(case, Var) or case not in compare.invars:
+            if held is None or not isinstance(case, Var) or shape_of(case) != shape_of(pred):
                 continue
-            at = compare.invars.index(case)
+            found = self._compared(compare, case)
+            if found is None:
+                continue
+            at, valid = found
             other = compare.invars[1 - at]
             bound = literal_value(other) if isinstance(other, Literal) \
                 else self.sweep.constant(other)
-            if bound is None or np.size(bound) != 1 or shape_of(case) != shape_of(pred):
+            if bound is None or np.size(bound) != 1:
                 continue
             bound = np.asarray(bound).reshape(())
             kept = []
             for value in held:
                 operands = [value, bound] if at == 0 else [bound, value]
-                if bool(np.asarray(fold(compare, operands)[0])) == (k == 2):
+                result = bool(np.asarray(fold(compare, operands)[0]))
+                if result == (k == 2) or (valid is not None and result != valid):
                     kept.append(value)
             out[k] = tuple(kept)
         return out
+
+    def _compared(self, compare: JaxprEqn, case: Var) -> tuple[int, bool | None] | None:
+        """Which operand of `compare` stands for `case`, and which result of the comparison at
+        the case's value holds for that operand too (None: both, it is the case or a twin)."""
+        twins = [j for j, u in enumerate(compare.invars)
+                 if isinstance(u, Var) and self.sweep.same_as(u) is self.sweep.same_as(case)]
+        if twins:
+            return twins[0], None
+        chooser = self.sweep.producer_of(case)
+        if chooser is None:
+            return None
+        order = rule_for(compare.primitive).bounds_below
+        selection = rule_for(chooser.primitive).selection
+        if order is None or selection is None or selection.larger_wins is None:
+            return None
+        operands = {self.sweep.same_as(u) for u in chooser.invars if isinstance(u, Var)}
+        for j, u in enumerate(compare.invars):
+            if isinstance(u, Var) and self.sweep.same_as(u) in operands:
+                # a max's operand is at most its value: "u is the larger" false at the value
+                # stays false below it; "u is the smaller" true stays true
+                u_is_larger = j == order[1]
+                return j, (not u_is_larger) if selection.larger_wins else u_is_larger
+        return None
 
     def free_sym(self, atom: Any) -> Sym:
         """The lanes of `atom` that carry no derivative, as a static formula that holds every

@@ -1125,11 +1125,33 @@ def _first_lane_twice(x):
     return jnp.sum(jnp.where(x[0] > 0, jnp.sqrt(jnp.where(x[0] > 0, x, 1.)), 0.))
 
 
-@pytest.mark.parametrize("f", [_relu_double_where(jax.nn.relu), _first_lane_twice],
-                         ids=["relu", "first_lane_twice"])
+def _maximum_compared_by_its_operand(q):
+    """The predicate compares `q`, the operand of the `max`: `q > 0` where the `max` is `q`."""
+    return jnp.sum(jnp.where(q > 0, jnp.sqrt(jnp.where(q > 0, jnp.maximum(q, 0.), 1.)), 0.))
+
+
+def _maximum_written_three_times(q):
+    return jnp.sum(jnp.where(jnp.maximum(q, 0.) > 0,
+                             jnp.sqrt(jnp.where(jnp.maximum(q, 0.) > 0, jnp.maximum(q, 0.), 1.)),
+                             0.))
+
+
+def _minimum_double_where(q):
+    s = jnp.minimum(q, 1.)
+    return jnp.sum(jnp.where(s < 1., jnp.log(1. - jnp.where(s < 1., s, 0.)), 0.))
+
+
+@pytest.mark.parametrize("f", [_relu_double_where(jax.nn.relu), _first_lane_twice,
+                               _relu_double_where(lambda q: jnp.maximum(q, 0.)),
+                               _maximum_compared_by_its_operand, _maximum_written_three_times,
+                               _minimum_double_where],
+                         ids=["relu", "first_lane_twice", "maximum", "compared_operand",
+                              "maximum_three_times", "minimum"])
 def test_a_double_where_over_a_relu_or_an_indexed_predicate_is_left_as_it_is(f):
     """The inner `where` takes `s` only where `s > 0`: where the ReLU's 0 wins (`s` carries no
-    derivative there) it takes 1., at which `sqrt` is finite with its derivatives."""
+    derivative there) it takes 1., at which `sqrt` is finite with its derivatives. The outer
+    `where` reads the `max`'s cotangent only where `q` wins alone: weighed by 1, never by 0, so
+    the `max` is not re-decided (`_decisions.wins_wherever_live`)."""
     for x in (jnp.array([-1., 0., 2.]), jnp.array([1., 0., 2.])):
         assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
         safe = jaxsafe.nan_safe(f)
@@ -1145,6 +1167,31 @@ def test_a_double_where_whose_inner_where_keeps_the_singular_point_keeps_its_cut
     x = jnp.array([-1., 2.])
     assert "guarded sqrt" in str(jaxsafe.explain(f)(x))
     assert_close(jax.jacfwd(jaxsafe.nan_safe(f))(x), jnp.array([0., .5 / jnp.sqrt(2.)]))
+
+
+def test_a_predicate_below_the_maximum_s_constant_keeps_its_re_decision():
+    """`q > -1` holds where the `max`'s 0 wins (`q` in (-1, 0]): the `max` is live there, its
+    cotangent `inf` at 0 (sqrt's derivative) would be weighed by 0 for `q`: re-decided, and
+    the real singularity at `q = 0` stays."""
+    f = lambda q: jnp.sum(jnp.where(q > -1, jnp.sqrt(jnp.maximum(q, 0.)), 0.))  # noqa: E731
+    x = jnp.array([-.5, 0., 4., -2.])
+    assert "re-decided max" in str(jaxsafe.explain(f, finite_args=True)(x))
+    got = jax.grad(jaxsafe.nan_safe(f, finite_args=True))(x)
+    np.testing.assert_array_equal(np.asarray(got), np.array([0., np.inf, .25, 0.], np.float32))
+    assert np.isnan(np.asarray(jax.grad(f)(x))[0])  # plain JAX: 0 * inf
+
+
+def test_a_comparison_read_through_a_transpose_is_not_the_lanes_own():
+    """`s > 0` selects the lanes of `s.T`: the live lane (1, 0) reads `s[0, 1]`, where the
+    `max`'s 0 wins and sqrt's derivative is inf. The comparison is not of the lane itself, so
+    the `max` is re-decided: `q[0, 1]`'s lane gets 0, not `0 * inf`."""
+    def f(q):
+        s = jnp.maximum(q, 0.)
+        return jnp.sum(jnp.where(s > 0, jnp.sqrt(s.T), 0.))
+    q = jnp.array([[1., -1.], [4., -1.]])
+    assert np.isnan(np.asarray(jax.grad(f)(q))[0, 1])
+    got = jax.grad(jaxsafe.nan_safe(f))(q)
+    np.testing.assert_array_equal(np.asarray(got), np.array([[.5, 0.], [0., 0.]], np.float32))
 
 
 def _neg_twin(x):
