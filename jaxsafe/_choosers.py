@@ -683,6 +683,48 @@ def contraction_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     return masks
 
 
+def contraction_applies(eqn: JaxprEqn, ctx: Context) -> bool:
+    """A contraction chooses only with an operand that may mask the other's lanes."""
+    return not ctx.structural and any(_contraction_may_mask(eqn, k, ctx) for k in (0, 1))
+
+
+def by_original_contraction(eqn: JaxprEqn, guarded: list, originals: Sequence[Any],
+                            operand_masks: OperandMasks, out_masks: OperandMasks) -> list:
+    """`w @ v` with zero weights that drop lanes of `v`: a dropped lane's value still reaches
+    every output lane it meets (`0 * nan` is NaN), so no output lane can be cut whole as a
+    product's is (`by_original`): the live lanes take the guarded operands' derivative with the
+    original value, `stop_gradient(original) - (stop_gradient(out) - out)`, where the values
+    differ (bit for bit: that keeps a -0 too). And the operands' dropped lanes pass no
+    derivative: a zero weight never meets their tangent or weighs an inf cotangent into them
+    (`0 * inf`), at every order."""
+    masks = operand_masks()
+    cut = [x if m is None else lax.select_n(materialize(m, np.shape(x)), lax.stop_gradient(x), x)
+           for x, m in zip(guarded, masks, strict=True)]
+    out = bind_eqn(eqn, cut)[0]
+    if not jnp.issubdtype(out.dtype, jnp.inexact) or all(
+            g is o for g, o in zip(guarded, originals, strict=True)):
+        return [out]
+    original = lax.stop_gradient(bind_eqn(eqn, list(originals))[0])
+    differ = _bits_differ(original, out)
+    live_out = out_masks()[0]
+    if live_out is not None:
+        differ = lax.bitwise_and(differ, materialize(live_out, np.shape(out)))
+    fixed = lax.sub(original, lax.sub(lax.stop_gradient(out), out))
+    return [lax.select_n(differ, out, fixed)]
+
+
+def _bits_differ(a: Any, b: Any) -> Any:
+    """Lane by lane, whether two floating-point (or complex) values differ in any bit."""
+    pairs = [(lax.real(a), lax.real(b)), (lax.imag(a), lax.imag(b))] \
+        if jnp.issubdtype(a.dtype, jnp.complexfloating) else [(a, b)]
+    differ = None
+    for x, y in pairs:
+        bits = jnp.dtype(f"uint{jnp.dtype(x.dtype).itemsize * 8}")
+        ne = lax.ne(lax.bitcast_convert_type(x, bits), lax.bitcast_convert_type(y, bits))
+        differ = ne if differ is None else lax.bitwise_or(differ, ne)
+    return differ
+
+
 def contraction_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym] | None:
     """Aligned, and decided at run time for an operand that the other may mask."""
     syms = aligned_syms(eqn, out_syms, ctx)

@@ -40,10 +40,12 @@ from ._choosers import (
     by_fill,
     by_held,
     by_original,
+    by_original_contraction,
     by_permutation,
     by_top_k,
     by_wins,
     comparison_masks,
+    contraction_applies,
     contraction_masks,
     contraction_syms,
     product_applies,
@@ -537,7 +539,8 @@ register(prims.cumprod_p, prims.cumlogsumexp_p,
          masks=cumulative_masks, static=along_axes_syms(cumulative_axis),
          works_along=cumulative_axis, foldable=True)
 register(prims.dot_general_p, masks=contraction_masks, align=dot_general_alignment,
-         static=contraction_syms, foldable=True, derivative_reads=BILINEAR)
+         static=contraction_syms, foldable=True, derivative_reads=BILINEAR,
+         chooser=Chooser(by_original_contraction, contraction_applies))
 # windows: a window sum (average pooling) and a convolution read their live windows' lanes
 register(prims.reduce_window_sum_p, masks=windowed_masks(WINDOW_SUM),
          static=along_axes_syms(window_axes), works_along=window_axes,

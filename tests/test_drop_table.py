@@ -180,6 +180,12 @@ ROWS: list[Drop] = [
          lambda x: x > 0),
     Drop("mul-boolean", P.mul_p, lambda x, h: (h(x) * (x > 0).astype(x.dtype)).sum(),
          lambda x: x > 0),
+    # a contraction's zero weights drop the lanes only they meet (`_choosers.py`)
+    Drop("dot-constant-weights", P.dot_general_p,
+         lambda x, h: jnp.array([0., 0., 1., 2.], x.dtype) @ h(x), lambda x: _idx(x) >= 2),
+    Drop("dot-one-hot", P.dot_general_p,
+         lambda x, h: (jax.nn.one_hot(jnp.array([3, 2]), 4, dtype=x.dtype) @ h(x)).sum(),
+         lambda x: _idx(x) >= 2),
 ]
 ROW_IDS = [r.id for r in ROWS]
 NEW_ROWS = [r for r in ROWS if r.everywhere]
@@ -233,16 +239,27 @@ _VALUES: dict[tuple, dict] = {}
 raises)."""
 
 
+_SELECTED: dict[object, frozenset[str]] = {}
+"""dtype -> the ids of the rows `precompute` was given (the rows of the selected tests); the
+rows of every dtype not named here are all built."""
+
+
 def _all_rows(transform: Callable, dtype, x) -> dict[str, tuple]:
-    """`transform(f)(x)` of nan_safe and of the twin, for every row of `NEW_ROWS`, in two
-    compiled programs (a compile per row would take most of this module's time); a row that
-    fails to trace is computed alone, so that its own test raises its own error."""
+    """`transform(f)(x)` of nan_safe and of the twin, for every row of `NEW_ROWS` the session
+    selected, in two compiled programs (a compile per row would take most of this module's
+    time); a row that fails to trace is computed alone, so that its own test raises its own
+    error."""
+    wanted = _SELECTED.get(jnp.dtype(dtype))
+    rows = [r for r in NEW_ROWS if wanted is None or r.id in wanted]
+    if not rows:
+        return {}
+
     def run(fns):
         return jax.jit(lambda x: [transform(f)(x) for f in fns])(x)
     try:
-        safe = run([nan_safe(r.f) for r in NEW_ROWS])
-        twin = run([r.twin for r in NEW_ROWS])
-        return {r.id: (s, t) for r, s, t in zip(NEW_ROWS, safe, twin, strict=True)}
+        safe = run([nan_safe(r.f) for r in rows])
+        twin = run([r.twin for r in rows])
+        return {r.id: (s, t) for r, s, t in zip(rows, safe, twin, strict=True)}
     except Exception:  # noqa: BLE001 - each row's test computes it alone and raises
         return {}
 
@@ -262,6 +279,7 @@ def precompute(dtype, rows: list[Drop]) -> None:
     """Build the rows' programs before conftest's function-scoped leak checker: under
     `jax.checking_leaks()` JAX turns its tracing caches off and this table takes three times as
     long. The leak checker still runs over test_core.py, test_choosers.py and the rest."""
+    _SELECTED[jnp.dtype(dtype)] = frozenset(row.id for row in rows)
     for row in rows:
         if (dtype, row.id) not in _VALUES:
             try:
@@ -315,8 +333,12 @@ def check_forward_is_bitwise(row: Drop, dtype):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _programs_built_before_the_leak_checker():
-    precompute(jnp.float32, ROWS)
+def _programs_built_before_the_leak_checker(request):
+    """The rows of the tests this session runs (`make test` runs half of them: conftest)."""
+    selected = {item.callspec.params["row"].id for item in request.session.items
+                if item.getparent(pytest.Module) is request.node
+                and "row" in getattr(getattr(item, "callspec", None), "params", {})}
+    precompute(jnp.float32, [row for row in ROWS if row.id in selected])
     yield
 
 

@@ -943,6 +943,54 @@ def test_a_contraction_with_zero_weights_drops_the_lanes_they_meet(name):
     assert np.isfinite(np.asarray(jax.hessian(safe)(PADDED))).all()
 
 
+# Hunt AI: the lanes a zero weight drops still reach the contraction's value (`0 * nan` is
+# NaN), but the rewritten `dot_general` read the guarded operand (`sqrt(1.)` there): under a
+# derivative the value became finite (a hidden NaN: contracts 1 and 3). And an inf cotangent
+# met the zero weight in the transpose (`0 * inf`): NaN in the dropped lane (contract 2).
+NAN_MEETS_ZERO = {  # (f, x, the program with the dropped lanes removed)
+    "dot": (lambda x: jnp.dot(jnp.array([0., 1.]), jnp.sqrt(x)), jnp.array([-1., 4.]),
+            lambda x: jnp.sqrt(x[1])),
+    "matmul, a zero column": (
+        lambda x: jnp.sum(jnp.array([[1., 0., 2.], [3., 0., -1.]]) @ jnp.log(x)),
+        jnp.array([2., 0., 3.]), lambda x: 4. * jnp.log(x[0]) + jnp.log(x[2])),
+    "einsum": (lambda x: jnp.einsum("i,i->", jnp.array([0., 1., 1.]), jnp.log(x)),
+               jnp.array([0., 2., 3.]), lambda x: jnp.log(x[1]) + jnp.log(x[2])),
+    "one-hot rows": (lambda x: jax.nn.one_hot(jnp.array([0, 2]), 3) @ jnp.sqrt(x),
+                     jnp.array([[1., 4.], [-1., -2.], [9., 16.]]),
+                     lambda x: jnp.sqrt(x[jnp.array([0, 2])])),
+}
+
+
+@pytest.mark.parametrize("name", list(NAN_MEETS_ZERO))
+def test_a_contraction_keeps_the_nan_its_zero_weights_meet(name):
+    f, x, kept = NAN_MEETS_ZERO[name]
+    safe = jaxsafe.nan_safe(f)
+    want = jax.jit(f)(x)
+    assert np.isnan(np.asarray(want)).any()
+    loss = lambda x: jnp.sum(safe(x))  # noqa: E731
+    value, grad = jax.value_and_grad(loss)(x)
+    assert_bitwise(value, jnp.sum(want))
+    assert_bitwise(jax.vjp(safe, x)[0], want)
+    assert_bitwise(jax.jvp(safe, (x,), (jnp.ones_like(x),))[0], want)
+    assert_bitwise(jax.linearize(safe, x)[0], want)
+    assert_bitwise(jaxsafe.nan_safe(f, jit=False)(x), f(x))
+    reference = jax.grad(lambda x: jnp.sum(kept(x)))(x)  # 0 in the lanes it does not read
+    assert_close(grad, reference)
+    assert_close(jax.jacfwd(loss)(x), reference)
+    assert_close(jax.hessian(loss)(x), jax.hessian(lambda x: jnp.sum(kept(x)))(x))
+
+
+def test_an_inf_cotangent_meets_a_zero_weight_as_a_product_s_does():
+    """`sqrt(w @ x)` at 0: the cotangent is inf, and a zero weight's lane of `x` takes 0 from
+    it, as in `sqrt(w * x)` (plain JAX: `0 * inf`); the live lane's inf stays."""
+    w = jnp.array([0., 1.])
+    x = jnp.array([3., 0.])
+    for f in (lambda x: jnp.sqrt(jnp.dot(w, x)), lambda x: jnp.sum(jnp.sqrt(w * x))):
+        assert np.isnan(np.asarray(jax.grad(f)(x))[0])
+        got = jax.grad(jaxsafe.nan_safe(f))(x)
+        np.testing.assert_array_equal(np.asarray(got), np.array([0., np.inf], np.float32))
+
+
 def test_a_contraction_whose_weights_meet_every_lane_is_the_original_program():
     """A constant weight matrix with zeros but no all-zero row masks no lane: nothing to guard,
     and the padded row's `sqrt(0)` is a live singularity (plain JAX's NaN stays)."""
