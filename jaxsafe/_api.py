@@ -25,6 +25,7 @@ from ._compat import (
     differentiated_while_staging,
     differentiating_now,
     eval_jaxpr,
+    trace_context,
     with_axis_sizes,
     with_leading_arg_names,
 )
@@ -434,7 +435,8 @@ class NanSafeFunction:
         leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         leaves, fixed = _partition(leaves)
         avals = tuple(jax.typeof(x) for x in leaves)
-        key = (in_tree, avals, _typed(static_pos, static_kw), fixed, _guards.GENERATION)
+        key = (in_tree, avals, _typed(static_pos, static_kw), fixed, _guards.GENERATION,
+               trace_context())  # what jax.jit's cache keys by too: x64, promotion, ...
         return key, leaves, in_tree, avals, static_pos, static_kw, dyn_kwargs, fixed
 
     def _remember(self, store: collections.OrderedDict, key, value) -> bool:
@@ -541,9 +543,14 @@ class NanSafeFunction:
             # cache_size=0: every call traces again, jax.jit's own trace cache included
             # a new callable each time: jax.jit shares its trace cache between jits of one
             # function, and the old traces hold the programs rewritten before the registration
-            staged = type(self)._staged_forward if forward else type(self)._staged
-            jitted = jax.jit(functools.partial(staged, self),
-                             static_argnums=self._static_argnums,
+            staged = self._staged_forward if forward else self._staged
+
+            def front(*args, **kwargs):
+                return staged(*args, **kwargs)
+            # JAX's errors then name the user's function and arguments (`x`, not `args[0]`);
+            # its static positions and names are ours (`_normalize_static` maps them alike)
+            functools.update_wrapper(front, self._fun, updated=())
+            jitted = jax.jit(front, static_argnums=self._static_argnums,
                              static_argnames=self._static_argnames)
             self._fronts[forward] = (_guards.GENERATION, jitted)
         return jitted

@@ -289,6 +289,12 @@ ConcretizationTypeError = jax.errors.ConcretizationTypeError
 # values, which XLA computes (bit for bit as the program does): no public spelling turns it off.
 from jax._src.config import eager_constant_folding as eager_constant_folding  # noqa: E402
 
+# `trace_context()`: the configuration a trace depends on (x64, rank and dtype promotion, default
+# matmul precision, ...), which `jax.jit` keys its own cache by. nan_safe's per-signature cache
+# must key by it too, or a program traced under `jax.enable_x64(True)` is reused outside it;
+# no public function returns it.
+from jax._src.config import trace_context as trace_context  # noqa: E402
+
 # `_convert_element_type(..., weak_type=True)`: a literal the program holds weakly typed (the
 # `0.` of `jnp.where(c, x, 0.)`) must be bound weakly typed again, or every result it reaches
 # turns strongly typed (a float16 step `p - lr * g` would promote to float32); no public

@@ -348,3 +348,40 @@ def test_diagnose_reports_a_complex_gradient_s_entries_as_complex_numbers(recwar
 def test_assert_no_leaks_names_itself_for_a_function_that_is_not_callable():
     with pytest.raises(TypeError, match="assert_no_leaks: `fun` must be callable"):
         jaxsafe.testing.assert_no_leaks(3, 1.)
+
+
+def test_a_signature_traced_under_another_configuration_is_traced_again():
+    """Hunt AI: the cache keyed by shapes alone reused a program traced under
+    `jax.enable_x64(True)` outside it (float64 results where `jax.jit` gives float32), and one
+    traced with rank promotion allowed where it raises. The key holds JAX's trace context,
+    as `jax.jit`'s does."""
+    f = lambda x: jnp.where(x > 0, jnp.sqrt(x), 0.) + 0.1 * jnp.arange(2.)  # noqa: E731
+    safe = jaxsafe.nan_safe(f)
+    x = jnp.array([-1., 2.], jnp.float32)
+    with jax.enable_x64(True):
+        wide = safe(x)
+        assert_bitwise(wide, jax.jit(f)(x))
+    assert wide.dtype == jnp.float64
+    narrow = safe(x)
+    assert narrow.dtype == jnp.float32
+    assert_bitwise(narrow, jax.jit(f)(x))
+    add = jaxsafe.nan_safe(lambda a, b: a + b)
+    with jax.numpy_rank_promotion("allow"):
+        assert add(jnp.ones(2), jnp.ones((3, 1))).shape == (3, 2)
+    with jax.numpy_rank_promotion("raise"), pytest.raises(ValueError, match="rank_promotion"):
+        add(jnp.ones(2), jnp.ones((3, 1)))
+
+
+def test_a_bad_argument_s_error_names_the_function_and_the_argument():
+    """Hunt AI: JAX's error named `functools.partial(<function NanSafeFunction._staged ...>)`
+    and the path `args[0]` (`kwargs['y']`), where `jax.jit` names `f` and `x` (`y`)."""
+    def energy(x, y=1.):
+        return jnp.sqrt(x) * y
+
+    safe = jaxsafe.nan_safe(energy)
+    with pytest.raises(TypeError) as error:
+        safe(np.array([1, "a"], dtype=object))
+    assert "energy" in str(error.value) and "path x" in str(error.value)
+    assert "_staged" not in str(error.value)
+    with pytest.raises(OverflowError, match="argument path is y"):
+        safe(jnp.ones(2), y=2 ** 40)
