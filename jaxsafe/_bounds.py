@@ -106,7 +106,9 @@ def _scaled(eqn: JaxprEqn, value: Bound, factor: Bound, const, divide: bool) -> 
 
 
 def product(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
-    """`mul` by a positive finite constant, on either side."""
+    """`mul` by a positive finite constant, on either side; a value times itself: at least 0."""
+    if eqn.invars[0] is eqn.invars[1] and isinstance(eqn.invars[0], Var):
+        return 0.0
     value, factor = bounds
     const = consts[1]
     if const is None and consts[0] is not None:

@@ -29,6 +29,7 @@ from ._atoms import dtype_of, is_float, shape_of
 from ._compat import JaxprEqn, Literal, Var, bind_eqn
 from ._constants import fold
 from ._masks import (
+    STATIC_CORE_LIMIT,
     all_of,
     any_of,
     broadcast,
@@ -582,8 +583,48 @@ def gather_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sy
     indices = [opaque() for _ in eqn.invars[1:]]
     if ctx.structural and len(indices) == 1:  # `gather_masks`: by the output lanes it places
         indices = [move(out_syms[0], _index_batch_axes(eqn))]
-    return [_kept_along(out_syms[0], to_operand, op_shape, varying=dn.operand_batching_dims,
-                        static=_indices_known(eqn.invars[1:], ctx))] + indices
+    static = _indices_known(eqn.invars[1:], ctx)
+    sym = _kept_along(out_syms[0], to_operand, op_shape, varying=dn.operand_batching_dims,
+                      static=static)
+    rest = [d for d in range(len(op_shape)) if (d not in to_operand.values()
+                                                 or d in dn.operand_batching_dims)
+            and op_shape[d] != 1]
+    lanes = _gathered_lanes(eqn, rest, ctx) if static and rest else None
+    if lanes is not None:  # the rows `x[jnp.array([0, 2])]` reads, as a slice's are known
+        sym = _known_literal(move(out_syms[0], to_operand), rest, lanes)
+    return [sym] + indices
+
+
+def _known_literal(sym: Sym, axes: Sequence[int], lanes: np.ndarray) -> Sym:
+    """`sym` and a static literal along `axes` known lane by lane (`lanes`, over `axes` in
+    order), along only the axes where those lanes vary: rows kept whole stay a literal on the
+    row axis, which a coarse guard can carry through a matmul (`named_along`)."""
+    varying = [j for j in range(lanes.ndim)
+               if not np.all(lanes == np.take(lanes, [0], axis=j))]
+    if not varying:
+        return sym if lanes.all() else FALSE
+    others = tuple(j for j in range(lanes.ndim) if j not in varying)
+    lanes = lanes.any(axis=others) if others else lanes  # the same along `others`
+    return sym_and_literal(sym, unknown([axes[j] for j in varying], static=True, lanes=lanes))
+
+
+def _gathered_lanes(eqn: JaxprEqn, axes: Sequence[int], ctx: Context) -> np.ndarray | None:
+    """The lanes along `axes` (sorted) of a gather's operand that some output lane reads, from
+    indices known when jaxsafe plans (its transpose on ones, every index mode as the gather
+    has it); None for an operand of more than `STATIC_CORE_LIMIT` lanes."""
+    op_shape = shape_of(eqn.invars[0])
+    indices = [ctx.constant(v) for v in eqn.invars[1:]]
+    if int(np.prod(op_shape)) > STATIC_CORE_LIMIT or any(i is None for i in indices):
+        return None
+
+    def gather(operand: Any) -> Any:
+        return bind_eqn(eqn, [operand, *(jnp.asarray(i) for i in indices)])[0]
+    with jax.ensure_compile_time_eval():
+        _, pull = jax.vjp(gather, jnp.zeros(op_shape, jnp.float32))
+        (read,) = pull(jnp.ones(shape_of(eqn.outvars[0]), jnp.float32))
+    others = tuple(d for d in range(len(op_shape)) if d not in axes)
+    read = np.asarray(read) != 0
+    return read.any(axis=others) if others else read
 
 
 def _indices_known(indices: Sequence[Any], ctx: Context) -> bool:
@@ -678,7 +719,9 @@ def _known_lanes_moved(out: Sym, moving: Sequence[int], sources: Callable[[int],
 
 
 def _whole_axes_syms(axes: AxesRule, by_shape: bool = False,
-                     sources: Sources | None = None) -> StaticRule:
+                     sources: Sources | None = None,
+                     known_sources: Callable[[JaxprEqn, Context], Sources | None] | None = None
+                     ) -> StaticRule:
     """Static liveness of a slice-like movement (`slice`, `dynamic_slice`, `pad`, `rev`) whose
     output axis d runs along operand axis d, lane for lane where it takes the axis whole: a
     `where` per matrix on `chol[:, 1, 1]` drops whole matrices of `chol` (`batched_syms`), as it
@@ -686,7 +729,9 @@ def _whole_axes_syms(axes: AxesRule, by_shape: bool = False,
     lanes cut off are known from the parameters (not a `dynamic_slice`'s index); `sources`
     names them, so that a coarse guard can read them (the rows `h[2:]` cuts off, before a
     matmul whose exact mask would need a run-time reduction), and moves the literals known
-    lane by lane onto the operand's lanes (`_known_lanes_moved`)."""
+    lane by lane onto the operand's lanes (`_known_lanes_moved`). `known_sources`: the same
+    where the operands say them, when they are known as jaxsafe plans (a `dynamic_slice` at
+    literal starts)."""
     def static(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
         if not out_syms[0]:
             return [FALSE] * len(eqn.invars)
@@ -694,8 +739,9 @@ def _whole_axes_syms(axes: AxesRule, by_shape: bool = False,
         to_operand = {d: d for d, w in enumerate(whole) if w}
         op_shape = shape_of(eqn.invars[0])
         out, known, lanes = out_syms[0], None, None
-        if sources is not None:
-            from_output = functools.partial(sources, eqn)
+        named = sources if known_sources is None else known_sources(eqn, ctx)
+        if named is not None:
+            from_output = functools.partial(named, eqn)
             moving = [d for d, w in enumerate(whole) if not w]
             out, known = _known_lanes_moved(out, moving, from_output, op_shape, ctx)
             lanes = lambda d: _kept_lanes(from_output(d), op_shape[d])  # noqa: E731
@@ -734,8 +780,32 @@ def scatter_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[S
     shape = shape_of(eqn.invars[0])
     axes = [d for d, n in enumerate(shape) if n != 1]
     static = _indices_known(eqn.invars[1:2], ctx)
-    kept = sym_and_literal(out, unknown(axes, static)) if axes else out
+    lanes = _kept_by_scatter(eqn, axes, ctx) if static and axes else None
+    if lanes is not None:  # `x.at[rows].set(0.)` keeps the other rows: a literal along rows
+        kept = _known_literal(out, axes, lanes)
+    else:
+        kept = sym_and_literal(out, unknown(axes, static)) if axes else out
     return [kept, _scatter_index_syms(eqn, out, ctx)] + [opaque() for _ in eqn.invars[2:]]
+
+
+def _kept_by_scatter(eqn: JaxprEqn, axes: Sequence[int], ctx: Context) -> np.ndarray | None:
+    """The lanes along `axes` (every axis of size above 1) of an overwriting scatter's operand
+    that no update overwrites, from indices known when jaxsafe plans (its transpose in the
+    operand, on ones, every index mode as the scatter has it: `x.at[rows].set(0.)` keeps the
+    other rows, as a slice's are known); None for an operand of more than `STATIC_CORE_LIMIT`
+    lanes."""
+    shape = shape_of(eqn.invars[0])
+    indices = ctx.constant(eqn.invars[1])
+    if int(np.prod(shape)) > STATIC_CORE_LIMIT or indices is None:
+        return None
+    updates = jnp.zeros(shape_of(eqn.invars[2]), jnp.float32)
+
+    def scatter(operand: Any) -> Any:
+        return bind_eqn(eqn, [operand, jnp.asarray(indices), updates])[0]
+    with jax.ensure_compile_time_eval():
+        _, pull = jax.vjp(scatter, jnp.zeros(shape, jnp.float32))
+        (kept,) = pull(jnp.ones(shape, jnp.float32))
+    return np.asarray(kept).reshape([shape[d] for d in axes]) != 0
 
 
 def _scatter_index_syms(eqn: JaxprEqn, out: Sym, ctx: Context) -> Sym:
@@ -776,6 +846,18 @@ def _pad_sources(eqn: JaxprEqn, d: int) -> np.ndarray:
                     (src < shape_of(eqn.invars[0])[d]), src, -1)
 
 
+def _dynamic_slice_sources(eqn: JaxprEqn, ctx: Context) -> Sources | None:
+    """A `dynamic_slice`'s sources where its starts are known when jaxsafe plans: each start
+    clamped into the axis, as `lax.dynamic_slice` does."""
+    starts = [ctx.constant(v) for v in eqn.invars[1:]]
+    if any(s is None or np.size(s) != 1 for s in starts):
+        return None
+    sizes = eqn.params["slice_sizes"]
+    first = [min(max(int(np.asarray(s).reshape(())), 0), n - k)
+             for s, n, k in zip(starts, shape_of(eqn.invars[0]), sizes, strict=True)]
+    return lambda eqn, d: np.arange(first[d], first[d] + sizes[d])
+
+
 def _rev_axes(eqn: JaxprEqn) -> tuple[list[bool], list[int]]:
     return [d not in eqn.params["dimensions"] for d in range(len(shape_of(eqn.invars[0])))], []
 
@@ -809,7 +891,7 @@ def split_axis(eqn: JaxprEqn) -> list[int]:
 
 
 slice_syms = _whole_axes_syms(_slice_axes, by_shape=True, sources=_slice_sources)
-dynamic_slice_syms = _whole_axes_syms(_dynamic_slice_axes)
+dynamic_slice_syms = _whole_axes_syms(_dynamic_slice_axes, known_sources=_dynamic_slice_sources)
 pad_syms = _whole_axes_syms(_pad_axes, by_shape=True, sources=_pad_sources)
 rev_syms = _whole_axes_syms(_rev_axes, by_shape=True,
                             sources=lambda eqn, d: np.arange(shape_of(eqn.invars[0])[d])[::-1])

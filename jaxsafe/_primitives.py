@@ -342,7 +342,7 @@ register_elementwise(prims.mul_p, bound=bounds.product, preimage=bounds.product_
                      derivative_reads=BILINEAR, carries=PRODUCT,
                      masks=product_masks, static=product_syms,
                      chooser=Chooser(by_original, product_applies))
-register_elementwise(prims.square_p, bound=bounds.non_negative)
+register_elementwise(prims.square_p, bound=bounds.non_negative, range=ranges.square_range)
 register_elementwise(prims.convert_element_type_p, linear=True, bound=bounds.converted,
                      preimage=bounds.same_preimage, range=ranges.converted_range)
 register_elementwise(prims.reduce_precision_p, linear=True,

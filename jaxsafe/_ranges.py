@@ -122,8 +122,11 @@ def min_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
 
 
 def product_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
-    """Interval product; None where an infinite end meets a zero (0 * inf is NaN)."""
+    """Interval product; None where an infinite end meets a zero (0 * inf is NaN). A value times
+    itself (`y * y`) is a square: at least 0, for unknown operands too."""
     a, b = ranges
+    if eqn.invars[0] is eqn.invars[1] and isinstance(eqn.invars[0], Var):
+        return _square(eqn, a)
     if a is None or b is None:
         return None
     ends = [x * y for x in a for y in b]
@@ -167,6 +170,16 @@ def even_power_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
         with np.errstate(over="ignore"):
             return _outward(eqn, float(np.float64(a[0]) ** y), float(np.float64(a[1]) ** y),
                             exact=False)
+    return _square(eqn, a, y)
+
+
+def square_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
+    """`square`: at least 0, at most the larger end's square."""
+    return _square(eqn, ranges[0])
+
+
+def _square(eqn: JaxprEqn, a: Range, y: int = 2) -> Range:
+    """An even power `y` of a value in `a` (None: unknown): at least 0 for every finite input."""
     if a is None:
         return 0.0, np.inf
     with np.errstate(over="ignore"):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_finite, structure
+from helpers import assert_bitwise, assert_close, assert_finite, structure
 from jax import lax
 
 import jaxsafe
@@ -1192,6 +1192,22 @@ def test_a_comparison_read_through_a_transpose_is_not_the_lanes_own():
     assert np.isnan(np.asarray(jax.grad(f)(q))[0, 1])
     got = jax.grad(jaxsafe.nan_safe(f))(q)
     np.testing.assert_array_equal(np.asarray(got), np.array([[.5, 0.], [0., 0.]], np.float32))
+
+
+@pytest.mark.parametrize("f", [
+    lambda y: jnp.maximum(jnp.sqrt(jnp.sum(y * y)), 0.),
+    lambda y: jnp.maximum(jnp.sqrt(jnp.sum(jnp.square(y))), 0.),
+    lambda y: jnp.maximum(jnp.linalg.norm(y), 0.)], ids=["y * y", "square", "linalg.norm"])
+def test_a_maximum_whose_operand_never_loses_is_left_as_it_is(f):
+    """Hunt AH: `max(norm, 0.)` with `norm = sqrt(sum(y * y))`: the norm is at least 0, so the
+    0 never wins alone and drops nothing, but `y * y` had no range (only `y ** 2` had): a guard
+    of the `sqrt` whose mask is true in every lane, 4 equations to 15 (contract 4)."""
+    y = jnp.array([1., 2., 0.])
+    for finite in (False, True):
+        assert structure(jaxsafe.make_jaxpr(f, finite_args=finite)(y)) == \
+            structure(jax.make_jaxpr(f)(y))
+    for x in (y, jnp.zeros(3)):  # at 0: the norm's own singularity, NaN as in plain JAX
+        assert_bitwise(jax.grad(jaxsafe.nan_safe(f))(x), jax.jit(jax.grad(f))(x))
 
 
 def _neg_twin(x):

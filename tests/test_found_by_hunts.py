@@ -1085,3 +1085,38 @@ def test_a_gamma_sample_s_shape_in_a_dropped_lane_is_guarded(sampler):
     assert_bitwise(value, jax.jit(f)(a))
     assert_close(g, jax.grad(by_hand)(a), rtol=1e-5)
     assert_close(jax.jacfwd(jaxsafe.nan_safe(f))(a), jax.jacfwd(by_hand)(a), rtol=1e-5)
+
+
+# ------------------------------------------- rows picked at known indices after a value's choice
+# Hunt AH: `relu(x @ w)[jnp.array([0, 2])]` with a NaN padding row 1 of `x`: the rows a gather,
+# a `dynamic_slice` at literal starts or `x.at[rows].set(0.)` keep were an unknown (a slice's are
+# known lane by lane), so the relu's run-time part left the matmul's operand unguarded ("would
+# need a run-time reduction"): NaN in every entry of `w`'s gradient (contract 2).
+_ROWS_W = jnp.array([[1., .5], [-.5, 1.]])
+_ROWS_X = jnp.array([[1., 2.], [nan, nan], [3., -1.]])
+ROW_PICKS = {
+    "gather": lambda h: h[jnp.array([0, 2])],
+    "take": lambda h: jnp.take(h, jnp.array([0, 2]), axis=0),
+    "take_along_axis": lambda h: jnp.take_along_axis(h, jnp.array([[0], [2]]), axis=0),
+    "dynamic_slice": lambda h: lax.dynamic_slice(h, (2, 0), (1, 2)),
+    "overwritten": lambda h: h.at[jnp.array([1])].set(0.),
+}
+VALUE_CHOICES = {
+    "relu": jax.nn.relu,
+    "where": lambda h: jnp.where(h > 0, h, 0.),
+    "clip": lambda h: jnp.clip(h, 0., 10.),
+    "sort": lambda h: jnp.sort(h, axis=1),
+}
+
+
+@pytest.mark.parametrize("pick, choice", [(p, "relu") for p in ROW_PICKS]
+                         + [("gather", c) for c in VALUE_CHOICES if c != "relu"])
+def test_rows_picked_at_known_indices_after_a_choice_by_value_drop_the_padding_row(pick, choice):
+    f = lambda w, x: jnp.sum(ROW_PICKS[pick](VALUE_CHOICES[choice](x @ w)))  # noqa: E731
+    _same_forward(f, _ROWS_W, _ROWS_X)
+    padding_removed = _ROWS_X.at[1].set(0.)  # row 1 reaches no output: its values do not count
+    for argnum in (0, 1):
+        got = jax.grad(jaxsafe.nan_safe(f), argnum)(_ROWS_W, _ROWS_X)
+        want = jax.grad(f, argnum)(_ROWS_W, padding_removed)
+        assert_close(got, want)
+    assert np.isnan(np.asarray(jax.grad(f)(_ROWS_W, _ROWS_X))).all()  # plain JAX
