@@ -236,7 +236,8 @@ def scan_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     (`_hoisted.py`)."""
     reach = reached_outputs(eqn)
     al = scan_alignment(eqn)
-    n_consts, n_lead = scan_counts(eqn.params)[0], sum(scan_counts(eqn.params))
+    n_consts, n_carry = scan_counts(eqn.params)
+    n_lead = n_consts + n_carry
     by_step = _step_by_step(eqn)
     steps = eqn.params["length"] if by_step else None
     masks: list[Mask] = []
@@ -277,7 +278,8 @@ def scan_kinds(eqn: JaxprEqn, out_kinds: list[Kind], ctx: Context) -> list[Kind]
     operand the union of the kinds of the outputs it reaches (`reached_outputs`). A stacked
     input or a constant the body drops by the step's inputs alone is MAYBE (`_hoisted.py`)."""
     al = scan_alignment(eqn)
-    n_consts, n_lead = scan_counts(eqn.params)[0], sum(scan_counts(eqn.params))
+    n_consts, n_carry = scan_counts(eqn.params)
+    n_lead = n_consts + n_carry
     reach = reached_outputs(eqn)
     step = max(out_kinds, default=Kind.LIVE) if _step_by_step(eqn) else None  # any output's
     kinds = []
@@ -305,8 +307,8 @@ def scan_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]
     second scan (a stacked LSTM's upper layer) reaches the first one's per-step outputs along
     the rows, and its body's matmul operand in a padded row is guarded."""
     al = scan_alignment(eqn)
-    n_consts, n_lead = scan_counts(eqn.params)[0], sum(scan_counts(eqn.params))
-    n_carry = scan_counts(eqn.params)[1]
+    n_consts, n_carry = scan_counts(eqn.params)
+    n_lead = n_consts + n_carry
     by_step = _step_by_step(eqn)
     reach = reached_outputs(eqn)
     syms: list[Sym] = []
