@@ -169,6 +169,17 @@ def _normalize_static(fun: Callable, static_argnums, static_argnames, who: str):
     return tuple(sorted(nums)), tuple(sorted(names))
 
 
+def _keyword_names(fun: Callable, names: tuple[str, ...]) -> tuple[str, ...]:
+    """`names` less the positional-only parameters of `fun`'s signature, which `jax.jit`
+    rejects as static names (their positions are static already)."""
+    try:
+        params = inspect.signature(fun).parameters
+    except (TypeError, ValueError):
+        return names
+    return tuple(n for n in names
+                 if n not in params or params[n].kind != inspect.Parameter.POSITIONAL_ONLY)
+
+
 # a ShapeDtypeStruct: `jaxsafe.make_jaxpr` and `explain` trace over shapes, as `jax.make_jaxpr`
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex, Tracer,
                 jax.ShapeDtypeStruct)
@@ -551,7 +562,7 @@ class NanSafeFunction:
             # its static positions and names are ours (`_normalize_static` maps them alike)
             functools.update_wrapper(front, self._fun, updated=())
             jitted = jax.jit(front, static_argnums=self._static_argnums,
-                             static_argnames=self._static_argnames)
+                             static_argnames=_keyword_names(self._fun, self._static_argnames))
             self._fronts[forward] = (_guards.GENERATION, jitted)
         return jitted
 

@@ -106,9 +106,10 @@ def _scaled(eqn: JaxprEqn, value: Bound, factor: Bound, const, divide: bool) -> 
 
 
 def product(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
-    """`mul` by a positive finite constant, on either side; a value times itself: at least 0."""
+    """`mul` by a positive finite constant, on either side; a value times itself: at least 0
+    (floating point: an integer square wraps)."""
     if eqn.invars[0] is eqn.invars[1] and isinstance(eqn.invars[0], Var):
-        return 0.0
+        return _non_negative_in(eqn)
     value, factor = bounds
     const = consts[1]
     if const is None and consts[0] is not None:
@@ -122,9 +123,9 @@ def quotient(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
 
 
 def even_power(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
-    """`integer_pow` with a positive even exponent: at least 0."""
+    """`integer_pow` with a positive even exponent: at least 0 (floating point)."""
     y = eqn.params["y"]
-    return 0.0 if y > 0 and y % 2 == 0 else None
+    return _non_negative_in(eqn) if y > 0 and y % 2 == 0 else None
 
 
 def converted(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
@@ -144,8 +145,15 @@ def moved(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
 
 
 def non_negative(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
-    """At least 0 for every input (`square`, `abs`, `exp`, which underflows to 0)."""
-    return 0.0
+    """At least 0 for every input (`square`, `abs`, `exp`, which underflows to 0), in floating
+    point or unsigned integers: a signed integer's square or `abs` wraps (`abs(int8(-128))`)."""
+    return _non_negative_in(eqn)
+
+
+def _non_negative_in(eqn: JaxprEqn) -> Bound:
+    dtype = dtype_of(eqn.outvars[0])
+    return 0.0 if np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.unsignedinteger) \
+        else None
 
 
 # -- preimages: from a lower bound of a result to one of the operand it grows with ----------

@@ -520,7 +520,7 @@ def gather_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     that re-runs as one unit (where an index's reads count, `argmax` then
     `take_along_axis`), an index is read by the output lanes it places: its own batch
     coordinates, across the offset axes."""
-    masks = by_transpose_masks(eqn, outs, invals, ctx)
+    masks = by_transpose_masks(_as_read(eqn), outs, invals, ctx)
     out = outs[0]
     if ctx.structural and len(eqn.invars) == 2:
         masks[1] = None if out is None else _index_mask(eqn, out)
@@ -538,6 +538,15 @@ def gather_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
     if all(a in to_operand for a in axes):
         within(masks[0], place(core, [to_operand[a] for a in axes], shape_of(eqn.invars[0])))
     return masks
+
+
+def _as_read(eqn: JaxprEqn) -> JaxprEqn:
+    """A gather as XLA runs it, for the lanes it reads: an index out of bounds under
+    `promise_in_bounds` (`x[jnp.array([0, 5])]`) is clamped, as `mode="clip"` does, where its
+    transpose (a scatter-add) would drop it and call the lane it reads unread."""
+    if eqn.params.get("mode") != lax.GatherScatterMode.PROMISE_IN_BOUNDS:
+        return eqn
+    return eqn.replace(params={**eqn.params, "mode": lax.GatherScatterMode.CLIP})
 
 
 def _index_batch_axes(eqn: JaxprEqn) -> dict[int, int]:
@@ -617,8 +626,10 @@ def _gathered_lanes(eqn: JaxprEqn, axes: Sequence[int], ctx: Context) -> np.ndar
     if int(np.prod(op_shape)) > STATIC_CORE_LIMIT or any(i is None for i in indices):
         return None
 
+    read = _as_read(eqn)
+
     def gather(operand: Any) -> Any:
-        return bind_eqn(eqn, [operand, *(jnp.asarray(i) for i in indices)])[0]
+        return bind_eqn(read, [operand, *(jnp.asarray(i) for i in indices)])[0]
     with jax.ensure_compile_time_eval():
         _, pull = jax.vjp(gather, jnp.zeros(op_shape, jnp.float32))
         (read,) = pull(jnp.ones(shape_of(eqn.outvars[0]), jnp.float32))

@@ -179,7 +179,10 @@ def square_range(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
 
 
 def _square(eqn: JaxprEqn, a: Range, y: int = 2) -> Range:
-    """An even power `y` of a value in `a` (None: unknown): at least 0 for every finite input."""
+    """An even power `y` of a value in `a` (None: unknown): at least 0 for every finite input.
+    Floating point only: an integer square wraps (`int8(12) * 12` is -112)."""
+    if not np.issubdtype(dtype_of(eqn.outvars[0]), np.floating):
+        return None
     if a is None:
         return 0.0, np.inf
     with np.errstate(over="ignore"):

@@ -385,3 +385,16 @@ def test_a_bad_argument_s_error_names_the_function_and_the_argument():
     assert "_staged" not in str(error.value)
     with pytest.raises(OverflowError, match="argument path is y"):
         safe(jnp.ones(2), y=2 ** 40)
+
+
+def test_a_positional_only_static_argument():
+    """Hunt AJ: with the jit front carrying the user's signature, the name of a positional-only
+    static parameter went to `jax.jit` as a static name, which it rejects."""
+    def f(x, k, /):
+        return jnp.where(x > 0, jnp.sqrt(x), 0.).sum() * k
+
+    x = jnp.array([1., -1.])
+    assert nan_safe(f, static_argnums=1)(x, 3) == jax.jit(f, static_argnums=1)(x, 3)
+    assert_bitwise(jax.grad(nan_safe(f, static_argnums=1))(x, 3), jnp.array([1.5, 0.]))
+    import operator
+    assert_bitwise(nan_safe(operator.mul, static_argnums=1)(x, 3), x * 3)

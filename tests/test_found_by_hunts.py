@@ -1120,3 +1120,35 @@ def test_rows_picked_at_known_indices_after_a_choice_by_value_drop_the_padding_r
         want = jax.grad(f, argnum)(_ROWS_W, padding_removed)
         assert_close(got, want)
     assert np.isnan(np.asarray(jax.grad(f)(_ROWS_W, _ROWS_X))).all()  # plain JAX
+
+
+# Hunt AJ: `k * k` of integers was taken as at least 0 (as `y * y` of floats is), but an
+# integer square wraps (`int8(12) ** 2` is -112): the `sqrt` after it lost its guard, NaN in a
+# dropped lane (contract 2). `jnp.square` and `k ** 2` of integers had the same bound.
+@pytest.mark.parametrize("square", [lambda k: k * k, jnp.square, lambda k: k ** 2],
+                         ids=["k * k", "square", "k ** 2"])
+def test_an_integer_square_may_be_negative(square):
+    def f(a):
+        s = square(a.astype(jnp.int8)).astype(jnp.float32)
+        return jnp.sum(jnp.where(a < 10, jnp.sqrt(s) * a, 0.))
+
+    def hand(a):
+        s = square(a.astype(jnp.int8)).astype(jnp.float32)
+        return jnp.sum(jnp.where(a < 10, jnp.sqrt(jnp.where(a < 10, s, 1.)) * a, 0.))
+    a = jnp.array([12., 3.])
+    assert np.isnan(np.asarray(jax.grad(f)(a))[0])
+    assert_close(jax.grad(jaxsafe.nan_safe(f))(a), jax.grad(hand)(a))
+
+
+def test_an_index_out_of_bounds_reads_the_lane_xla_clamps_it_to():
+    """Hunt AJ: `x[jnp.array([0, 5])]` of 5 lanes reads lane 4 (XLA clamps an index out of
+    bounds under `promise_in_bounds`), but its mask, the gather's transpose, dropped the index:
+    lane 4 was guarded, and the value under a derivative changed (contract 1)."""
+    f = lambda x: jnp.sum(jnp.sqrt(x)[jnp.array([0, 5])])  # noqa: E731
+    x = jnp.array([4., -1., 9., -4., 16.])
+    value, grad = jax.value_and_grad(jaxsafe.nan_safe(f))(x)
+    assert_bitwise(value, jax.jit(f)(x))
+    assert_close(grad, jnp.array([.25, 0., 0., 0., 0.]))  # JAX's own derivative: lane 4 gets 0
+    g = lambda x, i: jnp.sum(jnp.sqrt(x)[i])  # noqa: E731
+    assert_bitwise(jax.value_and_grad(jaxsafe.nan_safe(g))(x, jnp.array([0, 5]))[0],
+                   jax.jit(f)(x))
