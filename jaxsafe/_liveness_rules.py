@@ -613,8 +613,8 @@ def _known_literal(sym: Sym, axes: Sequence[int], lanes: np.ndarray) -> Sym:
     if not varying:
         return sym if lanes.all() else FALSE
     others = tuple(j for j in range(lanes.ndim) if j not in varying)
-    lanes = lanes.any(axis=others) if others else lanes  # the same along `others`
-    return sym_and_literal(sym, unknown([axes[j] for j in varying], static=True, lanes=lanes))
+    kept = np.asarray(lanes.any(axis=others)) if others else lanes  # the same along `others`
+    return sym_and_literal(sym, unknown([axes[j] for j in varying], static=True, lanes=kept))
 
 
 def _gathered_lanes(eqn: JaxprEqn, axes: Sequence[int], ctx: Context) -> np.ndarray | None:
