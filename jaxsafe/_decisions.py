@@ -160,9 +160,8 @@ def wins_wherever_live(eqn: JaxprEqn, carrying: list[bool], sweep: Sweep) -> boo
     """Whether the one operand of a `max` (`min`) that carries a derivative wins alone in every
     lane where the result is live: each term of the result's live mask holds a comparison of the
     result, or of that operand, that puts it strictly above (below) the other operands,
-    constants. Its
-    cotangent, non-zero in live lanes only, is then weighed by 1 and never by 0: nothing to
-    re-decide. `jnp.where(s > 0, jnp.sqrt(jnp.where(s > 0, s, 1.)), 0.)` with
+    constants. Its cotangent, non-zero in live lanes only, is then weighed by 1 and never by 0:
+    nothing to re-decide. `jnp.where(s > 0, jnp.sqrt(jnp.where(s > 0, s, 1.)), 0.)` with
     `s = jnp.maximum(q, 0.)`: the hand-written double where over a ReLU."""
     larger = rule_for(eqn.primitive).selection
     larger = None if larger is None or larger.by_predicate else larger.larger_wins
