@@ -39,6 +39,7 @@ from ._constants import PROOF_ORDER, domain_holds_above, finite_with_derivatives
 from ._diagonal import DiagonalValues
 from ._free import FreeValues
 from ._liveness import Sweep
+from ._ranges import compared
 from ._rules import rule_for
 from ._symbolic import (
     FALSE,
@@ -308,14 +309,10 @@ class HandGuards:
         if not isinstance(key, Var) or self.sweep.same_as(key) not in taken:
             return False
         compare = self.sweep.producer_of(key)
-        if compare is None or len(compare.invars) != 2:
+        # `a < c` fails: `a >= c`, if neither is NaN
+        if compare is None or (order := compared(compare, lit[1])) is None:
             return False
-        order = rule_for(compare.primitive).bounds_below
-        if order is None:
-            return False
-        strict, value_side = order
-        if not lit[1]:  # `a < c` fails: `a >= c`, if neither is NaN
-            strict, value_side = not strict, 1 - value_side
+        value_side, strict = order
         a, c = compare.invars[value_side], compare.invars[1 - value_side]
         bound = literal_value(c) if isinstance(c, Literal) else self.sweep.constant(c)
         if bound is None or np.size(bound) != 1 or not isinstance(a, Var) or not is_float(a):

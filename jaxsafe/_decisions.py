@@ -31,6 +31,7 @@ from ._carries import Carry
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Var
 from ._cotangents import Cotangents, selects_by_value
 from ._liveness import Sweep
+from ._ranges import compared
 from ._report import Report, Site, note_failure
 from ._rules import Kind, alignment, rule_for
 from ._symbolic import FALSE, Sym, disjoint, forward_mapping, move, sym_not, sym_or
@@ -198,15 +199,12 @@ def _beyond(lit: tuple, values: tuple[Var, Var], others: list[float], larger: bo
             or embed != lane_to_lane:
         return False  # not the comparison of each lane itself (a transposed or broadcast one)
     compare = sweep.producer_of(key)
-    if compare is None or len(compare.invars) != 2:
+    if compare is None or (order := compared(compare, True)) is None:
         return False
-    order = rule_for(compare.primitive).bounds_below
-    if order is None:
-        return False
-    strict, bounded = order
+    bounded, strict = order
     side = bounded if larger else 1 - bounded  # where `out` must sit in the comparison
-    compared = compare.invars[side]
-    if not isinstance(compared, Var) or sweep.same_as(compared) not in \
+    value = compare.invars[side]
+    if not isinstance(value, Var) or sweep.same_as(value) not in \
             {sweep.same_as(v) for v in values}:
         return False
     point = _scalar_constant(compare.invars[1 - side], sweep)

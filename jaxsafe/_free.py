@@ -41,6 +41,7 @@ from ._bounds import Bounds, never_wins_alone
 from ._carries import Carry
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
 from ._constants import finite_with_derivatives, fold
+from ._ranges import compared
 from ._rules import PrimitiveRule, guard_for, rule_for
 from ._symbolic import (
     FALSE,
@@ -189,7 +190,7 @@ class FreeValues:
         chooser = self.sweep.producer_of(case)
         if chooser is None:
             return None
-        order = rule_for(compare.primitive).bounds_below
+        order = compared(compare, True)
         selection = rule_for(chooser.primitive).selection
         if order is None or selection is None or selection.larger_wins is None:
             return None
@@ -198,7 +199,7 @@ class FreeValues:
             if isinstance(u, Var) and self.sweep.same_as(u) in operands:
                 # a max's operand is at most its value: "u is the larger" false at the value
                 # stays false below it; "u is the smaller" true stays true
-                u_is_larger = j == order[1]
+                u_is_larger = j == order[0]
                 return j, (not u_is_larger) if selection.larger_wins else u_is_larger
         return None
 

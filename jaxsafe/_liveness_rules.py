@@ -598,7 +598,7 @@ def gather_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sy
     rest = [d for d in range(len(op_shape)) if (d not in to_operand.values()
                                                  or d in dn.operand_batching_dims)
             and op_shape[d] != 1]
-    lanes = _gathered_lanes(eqn, rest, ctx) if static and rest else None
+    lanes = _lanes_read(eqn, rest, ctx, gather=True) if static and rest else None
     if lanes is not None:  # the rows `x[jnp.array([0, 2])]` reads, as a slice's are known
         sym = _known_literal(move(out_syms[0], to_operand), rest, lanes)
     return [sym] + indices
@@ -617,25 +617,29 @@ def _known_literal(sym: Sym, axes: Sequence[int], lanes: np.ndarray) -> Sym:
     return sym_and_literal(sym, unknown([axes[j] for j in varying], static=True, lanes=kept))
 
 
-def _gathered_lanes(eqn: JaxprEqn, axes: Sequence[int], ctx: Context) -> np.ndarray | None:
-    """The lanes along `axes` (sorted) of a gather's operand that some output lane reads, from
-    indices known when jaxsafe plans (its transpose on ones, every index mode as the gather
-    has it); None for an operand of more than `STATIC_CORE_LIMIT` lanes."""
-    op_shape = shape_of(eqn.invars[0])
-    indices = [ctx.constant(v) for v in eqn.invars[1:]]
-    if int(np.prod(op_shape)) > STATIC_CORE_LIMIT or any(i is None for i in indices):
+def _lanes_read(eqn: JaxprEqn, axes: Sequence[int], ctx: Context,
+                gather: bool) -> np.ndarray | None:
+    """The lanes along `axes` (sorted) of a movement's operand 0 that some output lane reads
+    (a `gather`, as XLA runs it: `_as_read`) or that no update overwrites (a scatter), from
+    indices known when jaxsafe plans: its transpose on ones, in every index mode as the
+    equation has it, on float32 values whatever the operand's dtype. The indices are operand
+    1; a scatter's updates, after them, are taken at 0 (the transpose does not read them).
+    None for an operand of more than `STATIC_CORE_LIMIT` lanes, or indices not known."""
+    shape = shape_of(eqn.invars[0])
+    indices = ctx.constant(eqn.invars[1])
+    if int(np.prod(shape)) > STATIC_CORE_LIMIT or indices is None:
         return None
+    rest = [indices] + [jnp.zeros(shape_of(v), jnp.float32) for v in eqn.invars[2:]]
+    moved = _as_read(eqn) if gather else eqn  # XLA drops a scatter's update out of bounds
 
-    read = _as_read(eqn)
-
-    def gather(operand: Any) -> Any:
-        return bind_eqn(read, [operand, *(jnp.asarray(i) for i in indices)])[0]
+    def move_lanes(operand: Any) -> Any:
+        return bind_eqn(moved, [operand, *(jnp.asarray(r) for r in rest)])[0]
     with jax.ensure_compile_time_eval():
-        _, pull = jax.vjp(gather, jnp.zeros(op_shape, jnp.float32))
-        (read,) = pull(jnp.ones(shape_of(eqn.outvars[0]), jnp.float32))
-    others = tuple(d for d in range(len(op_shape)) if d not in axes)
-    read = np.asarray(read) != 0
-    return read.any(axis=others) if others else read
+        _, pull = jax.vjp(move_lanes, jnp.zeros(shape, jnp.float32))
+        (pulled,) = pull(jnp.ones(shape_of(eqn.outvars[0]), jnp.float32))
+    others = tuple(d for d in range(len(shape)) if d not in axes)
+    read = np.asarray(pulled) != 0
+    return np.asarray(read.any(axis=others)) if others else read
 
 
 def _indices_known(indices: Sequence[Any], ctx: Context) -> bool:
@@ -791,32 +795,12 @@ def scatter_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[S
     shape = shape_of(eqn.invars[0])
     axes = [d for d, n in enumerate(shape) if n != 1]
     static = _indices_known(eqn.invars[1:2], ctx)
-    lanes = _kept_by_scatter(eqn, axes, ctx) if static and axes else None
+    lanes = _lanes_read(eqn, axes, ctx, gather=False) if static and axes else None
     if lanes is not None:  # `x.at[rows].set(0.)` keeps the other rows: a literal along rows
         kept = _known_literal(out, axes, lanes)
     else:
         kept = sym_and_literal(out, unknown(axes, static)) if axes else out
     return [kept, _scatter_index_syms(eqn, out, ctx)] + [opaque() for _ in eqn.invars[2:]]
-
-
-def _kept_by_scatter(eqn: JaxprEqn, axes: Sequence[int], ctx: Context) -> np.ndarray | None:
-    """The lanes along `axes` (every axis of size above 1) of an overwriting scatter's operand
-    that no update overwrites, from indices known when jaxsafe plans (its transpose in the
-    operand, on ones, every index mode as the scatter has it: `x.at[rows].set(0.)` keeps the
-    other rows, as a slice's are known); None for an operand of more than `STATIC_CORE_LIMIT`
-    lanes."""
-    shape = shape_of(eqn.invars[0])
-    indices = ctx.constant(eqn.invars[1])
-    if int(np.prod(shape)) > STATIC_CORE_LIMIT or indices is None:
-        return None
-    updates = jnp.zeros(shape_of(eqn.invars[2]), jnp.float32)
-
-    def scatter(operand: Any) -> Any:
-        return bind_eqn(eqn, [operand, jnp.asarray(indices), updates])[0]
-    with jax.ensure_compile_time_eval():
-        _, pull = jax.vjp(scatter, jnp.zeros(shape, jnp.float32))
-        (kept,) = pull(jnp.ones(shape, jnp.float32))
-    return np.asarray(kept).reshape([shape[d] for d in axes]) != 0
 
 
 def _scatter_index_syms(eqn: JaxprEqn, out: Sym, ctx: Context) -> Sym:

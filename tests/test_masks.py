@@ -354,7 +354,7 @@ def test_a_crop_inside_a_body(wrap):
 
 def test_a_mask_known_true_at_trace_time_adds_nothing():
     """A gather at constant indices that reads every lane drops none: the static pass reads
-    the lanes it reads when jaxsafe plans (`_liveness_rules._gathered_lanes`), nothing is
+    the lanes it reads when jaxsafe plans (`_liveness_rules._lanes_read`), nothing is
     guarded, and the rewritten program is the original itself (contract 4), which `explain`
     says. The indices may be computed from literals or held in a program constant (a
     closed-over array: its integers are read at trace time, `_liveness.KnownOperands`)."""
