@@ -208,6 +208,27 @@ def _check_finite_args(finite_args: Any, who: str) -> Any:
         f"argument; got {finite_args!r}.")
 
 
+def _check_finite_flags_fit(fun: Callable, finite_args: Any, who: str) -> None:
+    """A tuple of flags longer than `fun`'s positional parameters names arguments that never
+    come: an error when the function is wrapped (skipped for `*args` or no signature)."""
+    if not isinstance(finite_args, tuple):
+        return
+    try:
+        params = inspect.signature(fun).parameters.values()
+    except (TypeError, ValueError):
+        return
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(finite_args) > len(positional):
+        name = getattr(fun, "__name__", "the function")
+        raise ValueError(
+            f"{who}: `finite_args` gives {len(finite_args)} flags, but `{name}` takes "
+            f"{len(positional)} positional argument(s) ({', '.join(positional) or 'none'}). "
+            f"Give at most one flag per positional parameter (keyword-only arguments are "
+            f"promised finite only by `finite_args=True`).")
+
+
 def _finite_leaves(finite_args: Any, args: tuple, static_nums: set[int], kwargs: dict,
                    who: str) -> list[bool]:
     """One flag per leaf of the dynamic arguments, in `tree_flatten((dyn_args, kwargs))` order:
@@ -397,6 +418,7 @@ class NanSafeFunction:
                  cache_size: int, finite_args: Any = False):
         self._fun = fun
         self._finite_args = _check_finite_args(finite_args, "nan_safe")
+        _check_finite_flags_fit(fun, self._finite_args, "nan_safe")
         self._static_argnums, self._static_argnames = _normalize_static(
             fun, static_argnums, static_argnames, "nan_safe")
         if not isinstance(use_jit, bool | np.bool_):

@@ -253,6 +253,16 @@ def test_finite_args_naming_a_position_the_call_lacks_and_diagnose_argnums_are_e
                                          r"but the function was called with 1 positional"):
         nan_safe(f, finite_args=7)(x)
     assert nan_safe(f, finite_args=-1)(x) == 2.
+    def g(x, n=1, *, scale=1.):
+        return f(x, n) * scale
+    with pytest.raises(ValueError, match=r"`finite_args` gives 3 flags, but `g` takes 2 "
+                                         r"positional argument\(s\) \(x, n\)"):
+        nan_safe(g, finite_args=(True, False, True))
+    with pytest.raises(ValueError, match=r"`finite_args` gives 3 flags"):
+        jaxsafe.explain(g, finite_args=(True, False, True))
+    assert nan_safe(lambda *a: f(*a), finite_args=(True, False, True))(x, 2) == 4.
+    assert nan_safe(f, finite_args=(True, False))(x, 2) == 4.
+    assert nan_safe(f, finite_args=(True, False))(x) == 2.
     with pytest.raises(TypeError, match=r"diagnose: `argnums` must be an int or a sequence of "
                                         r"ints .*got 'x'"):
         jaxsafe.diagnose(f, argnums="x")
