@@ -14,6 +14,11 @@ SMALL_CONSTANT = 64
 """Values up to this many lanes are evaluated when the rewrite is planned (a predicate computed
 from literals, a value known in dropped lanes); larger ones are not worth it."""
 
+MAX_WEIGHT = 1 << 16
+"""Float constants up to this many lanes, and values computed from them alone, are read when
+the rewrite is planned (a contraction with a closed-over weight matrix, or its transpose: which
+lanes its zeros mask)."""
+
 
 def shape_of(atom: Any) -> tuple[int, ...]:
     """The shape of a jaxpr atom."""

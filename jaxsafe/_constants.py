@@ -100,15 +100,16 @@ def _fold(eqn: JaxprEqn, values: Sequence[Any]) -> list[np.ndarray]:
     return outs
 
 
-def small_constant(eqn: JaxprEqn | None) -> Generator[Any, Any, Any]:
+def small_constant(eqn: JaxprEqn | None,
+                   limit: int = SMALL_CONSTANT) -> Generator[Any, Any, Any]:
     """The rule `demand` runs for a small value a program computes from literals alone (a
     selection's predicate): yields each variable operand of `eqn`, its producer, and receives
     its value; returns `eqn`'s folded output, or None where an operand is unknown or `eqn` does
-    not fold here (not `foldable`, an effect, too large, or a value bound to a sharding that
-    refuses to fold outside its mesh)."""
+    not fold here (not `foldable`, an effect, more than `limit` lanes, or a value bound to a
+    sharding that refuses to fold outside its mesh)."""
     if (eqn is None or len(eqn.outvars) != 1 or eqn.effects
             or not rule_for(eqn.primitive).foldable
-            or int(np.prod(shape_of(eqn.outvars[0]))) > SMALL_CONSTANT):
+            or int(np.prod(shape_of(eqn.outvars[0]))) > limit):
         return None
     args = []
     for u in eqn.invars:

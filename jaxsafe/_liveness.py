@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ._atoms import dtype_of, is_float, literal_value, shape_of
+from ._atoms import MAX_WEIGHT, dtype_of, is_float, literal_value, shape_of
 from ._bounds import Bounds, never_loses
 from ._carries import Carry, carry_classes, carrying_lanes
 from ._compat import (
@@ -285,6 +285,7 @@ class Sweep:
         # concrete float constants (closed-over weights): a contraction's mask rule reads which
         # lanes their zeros mask (`weight`); set before the static liveness that asks
         self.weights = dict(weights or {})
+        self._weight_values: dict = {}  # folded from them on a contraction's demand
         self.structural = structural
         self.sweeps = sweeps
         self._known = dict(consts or {})
@@ -463,8 +464,19 @@ class Sweep:
         return held is None or any(h == 0 for h in held)
 
     def weight(self, atom: Any) -> Any:
-        """The value of a concrete float constant of the program, else None."""
-        return self.weights.get(atom) if isinstance(atom, Var) else None
+        """The value of a concrete float constant of the program, or of a value it computes
+        from such constants and literals alone (`w.T`, `w.astype(jnp.bfloat16)`, a one-hot
+        cast to complex), else None."""
+        if not isinstance(atom, Var) or not self.weights:
+            return None
+        return demand(atom, self._weight_values, self._fold_weight)
+
+    def _fold_weight(self, v: Any) -> Generator[Any, Any, Any]:
+        if v in self.weights:
+            return _known_value(self.weights[v])
+        if v in self._known:
+            return _known_value(self._known[v])
+        return small_constant(self.producer_of(v), limit=MAX_WEIGHT)
 
     def carries_nothing(self, atom: Any) -> bool:
         if isinstance(atom, Literal):

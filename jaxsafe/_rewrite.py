@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from jax.custom_derivatives import SymbolicZero as NoTangent  # custom_jvp's, not ad.Zero
 
-from ._atoms import SMALL_CONSTANT, dtype_of, is_float, is_nonfinite_literal, shape_of
+from ._atoms import MAX_WEIGHT, SMALL_CONSTANT, dtype_of, is_float, is_nonfinite_literal, shape_of
 from ._backward import guarded_backward, guarded_forward
 from ._bounds import of_program
 from ._carries import Carry
@@ -309,10 +309,6 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
     decisions = plan_decisions(closed, sweep, sites, masked, report, found, bounds)
     return Plan(closed, sweep, nested, sites, masked, decisions, report)
 
-
-MAX_WEIGHT = 1 << 16
-"""Float constants up to this many lanes are read when the rewrite is planned (a contraction
-with a closed-over weight matrix: which lanes its zeros mask)."""
 
 
 def _small_integer_constants(closed: ClosedJaxpr) -> dict:

@@ -947,6 +947,8 @@ def test_a_contraction_with_zero_weights_drops_the_lanes_they_meet(name):
 # NaN), but the rewritten `dot_general` read the guarded operand (`sqrt(1.)` there): under a
 # derivative the value became finite (a hidden NaN: contracts 1 and 3). And an inf cotangent
 # met the zero weight in the transpose (`0 * inf`): NaN in the dropped lane (contract 2).
+_ONE_HOT = jax.nn.one_hot(jnp.array([0, 2]), 3)
+_ROWS = jnp.array([[1., 4.], [-1., -2.], [9., 16.]])
 NAN_MEETS_ZERO = {  # (f, x, the program with the dropped lanes removed)
     "dot": (lambda x: jnp.dot(jnp.array([0., 1.]), jnp.sqrt(x)), jnp.array([-1., 4.]),
             lambda x: jnp.sqrt(x[1])),
@@ -958,6 +960,18 @@ NAN_MEETS_ZERO = {  # (f, x, the program with the dropped lanes removed)
     "one-hot rows": (lambda x: jax.nn.one_hot(jnp.array([0, 2]), 3) @ jnp.sqrt(x),
                      jnp.array([[1., 4.], [-1., -2.], [9., 16.]]),
                      lambda x: jnp.sqrt(x[jnp.array([0, 2])])),
+    # hunt AJ: a one-hot the program transposes or casts (a value computed from a constant)
+    "one-hot transposed twice": (lambda x: _ONE_HOT.T.T @ jnp.sqrt(x), _ROWS,
+                                 lambda x: jnp.sqrt(x[jnp.array([0, 2])])),
+    "one-hot as its transpose, contracted": (
+        lambda x: jnp.einsum("ij,ik->jk", _ONE_HOT.T, jnp.sqrt(x)), _ROWS,
+        lambda x: jnp.sqrt(x[jnp.array([0, 2])])),
+    "one-hot cast to bfloat16": (
+        lambda x: _ONE_HOT.astype(jnp.bfloat16).astype(jnp.float32) @ jnp.sqrt(x), _ROWS,
+        lambda x: jnp.sqrt(x[jnp.array([0, 2])])),
+    "complex one-hot": (
+        lambda x: jnp.real(_ONE_HOT.astype(jnp.complex64) @ jnp.sqrt(x).astype(jnp.complex64)),
+        _ROWS, lambda x: jnp.sqrt(x[jnp.array([0, 2])])),
 }
 
 
