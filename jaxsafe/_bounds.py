@@ -150,6 +150,15 @@ def non_negative(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
     return _non_negative_in(eqn)
 
 
+def absolute(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
+    """`abs`: at least 0, and at least its operand's non-negative bound (logsumexp's
+    `log(abs(sum(exp(x - max(x)))))` reads a sum at least 1)."""
+    lower = _non_negative_in(eqn)
+    if lower is None or bounds[0] is None:
+        return lower
+    return max(lower, bounds[0])
+
+
 def _non_negative_in(eqn: JaxprEqn) -> Bound:
     dtype = dtype_of(eqn.outvars[0])
     return 0.0 if np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.unsignedinteger) \
@@ -287,6 +296,16 @@ def of_program(closed: ClosedJaxpr, producer: dict | None = None) -> Bounds:
                    if not isinstance(c, Tracer)})
 
 
+def lower_end(atom: Any, bounds: Bounds) -> Bound:
+    """The larger of `atom`'s lower bound and its range's lower end: a range knows upper ends
+    too (`1 - jnp.minimum(p, .999)` is at least .001, `-jnp.clip(p, 0., .999)` at least -.999)."""
+    lower = bounds.of(atom)
+    found = bounds.range_of(atom)
+    if found is None or not np.isfinite(found[0]):
+        return lower
+    return float(found[0]) if lower is None else max(lower, float(found[0]))
+
+
 def value_finite_above_bound(eqn: JaxprEqn, bounds: Bounds) -> bool:
     """Whether `eqn`, a primitive whose value only gets safer as its operand grows
     (`PrimitiveRule.decreasing`), has its operand bounded from below by a point where its value
@@ -295,7 +314,7 @@ def value_finite_above_bound(eqn: JaxprEqn, bounds: Bounds) -> bool:
     if not rule_for(eqn.primitive).decreasing or len(eqn.invars) != 1 \
             or len(eqn.outvars) != 1 or not isinstance(eqn.invars[0], Var):
         return False
-    lower = bounds.of(eqn.invars[0])
+    lower = lower_end(eqn.invars[0], bounds)
     if lower is None:
         return False
     point = np.asarray(lower, dtype_of(eqn.invars[0]))
@@ -389,12 +408,13 @@ def _bounded_divisor(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bounds,
                      tainted: Set) -> bool:
     """Whether operand k divides (`PrimitiveRule.divisor`) and is, for every finite input, at or
     above a positive point where `eqn` and its derivatives are finite, the other operands
-    finite: `1 / d` and its derivatives only shrink as `d` grows."""
+    finite: `1 / d` and its derivatives only shrink as `d` grows. A numerator with no known
+    range is proven over a divisor at least 1, outside float16."""
     v = eqn.invars[k]
     if rule.divisor != k or not isinstance(v, Var) or v in tainted or len(eqn.invars) != 2 \
             or any(isinstance(u, Var) and u in tainted for u in eqn.invars):
         return False
-    lower = bounds.of(v)
+    lower = lower_end(v, bounds)
     if lower is None or lower <= 0:
         return False
     dtype = dtype_of(v)
@@ -403,7 +423,11 @@ def _bounded_divisor(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bounds,
         return False
     ends = _numerator_ends(eqn, 1 - k, bounds)
     if ends is None:
-        return False
+        # any finite numerator over a divisor at least 1, in float32 or wider: each derivative
+        # is at most a few times the numerator (`x / (abs(x) + 1.)`, soft sign); the overflow
+        # of finite values is not counted, as elsewhere
+        return float(point) >= 1.0 and \
+            float(np.finfo(dtype).max) >= float(np.finfo(np.float32).max)
     points = [[point if j == k else np.asarray(end, dtype) for j in range(2)] for end in ends]
     return all(finite_with_derivatives(eqn, p, PROOF_ORDER, wrt=j) for p in points
                for j in range(2))
@@ -432,11 +456,11 @@ def _bounded_into_domain(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bou
     v = eqn.invars[k]
     if not rule.decreasing or k != 0 or not isinstance(v, Var) or v in tainted:
         return False
-    lower = bounds.of(v)
-    if lower is None or lower <= 0:
+    lower = lower_end(v, bounds)
+    if lower is None or lower <= rule.edge:
         return False
     point = at_or_below(lower, dtype_of(v))
-    return bool(float(point) > 0) and domain_holds_above(eqn, point)
+    return bool(float(point) > rule.edge) and domain_holds_above(eqn, point)
 
 
 def _ranged_below_domain(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bounds,

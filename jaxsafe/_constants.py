@@ -170,10 +170,13 @@ PROOF_ORDER = 3
 def domain_holds_above(eqn: JaxprEqn, point: Any) -> bool:
     """Whether a unary `decreasing` primitive is finite with its derivatives up to
     `PROOF_ORDER` at `point`, a lower bound of its operand: then at every operand above it. Not
-    below the smallest normal number: XLA flushes subnormals to zero on CPU (`sqrt` of one is 0,
-    its derivative inf), and where it does not, `log`'s derivative overflows there."""
+    within the smallest normal number of its domain's `edge`: XLA flushes subnormals to zero
+    on CPU (`sqrt` of one is 0, its derivative inf), and where it does not, `log`'s derivative
+    overflows there."""
     point = np.asarray(point).reshape(())
-    return bool(point >= np.finfo(point.dtype).tiny) and finite_with_derivatives(
+    edge = rule_for(eqn.primitive).edge
+    past = float(point) - edge  # float64: `-.999 - -1.` is exact enough
+    return bool(past >= np.finfo(point.dtype).tiny) and finite_with_derivatives(
         eqn, [point], PROOF_ORDER)
 
 

@@ -3,7 +3,8 @@ softmax, is at most 0, and the sum of `exp` of it over the axes maximized over i
 
 Interval arithmetic cannot see it (`x` ranges over every float); the relation can. `maximum_of`
 follows, from the subtrahend back to the minuend, equations each at least its operand lane by
-lane (`PrimitiveRule.at_least`: a `reduce_max`, a `max`, a value moved unchanged), composing
+lane (`PrimitiveRule.at_least`: a `reduce_max`, a `max`, a value moved unchanged; the finite
+case of a selection on `is_finite`, as logsumexp takes it), composing
 their alignments: every axis of the minuend must stay in place or be maximized over. For finite
 values the relation is exact (no rounding is involved), so `exp` of the shift needs no overflow
 guard and the `log` of its sum none at zero (`_ranges.py`, `_bounds.py`).
@@ -36,7 +37,7 @@ def maximum_of(b: object, a: object, producer: dict, eqns: Sequence[JaxprEqn]
         if i is None or len(eqns[i].outvars) != 1:
             return None
         step = eqns[i]
-        facts = rule_for(step.primitive).at_least
+        facts = rule_for(step.primitive).at_least or _kept_where_finite(step, producer, eqns)
         reaching = [k for k in sorted(facts) if step.invars[k] is a]
         onward = reaching or [k for k in sorted(facts) if isinstance(step.invars[k], Var)]
         if not onward:
@@ -60,6 +61,20 @@ def maximum_of(b: object, a: object, producer: dict, eqns: Sequence[JaxprEqn]
         return None
     sizes = shape_of(a)
     return frozenset(i for i, d in enumerate(axis_of) if d is None and sizes[i] != 1), exact
+
+
+def _kept_where_finite(step: JaxprEqn, producer: dict, eqns: Sequence[JaxprEqn]
+                       ) -> frozenset[int]:
+    """`select_n(is_finite(m), c, m)` (logsumexp's shift): `m` itself wherever `m` is finite,
+    as every value is here (the callers' ranges and bounds hold for finite values)."""
+    selection = rule_for(step.primitive).selection
+    if selection is None or not selection.by_predicate or len(step.invars) != 3:
+        return frozenset()
+    i = producer.get(step.invars[0])
+    if i is None or len(eqns[i].invars) != 1 or not rule_for(eqns[i].primitive).true_where_finite \
+            or eqns[i].invars[0] is not step.invars[2]:
+        return frozenset()
+    return frozenset({2})
 
 
 def _identity_of_max(atom: object) -> bool:

@@ -281,7 +281,7 @@ register_elementwise(prims.sqrt_p, guard=ONE, decreasing=True,
                      range=ranges.root_range)
 register_elementwise(prims.cbrt_p, guard=ONE, decreasing=True)
 register_elementwise(prims.rsqrt_p, prims.log_p, guard=POLE_AT_ONE, decreasing=True)
-register_elementwise(prims.log1p_p, guard=POLE_AT_ZERO)              # singular at -1
+register_elementwise(prims.log1p_p, guard=POLE_AT_ZERO, decreasing=True, edge=-1.0)
 register_elementwise(prims.div_p, guard=Guard({1: 1.0}, finite_at_singularities=False), divisor=1,
                      bound=bounds.quotient, preimage=bounds.quotient_preimage,
                      range=ranges.quotient_range,
@@ -298,7 +298,7 @@ register_elementwise(prims.integer_pow_p,
                      guard=Guard({0: 1.0}, _negative_exponent, finite_at_singularities=False),
                      bound=bounds.even_power, range=ranges.even_power_range)
 register_elementwise(prims.abs_p, guard=Guard({0: 1.0}, _complex_operand),
-                     bound=bounds.non_negative, range=ranges.absolute_range)
+                     bound=bounds.absolute, range=ranges.absolute_range)
 register_elementwise(prims.acos_p, prims.asin_p, guard=ZERO)
 register_elementwise(prims.atanh_p, prims.erf_inv_p, guard=POLE_AT_ZERO)
 register_elementwise(prims.acosh_p, guard=Guard({0: 2.0}))
@@ -387,9 +387,13 @@ if hasattr(lax, "mulhi_p"):  # JAX 0.10 on
 # integer pivots to a permutation (`lu_solve`, `lu_factor`): no float, no derivative
 register(lax_linalg.lu_pivots_to_permutation_p)
 register(*PRIVATE_KEY_WRAPS)  # key data <-> typed key: no float, nothing made non-finite
-register_elementwise(prims.tanh_p, prims.logistic_p, prims.sin_p, prims.cos_p, prims.atan_p,
-                     prims.asinh_p, prims.erf_p, prims.erfc_p, prims.bessel_i0e_p,
-                     prims.bessel_i1e_p)
+register_elementwise(prims.asinh_p, prims.bessel_i0e_p, prims.bessel_i1e_p)
+# bounded for every finite operand: `jnp.log(jax.nn.sigmoid(x) + 1e-7)` is in `log`'s domain
+register_elementwise(prims.tanh_p, prims.sin_p, prims.cos_p, prims.erf_p,
+                     range=ranges.between(-1.0, 1.0))
+register_elementwise(prims.logistic_p, bound=bounds.non_negative, range=ranges.between(0.0, 1.0))
+register_elementwise(prims.erfc_p, bound=bounds.non_negative, range=ranges.between(0.0, 2.0))
+register_elementwise(prims.atan_p, range=ranges.between(-np.pi / 2, np.pi / 2))
 register_elementwise(prims.nextafter_p, no_derivative=frozenset({0, 1}))
 # zero derivative: operands are read for their value only
 register_elementwise(prims.stop_gradient_p, zero_derivative=True, linear=True,
@@ -397,7 +401,8 @@ register_elementwise(prims.stop_gradient_p, zero_derivative=True, linear=True,
 transpose_to_zero_where_missing(prims.stop_gradient_p)  # jax-ml/jax#22011, under vmap of a cond
 register_elementwise(prims.sign_p, prims.floor_p, prims.ceil_p, prims.round_p,
                      zero_derivative=True)
-register_elementwise(prims.is_finite_p, zero_derivative=True, tests_nonfinite=every_operand)
+register_elementwise(prims.is_finite_p, zero_derivative=True, tests_nonfinite=every_operand,
+                     true_where_finite=True)
 # comparisons and logic: no tangent, but in structural mode every read counts
 register_elementwise(prims.eq_p, tests_nonfinite=compared_with_nonfinite, equality=True)
 register_elementwise(prims.ne_p, prims.lt_p, prims.le_p, prims.gt_p, prims.ge_p,

@@ -26,7 +26,7 @@ from ._atoms import dtype_of, is_float, shape_of
 from ._compat import JaxprEqn, Literal, Var
 from ._constants import fold
 from ._maxima import maximum_of
-from ._rules import rule_for
+from ._rules import RangeRule, rule_for
 from ._walk import demand
 
 Range = tuple[float, float] | None
@@ -54,6 +54,14 @@ def _end(x: float, dtype: Any, outward: float, exact: bool) -> float:
     if inward or (float(q) == x and not exact and x != 0):
         q = np.nextafter(q, np.asarray(outward, dtype))
     return float(q)
+
+
+def between(lo: float, hi: float) -> RangeRule:
+    """The rule of a primitive whose value lies in [lo, hi] for every finite operand (`tanh`,
+    `logistic`), an ulp wider each side: XLA's are faithful, not correctly rounded."""
+    def rule(eqn: JaxprEqn, ranges: list, consts: list) -> Range:
+        return _outward(eqn, lo, hi, exact=False)
+    return rule
 
 
 def constant_range(value: Any) -> Range:
@@ -358,8 +366,11 @@ class Ranges:
             r = constant_range(c) if c is not None else (yield case)
             if compare is not None and isinstance(case, Var) and \
                     shape_of(case) == shape_of(eqn.outvars[0]):
-                if r is not None:
-                    r = self._narrowed(compare, holds, case, r)
+                # a value compared with a constant (elu's `where(x > 0, 0., x)`, at most 0):
+                # every finite value, narrowed; a NaN it may hold is the taint pass's
+                r = self._narrowed(compare, holds, case, (-np.inf, np.inf) if r is None else r)
+                if r == (-np.inf, np.inf):
+                    r = None
                 if (r is None or not np.all(np.isfinite(r))) and self.steps_left is None \
                         and case not in compare.invars:
                     r = (yield from self._under(compare, holds, case)) or r

@@ -461,8 +461,10 @@ class PrimitiveRule:
     """`a == b`, lane by lane (`_diagonal.py`: two indices compared make `eye`)."""
     decreasing: bool = False
     """Guarded operand 0 of a primitive whose value and derivative are finite for every operand
-    at or above a positive point where they are finite (`sqrt`, `log`): bounded operands need
-    no guard."""
+    at or above a point past `edge` where they are finite (`sqrt`, `log`; `log1p` past -1):
+    bounded operands need no guard."""
+    edge: float = 0.0
+    """Where the domain of a `decreasing` primitive ends below (`log1p`: -1)."""
     divisor: int | None = None
     """A guarded operand that divides: where it is at or above a positive point where the
     value and derivatives are finite, they are finite for every finite other operand (a
@@ -539,6 +541,9 @@ class PrimitiveRule:
     """Operands the output is at least, lane by lane along the alignment (`reduce_max`, `max`;
     a value moved unchanged: `broadcast_in_dim`, `stop_gradient`): `x - stop_gradient(max(x))`
     is at most 0 (`_maxima.maximum_of`)."""
+    true_where_finite: bool = False
+    """True exactly in the lanes where its operand is finite (`is_finite`): for finite values,
+    `select_n(is_finite(m), 0., m)` is `m` (logsumexp's shift, `_maxima.maximum_of`)."""
     difference: bool = False
     """Operand 0 minus operand 1 (`sub`): at most 0 where operand 1 is at least operand 0."""
     sums: bool = False

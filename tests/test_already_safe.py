@@ -897,6 +897,36 @@ def test_an_activation_whose_derivative_is_bounded_is_left_as_it_is():
         structure(jax.make_jaxpr(f)(x))
 
 
+ACTIVATIONS = {
+    "relu": jax.nn.relu, "gelu": jax.nn.gelu,
+    "exact gelu": lambda x: jax.nn.gelu(x, approximate=False), "silu": jax.nn.silu,
+    # `where(x > 0, x, expm1(where(x > 0, 0., x)))`: the inner case is at most 0
+    "elu": jax.nn.elu, "selu": jax.nn.selu, "celu": jax.nn.celu,
+    "sigmoid": jax.nn.sigmoid, "tanh": jnp.tanh, "leaky relu": jax.nn.leaky_relu,
+    "hard tanh": jax.nn.hard_tanh, "squareplus": jax.nn.squareplus,
+    # `x / (abs(x) + 1.)`: a divisor at least 1
+    "soft sign": jax.nn.soft_sign,
+    "log softmax": jax.nn.log_softmax, "softmax": jax.nn.softmax,
+    "standardize": jax.nn.standardize,
+    "glu": lambda x: jax.nn.glu(jnp.concatenate([x, x], -1)),
+}
+ROW_KEPT = jnp.array([True, False, True])
+
+
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_a_jax_nn_activation_under_a_where_needs_no_guard_with_finite_arguments(name):
+    act = ACTIVATIONS[name]
+    f = lambda x: jnp.sum(jnp.where(ROW_KEPT[:, None], act(x), 0.))
+    x = jnp.array([[1.0, -2.0], [0.0, 0.0], [3.0, -4.0]])
+    assert str(jaxsafe.explain(f, finite_args=True)(x)) == \
+        "nothing to guard: the program runs unchanged"
+    # a NaN row, the default: the hand fix's derivative (0 in the dropped row)
+    bad = x.at[1, 0].set(jnp.nan)
+    hand = lambda x: jnp.sum(jnp.where(ROW_KEPT[:, None],
+                                       act(jnp.where(ROW_KEPT[:, None], x, 0.)), 0.))
+    assert_close(jax.grad(jaxsafe.nan_safe(f))(bad), jax.jit(jax.grad(hand))(bad))
+
+
 def test_a_clip_under_an_exp_that_may_overflow_is_still_re_decided():
     """`exp(10 * min(x, 100.))`: where 100 wins (x = 200), the `exp`'s derivative is inf and
     JAX weighs it by 0 for `x`: NaN in plain JAX. The `min` is re-decided as a selection, and
@@ -933,6 +963,70 @@ def test_a_softmax_whose_lanes_are_picked_needs_no_guard_with_finite_arguments(n
     np.testing.assert_array_equal(safe(LOGITS), jax.jit(f)(LOGITS))
     assert_close(jax.grad(safe)(LOGITS), jax.grad(f)(LOGITS))
     assert_close(jax.hessian(safe)(LOGITS), jax.hessian(f)(LOGITS), atol=1e-6)
+
+
+VALID = jnp.array([True, False, True, True])
+
+MASKED_LOG_DENSITIES = {
+    # `jax.nn.logsumexp` shifts by `where(isfinite(m), m, 0.)`: `m` itself for finite `x`
+    "logsumexp": lambda x: jnp.where(VALID, jax.nn.logsumexp(x, axis=1) - x[:, 0], 0.).sum(),
+    "logsumexp over both axes": lambda x: jnp.where(
+        VALID[:, None], x - jax.nn.logsumexp(x), 0.).sum(),
+    # bounded activations (`_ranges.between`): their `log` is in its domain
+    "log of a sigmoid plus eps": lambda x: jnp.where(
+        VALID[:, None], jnp.log(jax.nn.sigmoid(x) + 1e-7), 0.).sum(),
+    "log of one plus tanh plus eps": lambda x: jnp.where(
+        VALID[:, None], jnp.log(1.0 + jnp.tanh(x) + 1e-6), 0.).sum(),
+    "sqrt of two less a cosine": lambda x: jnp.where(
+        VALID[:, None], jnp.sqrt(2.0 - jnp.cos(x)), 0.).sum(),
+    "log of erfc plus eps": lambda x: jnp.where(
+        VALID[:, None], jnp.log(jax.scipy.special.erfc(x) + 1e-6), 0.).sum(),
+}
+
+
+@pytest.mark.parametrize("name", list(MASKED_LOG_DENSITIES))
+def test_a_masked_log_density_needs_no_guard_with_finite_arguments(name):
+    f = MASKED_LOG_DENSITIES[name]
+    assert str(jaxsafe.explain(f, finite_args=True)(LOGITS)) == \
+        "nothing to guard: the program runs unchanged"
+    safe = jaxsafe.nan_safe(f, finite_args=True)
+    np.testing.assert_array_equal(safe(LOGITS), jax.jit(f)(LOGITS))
+    assert_close(jax.grad(safe)(LOGITS), jax.jit(jax.grad(f))(LOGITS))
+
+
+def test_a_masked_logsumexp_of_an_inf_row_is_still_guarded():
+    """Arguments that may be inf (the default): `exp(x - 0.)` of a dropped row holding inf
+    overflows, and its derivative meets the `where`'s zero: the hand fix's 0 there."""
+    f = MASKED_LOG_DENSITIES["logsumexp"]
+    x = LOGITS.at[1, 2].set(jnp.inf)
+    assert np.isnan(np.asarray(jax.grad(f)(x))[1]).any()
+    hand = lambda x: jnp.where(VALID, jax.nn.logsumexp(jnp.where(VALID[:, None], x, 0.), axis=1)
+                               - x[:, 0], 0.).sum()
+    assert_bitwise(jax.grad(jaxsafe.nan_safe(f))(x), jax.grad(hand)(x))
+
+
+def test_a_log_of_a_sigmoid_that_underflows_keeps_its_guard():
+    """`log(sigmoid(x))` without an eps: `sigmoid(-200.)` is 0 in float32, `log(0)` -inf."""
+    f = lambda x: jnp.where(x > -50.0, jnp.log(jax.nn.sigmoid(x)), 0.).sum()
+    x = jnp.array([-200.0, 1.0])
+    assert np.isnan(np.asarray(jax.grad(f)(x))[0])
+    got = np.asarray(jax.grad(jaxsafe.nan_safe(f, finite_args=True))(x))
+    assert got[0] == 0.0
+    assert_close(got[1], np.asarray(jax.grad(f)(x))[1])
+
+
+def test_a_shift_by_a_finite_case_of_another_maximum_keeps_the_guard():
+    """`where(isfinite(m), y_max, 0.)` is not `x`'s maximum where `m` is finite."""
+    y = LOGITS[::-1] + 50.0
+
+    def f(x):
+        m = jnp.max(x, axis=1, keepdims=True)
+        shift = jnp.where(jnp.isfinite(m), jnp.max(y, axis=1, keepdims=True), 0.)
+        e = jnp.exp(x - lax.stop_gradient(shift))
+        return jnp.where(VALID[:, None], jnp.log(e.sum(1, keepdims=True)), 0.).sum()
+
+    explained = str(jaxsafe.explain(f, finite_args=True)(LOGITS))
+    assert "guarded" in explained, explained
 
 
 @pytest.mark.parametrize("shift", ["another value's maximum", "a maximum along another axis",
@@ -991,6 +1085,68 @@ def test_a_clamp_before_a_pole_is_the_original_program(name):
     low = np.asarray(x < 0)
     assert (grad[low] == 0).all()
     np.testing.assert_array_equal(grad, np.asarray(jax.grad(f)(x)))
+
+
+# Hunt AH: an upper clamp before a pole (`log1p(-min(p, .999))`, a logit or a binary
+# cross-entropy of `clip(p, eps, 1 - eps)`): the clamp's range, not a lower bound, keeps the
+# pole's operand inside its domain (`1 - min(p, .999)` is at least .001).
+UPPER_CLAMPED = {
+    "log1p of a negated min": lambda x: jnp.log1p(-jnp.minimum(x, 0.999)),
+    "sqrt of one less a min": lambda x: jnp.sqrt(1.0 - jnp.minimum(x, 0.999)),
+    "log of one less a clip": lambda x: jnp.log(1.0 - jnp.clip(x, 1e-6, 1.0 - 1e-6)),
+    "logit of a clip": lambda x: (jnp.log(jnp.clip(x, 1e-6, 1.0 - 1e-6))
+                                  - jnp.log1p(-jnp.clip(x, 1e-6, 1.0 - 1e-6))),
+    "reciprocal of one less a min": lambda x: 1.0 / (1.0 - jnp.minimum(x, 0.5)),
+}
+
+
+@pytest.mark.parametrize("name", list(UPPER_CLAMPED))
+def test_an_upper_clamp_before_a_pole_is_the_original_program(name):
+    f = lambda x: jnp.sum(UPPER_CLAMPED[name](x))
+    x = jnp.concatenate([CLAMP_INPUT, jnp.array([0.9999, 1.0, 3.0])])
+    assert str(jaxsafe.explain(f)(x)) == "nothing to guard: the program runs unchanged"
+    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    grad = np.asarray(jax.grad(jaxsafe.nan_safe(f))(x))
+    high = np.asarray(x >= 1.0)  # the clamp's constant wins: the derivative there is 0
+    assert (grad[high] == 0).all()
+    np.testing.assert_array_equal(grad, np.asarray(jax.grad(f)(x)))
+
+
+def test_binary_cross_entropy_of_a_clipped_probability_is_the_original_program():
+    """Keras' binary cross-entropy with finite labels and probabilities: nothing to guard."""
+    eps = 1e-7
+
+    def bce(p, y):
+        p = jnp.clip(p, eps, 1.0 - eps)
+        return -jnp.mean(y * jnp.log(p) + (1.0 - y) * jnp.log(1.0 - p))
+    p, y = jnp.array([0.0, 0.3, 1.0, 1.5]), jnp.array([1.0, 0.0, 0.0, 1.0])
+    safe = jaxsafe.nan_safe(bce, finite_args=True)
+    assert structure(jaxsafe.make_jaxpr(bce, finite_args=True)(p, y)) == \
+        structure(jax.make_jaxpr(bce)(p, y))
+    np.testing.assert_array_equal(np.asarray(jax.grad(safe)(p, y)),
+                                  np.asarray(jax.grad(bce)(p, y)))
+
+
+def test_an_upper_clamp_that_reaches_the_pole_is_still_re_decided():
+    """`log1p(-min(x, 1.))`: where the constant wins, `log1p(-1)` is -inf and its derivative
+    too; JAX weighs it by 0 for `x` (NaN). `x`'s lane is dropped there: its derivative is 0."""
+    f = lambda x: jnp.sum(jnp.log1p(-jnp.minimum(x, 1.0)))
+    x = jnp.array([2.0, 0.5])
+    assert np.isnan(np.asarray(jax.grad(f)(x))[0])
+    hand = lambda x: jnp.sum(jnp.where(x < 1.0, jnp.log1p(-jnp.where(x < 1.0, x, 0.0)),
+                                       jnp.log1p(-1.0)))
+    np.testing.assert_array_equal(np.asarray(jax.grad(jaxsafe.nan_safe(f))(x)),
+                                  np.asarray(jax.grad(hand)(x)))
+    assert "re-decided min" in str(jaxsafe.explain(f)(x))
+
+
+def test_a_log1p_below_its_pole_keeps_its_guard():
+    """`where(x > -.5, log1p(x), 0.)` at its pole: no bound keeps `log1p` in its domain."""
+    f = lambda x: jnp.sum(jnp.where(x > -0.5, jnp.log1p(x), 0.0))
+    x = jnp.array([-1.0, 1.0])
+    assert np.isnan(np.asarray(jax.grad(f)(x))[0])
+    np.testing.assert_array_equal(np.asarray(jax.grad(jaxsafe.nan_safe(f))(x)),
+                                  np.array([0.0, 0.5], np.float32))
 
 
 def _sqrt_of_clamp_reference(x, y):

@@ -219,12 +219,16 @@ def test_masked_attention_second_order_matches_the_valid_rows():
 
 def test_logsumexp_isfinite_test_does_not_taint_the_program():
     """logsumexp tests its max with isfinite only to feed stop_gradient, and starts from
-    max(-inf, .): neither makes the products around it suspect, so no guard lands there. The
-    exp is guarded; the log is not: where it is dropped, every exp lane is (the sum is a
-    reduction), so it reads the sum of exp(0) = 1, three lanes: log(3)."""
+    max(-inf, .): neither makes the products around it suspect, so no guard lands there. Nor
+    on the exp and the log: its shift, `x - where(isfinite(m), m, 0.)`, is at most 0 for
+    finite `x` (`_maxima.py`), so the sum of its exp is at least 1: nothing to guard."""
     f = lambda w, x: jnp.sum(jnp.where(x > 0, (w * x) * jax.nn.logsumexp(x), 0.))
     # finite arguments: the products would be guarded for non-finite ones (test_nonfinite_data)
     _, report = jaxsafe.nan_safe(f, finite_args=True).trace(1., jnp.ones(3))
+    assert not report.sites and not report.changed
+    # a shift that is not x's maximum keeps the exp's guard, and no product is guarded
+    g = lambda w, x: jnp.sum(jnp.where(x > 0, (w * x) * jnp.log(jnp.sum(jnp.exp(x - 1.))), 0.))
+    _, report = jaxsafe.nan_safe(g, finite_args=True).trace(1., jnp.ones(3))
     assert [site.eqn.primitive for site in report.sites] == [P.exp_p]
     assert all(reason == "table" for site in report.sites for reason in site.reasons.values())
 
