@@ -360,10 +360,12 @@ register(prims.device_put_p, lax.optimization_barrier_p, masks=paired_masks,
          static=paired_syms, linear=True, paired=True)
 # `with_sharding_constraint`: the value itself, placed; re-emitted with its sharding
 register_elementwise(prims.sharding_constraint_p, linear=True, bound=bounds.moved)
-# `reshard` (Explicit mesh axes): its operand and output are typed with different shardings, so a
-# mask cannot cross it unchanged (a select of differently sharded operands is an error): every
-# operand lane is live where any output lane is (the default), no mask crosses.
-register(*PRIVATE_RESHARDS, linear=True)
+# `reshard` (Explicit mesh axes): where its operand and output are typed with different
+# shardings a mask cannot cross it unchanged (a select of differently sharded operands is an
+# error): every operand lane is live where any output lane is. An identity reshard (the same
+# sharding both sides, as `jnp.where` with a scalar case traces under `jax.set_mesh`) is the
+# value itself, placed: its mask crosses (`paired_masks`)
+register(*PRIVATE_RESHARDS, masks=paired_masks, static=paired_syms, linear=True, paired=True)
 register(*PRIVATE_PLATFORM_INDEX, zero_derivative=True)
 # No liveness facts, but finite for finite operands (a primitive without a row may make NaN or
 # inf: `CONSERVATIVE`): picks and updates of finite values, random numbers, decompositions and

@@ -392,6 +392,39 @@ def test_explicit_mesh_axes_and_reshard():
         assert_bitwise(jax.jit(nan_safe(f))(xs), jax.jit(f)(xs))
 
 
+SCALAR_CASES = {  # (f, the hand fix): each traces an identity `reshard` under `set_mesh`
+    "where": (lambda x: jnp.sum(jnp.where(x > 0, jnp.log(x), 0.)),
+              lambda x: jnp.sum(jnp.where(x > 0, jnp.log(jnp.where(x > 0, x, 1.)), 0.))),
+    "where, cases swapped": (
+        lambda x: jnp.sum(jnp.where(x <= 0, 0., jnp.log(x))),
+        lambda x: jnp.sum(jnp.where(x <= 0, 0., jnp.log(jnp.where(x <= 0, 1., x))))),
+    "select": (lambda x: jnp.sum(jnp.select([x > 1, x > 0], [jnp.log(x), jnp.sqrt(x)], 0.)),
+               lambda x: jnp.sum(jnp.select([x > 1, x > 0],
+                                            [jnp.log(jnp.where(x > 1, x, 2.)),
+                                             jnp.sqrt(jnp.where(x > 0, x, 1.))], 0.))),
+    "logsumexp where": (
+        lambda x: jax.nn.logsumexp(jnp.log(jnp.abs(x)), where=x != 0),
+        lambda x: jax.nn.logsumexp(jnp.log(jnp.abs(jnp.where(x != 0, x, 1.))), where=x != 0)),
+}
+
+
+@pytest.mark.parametrize("name", list(SCALAR_CASES))
+def test_a_where_with_a_scalar_case_under_an_explicit_mesh(name):
+    """Under `jax.set_mesh` with `Explicit` axes (`jax.make_mesh`'s default), `jnp.where` with a
+    scalar case traces an identity `reshard` (the same sharding both sides): its mask crosses it.
+    It had kept every lane live: plain JAX's NaN (hunt AK)."""
+    f, hand = SCALAR_CASES[name]
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jnp.array([-1., 0., 2., 0.5, 3., -2., 1., 4.])
+    with jax.set_mesh(mesh):
+        assert not np.isfinite(np.asarray(jax.grad(f)(x))).all()
+        assert_close(jax.grad(nan_safe(f))(x), jax.grad(hand)(x))
+        assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+        assert not _unknown_anywhere(nan_safe(f).trace(x)[1])
+        xs = jax.device_put(x, NamedSharding(mesh, P("d")))
+        assert_close(jax.jit(jax.grad(nan_safe(f)))(xs), jax.jit(jax.grad(hand))(xs))
+
+
 def _unknown_anywhere(report) -> list:
     found, stack = [], [report]
     while stack:
