@@ -177,8 +177,21 @@ def varies_over_manual_axes(avals: Iterable[Any]) -> bool:
 
 
 def _varying_axes(aval: Any) -> frozenset:
+    # JAX 0.10 types a value's varying manual axes as `aval.mat.varying`, JAX 0.9 as `aval.vma`
     mat = getattr(aval, "mat", None)
+    if mat is None:
+        return frozenset(getattr(aval, "vma", ()) or ())
     return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def varying_like(x: Any, like: Any) -> Any:
+    """`x` cast to vary over the manual axes `like` varies over and `x` does not (`pcast`): a
+    cotangent handed to `jax.vjp` inside a `shard_map` body must have its primal output's type
+    (a mask of ones made there is not varying)."""
+    missing = _varying_axes(jax.typeof(like)) - _varying_axes(jax.typeof(x))
+    if not missing:
+        return x
+    return jax.lax.pcast(x, tuple(sorted(missing)), to="varying")
 
 
 def _trace_keeping_varying_axes(fun: Any, avals: Sequence[Any]) -> ClosedJaxpr:

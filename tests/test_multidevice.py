@@ -8,6 +8,7 @@ body, and forward values bit for bit against `jax.jit` of the same program on th
 """
 
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -423,6 +424,56 @@ def test_a_where_with_a_scalar_case_under_an_explicit_mesh(name):
         assert not _unknown_anywhere(nan_safe(f).trace(x)[1])
         xs = jax.device_put(x, NamedSharding(mesh, P("d")))
         assert_close(jax.jit(jax.grad(nan_safe(f)))(xs), jax.jit(jax.grad(hand))(xs))
+
+
+_LEAK = lambda x: jnp.where(x > 0, jnp.sqrt(x), -1.)  # noqa: E731
+_HAND = lambda x: jnp.where(x > 0, jnp.sqrt(jnp.where(x > 0, x, 1.)), -1.)  # noqa: E731
+PICKERS = {
+    "max": jnp.max,
+    "min of the negation": lambda h: -jnp.min(-h),
+    "cummax": lambda h: jnp.sum(jax.lax.cummax(h, axis=0)),
+    "top_k": lambda h: jnp.sum(jax.lax.top_k(h, 1)[0]),
+    "argmax slice": lambda h: jnp.sum(jax.lax.dynamic_slice(h, (jnp.argmax(h),), (1,))),
+    "sort": lambda h: jnp.sum(jnp.sort(h)[1:]),
+}
+
+
+@pytest.mark.parametrize("name", list(PICKERS))
+def test_a_choice_by_value_in_a_shard_map_body_checking_varying_axes(name):
+    """In a `shard_map` body with `check_vma` (the default), the masks a choice by value is
+    planned with are pulled back through `jax.vjp`, whose cotangent and primal must vary as
+    the body's values do: they were made invariant, the analysis failed and the program ran
+    unguarded (hunt AK). The hand fix's gradient, and no warning."""
+    pick = PICKERS[name]
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    smap = lambda inner: jax.shard_map(  # noqa: E731
+        lambda x: jax.lax.psum(pick(inner(x)), "d"), mesh=mesh, in_specs=P("d"), out_specs=P())
+    x = jax.device_put(jnp.linspace(-1., 2., 32), NamedSharding(mesh, P("d")))
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("error", jaxsafe.AnalysisFailedWarning)
+        assert np.isnan(np.asarray(jax.jit(jax.grad(smap(_LEAK)))(x))).any()
+        assert_close(jax.jit(jax.grad(nan_safe(smap(_LEAK))))(x),
+                     jax.jit(jax.grad(smap(_HAND)))(x))
+
+
+def test_a_maximum_of_data_feeding_a_collective_in_a_shard_map_body():
+    """`g = psum(max(y))`, then `where(x > g, log(x - g), 0.)`: the `max` is planned with a
+    pulled-back mask inside the body (hunt AK: the analysis failed, plain JAX's NaN stayed)."""
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def body(guard):
+        def f(x, y):
+            g = jax.lax.psum(jnp.max(y), "d")
+            safe = jnp.where(x > g, x - g, 1.) if guard else x - g
+            return jax.lax.psum(jnp.sum(jnp.where(x > g, jnp.log(safe), 0.)), "d")
+        return jax.shard_map(f, mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P())
+    x = jnp.linspace(1., 2., 16).at[3].set(0.)
+    put = lambda v: jax.device_put(v, NamedSharding(mesh, P("d")))  # noqa: E731
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("error", jaxsafe.AnalysisFailedWarning)
+        got = jax.jit(jax.grad(nan_safe(body(False))))(put(x), put(jnp.zeros(16)))
+        assert_close(got, jax.jit(jax.grad(body(True)))(put(x), put(jnp.zeros(16))))
+        assert np.asarray(got)[3] == 0.
 
 
 def _unknown_anywhere(report) -> list:
