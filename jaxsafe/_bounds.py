@@ -409,7 +409,7 @@ def _bounded_divisor(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bounds,
     """Whether operand k divides (`PrimitiveRule.divisor`) and is, for every finite input, at or
     above a positive point where `eqn` and its derivatives are finite, the other operands
     finite: `1 / d` and its derivatives only shrink as `d` grows. A numerator with no known
-    range is proven over a divisor at least 1, outside float16."""
+    range is proven over a divisor at least 1 where it is an input, outside float16."""
     v = eqn.invars[k]
     if rule.divisor != k or not isinstance(v, Var) or v in tainted or len(eqn.invars) != 2 \
             or any(isinstance(u, Var) and u in tainted for u in eqn.invars):
@@ -423,11 +423,13 @@ def _bounded_divisor(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bounds,
         return False
     ends = _numerator_ends(eqn, 1 - k, bounds)
     if ends is None:
-        # any finite numerator over a divisor at least 1, in float32 or wider: each derivative
-        # is at most a few times the numerator (`x / (abs(x) + 1.)`, soft sign); the overflow
-        # of finite values is not counted, as elsewhere
-        return float(point) >= 1.0 and \
-            float(np.finfo(dtype).max) >= float(np.finfo(np.float32).max)
+        # an input (finite: not tainted) over a divisor at least 1, in float32 or wider: each
+        # derivative is at most a few times the numerator (`x / (abs(x) + 1.)`, soft sign). Not
+        # a value computed here: `x * x * x` overflows to inf from a finite `x` (hunt AL)
+        numerator = eqn.invars[1 - k]
+        return float(point) >= 1.0 and isinstance(numerator, Var) \
+            and numerator not in bounds.producer \
+            and float(np.finfo(dtype).max) >= float(np.finfo(np.float32).max)
     points = [[point if j == k else np.asarray(end, dtype) for j in range(2)] for end in ends]
     return all(finite_with_derivatives(eqn, p, PROOF_ORDER, wrt=j) for p in points
                for j in range(2))

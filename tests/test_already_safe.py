@@ -927,6 +927,18 @@ def test_a_jax_nn_activation_under_a_where_needs_no_guard_with_finite_arguments(
     assert_close(jax.grad(jaxsafe.nan_safe(f))(bad), jax.jit(jax.grad(hand))(bad))
 
 
+def test_a_computed_numerator_over_a_divisor_at_least_one_keeps_its_guard():
+    """`x ** 3 / (abs(x) + 1.)`: the divisor is at least 1, but the numerator is computed, and
+    overflows to inf from a finite `x = 1e13` (hunt AL): the quotient's derivative in the
+    divisor is -inf there, and the dropped lane takes the hand fix's 0."""
+    m = jnp.array([True, False, True])
+    f = lambda x: jnp.sum(jnp.where(m, (x * x * x) / (jnp.abs(x) + 1.), 0.))
+    hand = lambda x: f(jnp.where(m, x, 1.))
+    x = jnp.array([0.5, 1e13, 2.0])
+    assert np.isnan(np.asarray(jax.grad(f)(x))[1])
+    assert_close(jax.grad(jaxsafe.nan_safe(f, finite_args=True))(x), jax.grad(hand)(x))
+
+
 def test_a_clip_under_an_exp_that_may_overflow_is_still_re_decided():
     """`exp(10 * min(x, 100.))`: where 100 wins (x = 200), the `exp`'s derivative is inf and
     JAX weighs it by 0 for `x`: NaN in plain JAX. The `min` is re-decided as a selection, and
