@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 
 from ._atoms import is_float, literal_value, shape_of
-from ._compat import Jaxpr, JaxprEqn, Literal, Var, bind_eqn
+from ._compat import Jaxpr, JaxprEqn, Literal, Var, bind_eqn, sharded_like
 from ._masks import (
     all_of,
     any_of,
@@ -110,7 +110,8 @@ def carrying_lanes(atom: Any, classes: dict[Any, Carry], producer: dict[Any, Jax
             pred = read(eqn.invars[0])
             cases = [materialize(None if m is None else broadcast(m, shape), shape)
                      for m in masks[1:]]
-            return lax.select_n(broadcast(pred, shape), *cases)
+            which = broadcast(pred, shape)
+            return lax.select_n(which, *[sharded_like(c, which) for c in cases])
         if row.carries is not None:  # a PART class: asked of this rule's lanes
             return row.carries.lanes(eqn, masks, lambda k: _value(eqn.invars[k], read))
         if row.broadcast:

@@ -57,6 +57,7 @@ from ._masks import (
     materialize,
     not_mask,
     reduce_any,
+    selecting,
     zeros,
 )
 from ._rules import Context, Mask, MaskRule, StaticRule, rule_for
@@ -189,7 +190,7 @@ def running_choice(nearest: Callable, far: float) -> ChosenRule:
     A lane that no live output reads is not chosen, whatever it holds (an inf equals `far`)."""
     def chosen(eqn: JaxprEqn, outs: list[Mask], x: Any, out: Any) -> jax.Array:
         axis, reverse = eqn.params["axis"], eqn.params["reverse"]
-        live = materialize(outs[0], out.shape)
+        live = selecting(outs[0], out)
         at_live = lax.select_n(live, lax.full_like(out, far), out)
         read = lax.cummax(lax.convert_element_type(live, np.int32), axis=axis,
                           reverse=not reverse) > 0
@@ -552,7 +553,7 @@ def by_fill(eqn: JaxprEqn, guarded: list, originals: Sequence[Any], operand_mask
         kept = tuple(d for d in range(x.ndim) if d not in eqn.params["axes"])
         fill = all_of([fill, broadcast_mask(row, x.shape, kept)])
     held = lax.stop_gradient(originals[0])
-    return bind_eqn(eqn, [lax.select_n(materialize(fill, x.shape), x, held)])
+    return bind_eqn(eqn, [lax.select_n(selecting(fill, x), x, held)])
 
 
 def by_held(eqn: JaxprEqn, guarded: list, originals: Sequence[Any], operand_masks: OperandMasks,
@@ -567,7 +568,7 @@ def by_held(eqn: JaxprEqn, guarded: list, originals: Sequence[Any], operand_mask
             continue
         x = guarded[k]
         held = lax.stop_gradient(jnp.asarray(originals[k], x.dtype))
-        ins[k] = lax.select_n(materialize(live, np.shape(x)), held, x)
+        ins[k] = lax.select_n(selecting(live, x), held, x)
     return bind_eqn(eqn, ins)
 
 
@@ -607,7 +608,7 @@ def by_original(eqn: JaxprEqn, guarded: list, originals: Sequence[Any],
     if live_out is not None:
         cut = all_of([cut, live_out])
     original = lax.stop_gradient(bind_eqn(eqn, list(originals))[0])
-    return [lax.select_n(materialize(cut, shape), out, original)]
+    return [lax.select_n(selecting(cut, out), out, original)]
 
 
 # --------------------------------------------------------------------------- a masked contraction
@@ -698,7 +699,7 @@ def by_original_contraction(eqn: JaxprEqn, guarded: list, originals: Sequence[An
     derivative: a zero weight never meets their tangent or weighs an inf cotangent into them
     (`0 * inf`), at every order."""
     masks = operand_masks()
-    cut = [x if m is None else lax.select_n(materialize(m, np.shape(x)), lax.stop_gradient(x), x)
+    cut = [x if m is None else lax.select_n(selecting(m, x), lax.stop_gradient(x), x)
            for x, m in zip(guarded, masks, strict=True)]
     out = bind_eqn(eqn, cut)[0]
     if not jnp.issubdtype(out.dtype, jnp.inexact) or all(
@@ -708,7 +709,7 @@ def by_original_contraction(eqn: JaxprEqn, guarded: list, originals: Sequence[An
     differ = _bits_differ(original, out)
     live_out = out_masks()[0]
     if live_out is not None:
-        differ = lax.bitwise_and(differ, materialize(live_out, np.shape(out)))
+        differ = lax.bitwise_and(differ, selecting(live_out, out))
     fixed = lax.sub(original, lax.sub(lax.stop_gradient(out), out))
     return [lax.select_n(differ, out, fixed)]
 

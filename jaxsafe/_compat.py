@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 # `is_user_filename`: whether a file is the user's (not JAX's, not an excluded library's): the
 # inlining pass gives a library call's body (`jnp.where`'s jit) the call's own source line, as
@@ -182,6 +183,22 @@ def _varying_axes(aval: Any) -> frozenset:
     if mat is None:
         return frozenset(getattr(aval, "vma", ()) or ())
     return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def sharded_like(x: Any, like: Any) -> Any:
+    """`x` (a mask) placed as `like` (the value it selects) where the mesh's `Explicit` axes put
+    shardings in the types: a `select_n` of a replicated mask and a value sharded `P("d")` is a
+    type error there. Elsewhere (no mesh, `Auto` axes) `x` itself."""
+    want = getattr(jax.typeof(like), "sharding", None)
+    have = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(want, "mesh", None)
+    explicit = jax.sharding.AxisType.Explicit
+    if want is None or have is None or mesh is None or np.shape(x) != np.shape(like) or \
+            explicit not in tuple(getattr(mesh, "axis_types", ()) or ()):
+        return x
+    if tuple(have.spec) == tuple(want.spec):
+        return x
+    return jax.sharding.reshard(x, want.spec)
 
 
 def varying_like(x: Any, like: Any) -> Any:

@@ -332,6 +332,7 @@ def rechoose(eqn: JaxprEqn, invals: list, originals: Sequence[Any],
             continue
         dropped = not_mask(masks[k])
         take = dropped if out_live is None else all_of([dropped, out_live])
-        new[k] = lax.select_n(selecting(take, shape), invals[k],
+        new[k] = lax.select_n(selecting(take, invals[k] if np.shape(invals[k]) == shape
+                                        else shape), invals[k],
                               lax.stop_gradient(originals[k]))
     return bind_eqn(eqn, new)

@@ -205,12 +205,12 @@ class _Emitter:
         if free is not None:
             # with `free_cut`, every operand's such lanes come from a selection
             original = outs[0] if site.free_cut else self._bind(i, guarded)[0]
-            outs = [lax.select_n(selecting(free, np.shape(outs[0])), outs[0],
+            outs = [lax.select_n(selecting(free, outs[0]), outs[0],
                                  lax.stop_gradient(original))]
         if site.cut_output:
             live = self.mask_of(site.eqn.outvars[0])
             if live is not None:
-                outs = [lax.select_n(selecting(live, np.shape(outs[0])),
+                outs = [lax.select_n(selecting(live, outs[0]),
                                      lax.stop_gradient(outs[0]), outs[0])]
         return outs
 
@@ -244,7 +244,7 @@ class _Emitter:
                     operand = broadcast(operand, out_shape)
             if live is not None:
                 self.changed = True
-                invals[k] = lax.select_n(selecting(live, np.shape(operand)),
+                invals[k] = lax.select_n(selecting(live, operand),
                                          lax.full_like(operand, value), operand)
                 if key is not None:
                     made[key] = (token, invals[k])
@@ -279,7 +279,7 @@ class _Emitter:
             operand = invals[k]
             if np.shape(operand) != shape:
                 operand = broadcast(operand, shape)
-            invals[k] = lax.select_n(selecting(free, shape), operand,
+            invals[k] = lax.select_n(selecting(free, operand), operand,
                                      lax.full_like(operand, value))
         return free
 
@@ -327,11 +327,11 @@ def _cut(site: Site, invals: list, in_masks: list) -> None:
     for k in site.cut:
         live = in_masks[k]
         if live is not None:
-            invals[k] = lax.select_n(selecting(live, np.shape(invals[k])),
+            invals[k] = lax.select_n(selecting(live, invals[k]),
                                      donors.get(k, lax.stop_gradient(invals[k])), invals[k])
     for k, donor in donors.items():
         if k not in site.cut:
-            invals[k] = lax.select_n(selecting(in_masks[k], np.shape(invals[k])), donor,
+            invals[k] = lax.select_n(selecting(in_masks[k], invals[k]), donor,
                                      invals[k])
 
 

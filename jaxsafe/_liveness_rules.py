@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 
 from ._atoms import dtype_of, is_float, shape_of
-from ._compat import JaxprEqn, Literal, Var, bind_eqn, varying_like
+from ._compat import JaxprEqn, Literal, Var, bind_eqn, sharded_like, varying_like
 from ._constants import fold
 from ._masks import (
     STATIC_CORE_LIMIT,
@@ -181,15 +181,22 @@ def pulled_back(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],
         results = bind_eqn(eqn, vals)
         return [r for r, o in zip(results, eqn.outvars, strict=True) if is_float(o)]
 
-    results, vjp = jax.vjp(op, *[varying_like(primal(invals[i], eqn.invars[i]), invals[i])
+    results, vjp = jax.vjp(op, *[_typed_as(primal(invals[i], eqn.invars[i]), invals[i])
                                  for i in float_ix])
     float_outs = [m for m, o in zip(outs, eqn.outvars, strict=True) if is_float(o)]
-    cts = [varying_like(lax.convert_element_type(materialize(m, r.shape), r.dtype), r)
+    cts = [_typed_as(lax.convert_element_type(materialize(m, r.shape), r.dtype), r)
            for m, r in zip(float_outs, results, strict=True)]
     pulled: list[Any] = [None] * len(eqn.invars)
     for i, c in zip(float_ix, vjp(cts), strict=True):
         pulled[i] = c
     return pulled
+
+
+def _typed_as(x: Any, like: Any) -> Any:
+    """`x` typed as `like` is where types carry more than shape and dtype: varying over a
+    `shard_map` body's manual axes, placed on `Explicit` mesh axes (`jax.vjp` checks the
+    cotangent's type, `sort` its operands' shardings)."""
+    return sharded_like(varying_like(x, like), like)
 
 
 def by_transpose_masks(eqn: JaxprEqn, outs: list[Mask], invals: Sequence[Any],

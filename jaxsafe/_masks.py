@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._compat import Tracer, eager_constant_folding
+from ._compat import Tracer, eager_constant_folding, sharded_like
 from ._symbolic import Unknown, key_layout
 from ._walk import demand
 
@@ -210,15 +210,18 @@ class Placed:
         return broadcast_mask(self.core, self.shape, self.axes)
 
 
-def selecting(mask, shape) -> jax.Array:
-    """`mask` at `shape` for one `select_n`: a broadcast is emitted afresh for each select that
-    reads it, so that XLA's sharding propagation can place each one as the value it selects (a
-    broadcast mask shared by values sharded differently makes it gather one of them)."""
+def selecting(mask, like) -> jax.Array:
+    """`mask` at the shape of `like`, the value one `select_n` selects: a broadcast is emitted
+    afresh for each select that reads it, so that XLA's sharding propagation can place each one
+    as the value it selects (a broadcast mask shared by values sharded differently makes it
+    gather one of them); under `Explicit` mesh axes it is placed as `like` is (`like` may be a
+    bare shape: no placement)."""
+    shape = like if isinstance(like, tuple) else np.shape(like)
     mask = materialize(mask, shape)
     core, axes = factor(mask)
-    if core is mask or _shape(core) == tuple(shape):
-        return mask
-    return lax.broadcast_in_dim(core, tuple(shape), axes)
+    if core is not mask and _shape(core) != tuple(shape):
+        mask = lax.broadcast_in_dim(core, tuple(shape), axes)
+    return mask if isinstance(like, tuple) else sharded_like(mask, like)
 
 
 def register_broadcast(out, src, dims: Sequence[int]) -> None:

@@ -476,6 +476,44 @@ def test_a_maximum_of_data_feeding_a_collective_in_a_shard_map_body():
         assert np.asarray(got)[3] == 0.
 
 
+_PICK = np.zeros((4, 3), np.float32)
+_PICK[0, 0] = _PICK[1, 1] = _PICK[3, 2] = 1.  # a selection matrix: column 2 of x unused
+EXPLICIT_DROPS = {
+    "slice": lambda x: jnp.sum(jnp.log(x)[:, :2]),
+    "gather at constant indices": lambda x: jnp.sum(jnp.log(x)[:, jnp.array([0, 1])]),
+    "selection matrix": lambda x: jnp.sum(jnp.sqrt(x) @ _PICK),
+    "mask product": lambda x: jnp.sum(jnp.sqrt(x) * jnp.array([1., 1., 0., 1.])[None, :]),
+    "concatenate": lambda x: jnp.sum(jnp.concatenate([jnp.log(x), x], 1)[:, 4:]),
+    "masked softmax": lambda x: jnp.sum(jax.nn.softmax(
+        jnp.where(x > 0, jnp.log(x), -jnp.inf), axis=1) * jnp.arange(4.)[None, :]),
+    "row max": lambda x: jnp.sum(jnp.max(jnp.where(x > 0, jnp.sqrt(x), -1.), axis=1)),
+    "top_k": lambda x: jnp.sum(jax.lax.top_k(jnp.where(x > 0, jnp.sqrt(x), -1.), 2)[0]),
+    "cummax": lambda x: jnp.sum(jax.lax.cummax(jnp.where(x > 0, jnp.sqrt(x), -1.), axis=1)),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPLICIT_DROPS))
+def test_drops_of_an_input_sharded_on_explicit_axes(name):
+    """With `Explicit` mesh axes and an input sharded `P("d")`, the masks the rewrite makes
+    (constants, replicated) are placed as the values they select (`_compat.sharded_like`): a
+    `select_n` of a replicated mask and a sharded value is a type error there, and the analysis
+    failed, running the program unguarded (hunt AK). The gradient is the unsharded one's."""
+    f = EXPLICIT_DROPS[name]
+    x = np.linspace(.5, 2., 32).astype(np.float32).reshape(8, 4)
+    x[:, 2] = 0.  # every drop above drops column 2: `log` and `sqrt` are singular at 0
+    assert np.isnan(np.asarray(jax.grad(f)(jnp.asarray(x)))).any()
+    want = jax.grad(nan_safe(f))(jnp.asarray(x))
+    assert np.isfinite(np.asarray(want)).all()
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("error", jaxsafe.AnalysisFailedWarning)
+        xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("d")))
+        got = jax.jit(jax.grad(nan_safe(f)))(xs)
+        assert_close(got, want, atol=1e-6)
+        assert got.sharding.is_equivalent_to(xs.sharding, 2)
+        assert_bitwise(jax.jit(nan_safe(f))(xs), jax.jit(f)(xs))
+
+
 def _unknown_anywhere(report) -> list:
     found, stack = [], [report]
     while stack:
