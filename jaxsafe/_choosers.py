@@ -38,7 +38,7 @@ import numpy as np
 from jax import lax
 
 from ._atoms import dtype_of, is_float, literal_value, shape_of
-from ._compat import JaxprEqn, Literal, Var, bind_eqn
+from ._compat import JaxprEqn, Literal, Var, bind_eqn, varying_like
 from ._constants import fold_chain, lane_chain
 from ._liveness_rules import (
     aligned_syms,
@@ -660,7 +660,11 @@ def _contracted_with(eqn: JaxprEqn, k: int, keep: Any, live: Any = None) -> Any:
 
     with jax.ensure_compile_time_eval() if isinstance(keep_f, np.ndarray) else \
             contextlib.nullcontext():
-        _, vjp = jax.vjp(op, jnp.zeros(shape_of(eqn.invars[k]), jnp.float32))
+        zero = jnp.zeros(shape_of(eqn.invars[k]), jnp.float32)
+        if not isinstance(keep_f, np.ndarray):  # in a `shard_map` body: one varying type
+            keep_f = varying_like(keep_f, ones)
+            ones, zero = varying_like(ones, keep_f), varying_like(zero, keep_f)
+        _, vjp = jax.vjp(op, zero)
         (pulled,) = vjp(jnp.asarray(ones))
     if isinstance(keep_f, np.ndarray):
         return np.asarray(pulled) != 0

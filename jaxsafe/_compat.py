@@ -248,10 +248,12 @@ def _private_primitives(module: str, *names: str) -> list[Primitive]:
     return [getattr(found, n) for n in names if hasattr(found, n)]
 
 
-PRIVATE_LINEAR_COLLECTIVES = (
-    _private_primitives("jax._src.lax.parallel", "psum_invariant_p", "reduce_scatter_p",
-                        "all_gather_invariant_p", "pbroadcast_p")
-    + _private_primitives("jax._src.core", "pvary_p"))
+PRIVATE_LINEAR_COLLECTIVES = _private_primitives(
+    "jax._src.lax.parallel", "psum_invariant_p", "reduce_scatter_p", "all_gather_invariant_p",
+    "pbroadcast_p")
+# each operand itself, typed as varying over manual axes (`pvary`: a constant that meets a
+# `shard_map` body's values, a one-hot weight)
+PRIVATE_VARY_CASTS = _private_primitives("jax._src.core", "pvary_p")
 PRIVATE_OTHER_COLLECTIVES = _private_primitives("jax._src.lax.parallel", "pmin_p")
 # the value itself, placed anew under `Explicit` mesh axes
 PRIVATE_RESHARDS = _private_primitives("jax._src.pjit", "reshard_p")

@@ -88,15 +88,17 @@ def held_union(parts: list[Held]) -> Held:
 class FreeValues:
     """What the lanes of one jaxpr's values that carry no derivative hold, computed on demand."""
 
-    def __init__(self, closed: ClosedJaxpr | None, sweep: Sweep, bounds: Bounds | None = None):
-        """`closed`: the program, for its constants' values (None: they are unknown).
+    def __init__(self, closed: ClosedJaxpr | None, sweep: Sweep, bounds: Bounds | None = None,
+                 consts: dict | None = None):
+        """`closed`: the program, for its constants' values (None: they are unknown, but for
+        `consts`, the concrete float constants a sweep holds: `Sweep.weights`).
         `bounds`: its values' bounds, where known: an operand of `max` that another is always
         at least as large as never shows its lanes (None: every operand may win)."""
         self.eqns, self.sweep, self.bounds = sweep.jaxpr.eqns, sweep, bounds
         self.memo: dict[Any, Held] = {}
         self.syms: dict[Any, Sym] = {}
         self.selections: dict[Any, bool] = {}
-        self.consts = {} if closed is None else {
+        self.consts = dict(consts or {}) if closed is None else {
             v: c for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
             if not isinstance(c, Tracer) and np.size(c) <= 1 << 16}
 

@@ -451,8 +451,8 @@ class Sweep:
 
     def held(self, atom: Any) -> Any:
         """What the lanes of `atom` that carry no derivative hold (`FreeValues.held`)."""
-        if self._free_values is None:
-            self._free_values = FreeValues(None, self)
+        if self._free_values is None:  # a constant's values: those of the weights it knows
+            self._free_values = FreeValues(None, self, consts=self.weights)
         return self._free_values.held(atom)
 
     def may_mask(self, atom: Any) -> bool:

@@ -67,6 +67,7 @@ from ._compat import (
     PRIVATE_OTHER_COLLECTIVES,
     PRIVATE_PLATFORM_INDEX,
     PRIVATE_RESHARDS,
+    PRIVATE_VARY_CASTS,
     JaxprEqn,
     Literal,
     Primitive,
@@ -625,6 +626,11 @@ register(prims.while_p, nested_params=("body_jaxpr",), body_inputs=while_body_in
 register(prims.psum_p, prims.all_gather_p, prims.all_to_all_p, prims.ppermute_p,
          *PRIVATE_LINEAR_COLLECTIVES, linear=True)
 register(prims.pmax_p, *PRIVATE_OTHER_COLLECTIVES)
+# `pvary`: each operand itself, typed as varying over a body's manual axes: lane to lane, and a
+# constant cast so (a one-hot weight in a `shard_map` body) still carries no derivative and
+# holds what it held (`MOVED`), so its zeros drop the lanes a contraction meets them at
+register(*PRIVATE_VARY_CASTS, masks=paired_masks, static=paired_syms, linear=True, paired=True,
+         carries=MOVED, bound=bounds.moved, range=ranges.same_range)
 register(prims.axis_index_p)
 # a shard_map body: rewritten on its own (its outputs and inputs live: liveness does not cross
 # the per-device split yet), traced in shard_map's context (its mesh axes, varying types)

@@ -514,6 +514,38 @@ def test_drops_of_an_input_sharded_on_explicit_axes(name):
         assert_bitwise(jax.jit(nan_safe(f))(xs), jax.jit(f)(xs))
 
 
+_KEPT = jnp.array([False, True])
+BODY_CONTRACTIONS = {  # lane 0 of `log(x)` meets only zero weights
+    "a closed-over weight vector": lambda h: h @ jnp.array([0., 1.]),
+    "a one-hot made in the body": lambda h: h @ jax.nn.one_hot(1, 2),
+    "an einsum with a selection matrix": lambda h: jnp.einsum(
+        "ij,jk->ik", h, jnp.array([[0., 0.], [1., 2.]])),
+}
+
+
+@pytest.mark.parametrize("name", list(BODY_CONTRACTIONS))
+@pytest.mark.parametrize("mapped", ["shard_map", "pmap"])
+def test_a_zero_weight_contraction_in_a_per_device_body(name, mapped):
+    """In a `shard_map` or `pmap` body a constant weight reaches the contraction through `pvary`
+    (it is typed as varying over the manual axes), which kept its zeros unknown: the dropped
+    lane's `log(0)` gave NaN (hunt AM). `pvary` now moves what its operand holds, and a
+    closed-over weight passed to the body holds its values there."""
+    contract = BODY_CONTRACTIONS[name]
+    f = lambda x: jnp.sum(contract(jnp.log(x)))
+    hand = lambda x: jnp.sum(contract(jnp.log(jnp.where(_KEPT, x, 1.))))
+    x = jnp.tile(jnp.array([[0., 1.5]]), (8, 1))
+    if mapped == "shard_map":
+        mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+        wrap = lambda g: jax.shard_map(  # noqa: E731
+            lambda x: jax.lax.psum(g(x), "d"), mesh=mesh, in_specs=P("d"), out_specs=P())
+    else:
+        wrap = lambda g: lambda x: jnp.sum(jax.pmap(g)(x[:, None]))  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxsafe.AnalysisFailedWarning)
+        assert np.isnan(np.asarray(jax.grad(wrap(f))(x))).any()
+        assert_close(jax.grad(nan_safe(wrap(f)))(x), jax.grad(wrap(hand))(x))
+
+
 def _unknown_anywhere(report) -> list:
     found, stack = [], [report]
     while stack:
