@@ -208,10 +208,12 @@ class _Emitter:
             outs = [lax.select_n(selecting(free, outs[0]), outs[0],
                                  lax.stop_gradient(original))]
         if site.cut_output:
-            live = self.mask_of(site.eqn.outvars[0])
-            if live is not None:
-                outs = [lax.select_n(selecting(live, outs[0]),
-                                     lax.stop_gradient(outs[0]), outs[0])]
+            cut = []
+            for o, out in zip(site.eqn.outvars, outs, strict=True):
+                live = self.mask_of(o) if is_float(o) else None
+                cut.append(out if live is None else lax.select_n(
+                    selecting(live, out), lax.stop_gradient(out), out))
+            outs = cut
         return outs
 
     def _guard(self, i: int, site: Site, invals: list) -> None:

@@ -179,6 +179,8 @@ def _operands(site: Site) -> tuple[GuardedOperand, ...]:
             for k in sorted(site.cut)]
     if site.cut_output:
         ops.append(GuardedOperand(None, "stop-gradient", None,
+                                  "a custom rule's tangent there" if rule_for(
+                                      site.eqn.primitive).custom_rule else
                                   "a dropped pooled result would pick them"))
     if site.free_cut:
         ops.append(GuardedOperand(None, "forward-mode stop-gradient", None,

@@ -204,9 +204,28 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
                 reasons[k] = why if k not in unread else (
                     why + "; its primal never reads this operand and its backward rule is not "
                           "seen: cut only where every output lane is dropped")
+        # forward mode: the rule's tangent in a dropped output lane reads the cut operand's
+        # value with a zero tangent (`t / x` at `x = 0`: 0 / 0), and a mask product after it
+        # weighs that NaN by 0: the output's dropped lanes are cut too
+        cut_output = cut_output or (rule.custom_rule and bool(cut) and drops_output
+                                    and not _selected_only(eqn, sweep))
     if not replace and not cut and not free:
         return None
     return Site(eqn, replace, reasons, frozenset(cut), free, free_cut, cut_output, coarse)
+
+
+def _selected_only(eqn: JaxprEqn, sweep: Sweep) -> bool:
+    """Whether every reader of `eqn`'s outputs takes them as a case of a `select_n` (a `where`):
+    its derivative selects the tangent, so a NaN tangent in a dropped lane never passes."""
+    outputs = set(v for v in sweep.jaxpr.outvars if isinstance(v, Var))
+    for o in eqn.outvars:
+        if o in outputs:  # read by the program around a body
+            return False
+        for i, k in sweep.consumers.get(o, []):
+            selection = rule_for(sweep.jaxpr.eqns[i].primitive).selection
+            if selection is None or not selection.by_predicate or k == 0:
+                return False
+    return True
 
 
 def _unread_by_backward_rule_call(eqn: JaxprEqn, rule: PrimitiveRule,

@@ -1166,3 +1166,37 @@ def test_an_index_out_of_bounds_reads_the_lane_xla_clamps_it_to():
     g = lambda x, i: jnp.sum(jnp.sqrt(x)[i])  # noqa: E731
     assert_bitwise(jax.value_and_grad(jaxsafe.nan_safe(g))(x, jnp.array([0, 5]))[0],
                    jax.jit(f)(x))
+
+
+# Hunt AN: a user's `custom_jvp` whose tangent divides by its input (`t / x`), in a lane a
+# 0/1 mask drops: the cut operand's zero tangent met `x = 0` in the rule
+# (`0 / 0`), and forward mode weighed that NaN by the mask's 0. The output's dropped lanes are
+# cut too.
+@jax.custom_jvp
+def _log_with_rule(x):
+    return jnp.log(x)
+
+
+@_log_with_rule.defjvp
+def _log_with_rule_jvp(primals, tangents):
+    return _log_with_rule(primals[0]), tangents[0] / primals[0]
+
+
+_MASK01 = jnp.array([0., 1., 1., 1.])
+CUSTOM_RULE_DROPS = {
+    "a constant mask": lambda x: jnp.sum(_log_with_rule(x) * _MASK01),
+    "a mask from a predicate": lambda x: jnp.sum(_log_with_rule(x)
+                                                 * (x > 0).astype(jnp.float32)),
+}
+
+
+@pytest.mark.parametrize("name", list(CUSTOM_RULE_DROPS))
+def test_a_custom_rule_dividing_by_its_input_in_a_dropped_lane_in_forward_mode(name):
+    f = CUSTOM_RULE_DROPS[name]
+    hand = lambda x: f(jnp.where(_MASK01 > 0, x, 1.))
+    x = jnp.array([0., 1., 2., 4.])
+    assert np.isnan(np.asarray(jax.jacfwd(f)(x))).any()
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(x), jax.jit(f)(x))
+    for order in (jax.grad, jax.jacfwd, jax.hessian, lambda g: jax.jacfwd(jax.jacrev(g))):
+        assert_close(order(safe)(x), order(hand)(x))
