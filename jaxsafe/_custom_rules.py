@@ -325,14 +325,12 @@ def rechoose(eqn: JaxprEqn, invals: list, originals: Sequence[Any],
     flip the body's selection)."""
     masks = operand_masks()
     out_live = out_masks()[0]
-    shape = shape_of(eqn.outvars[0])
     new = list(invals)
     for k, v in enumerate(eqn.invars):
         if isinstance(v, Literal) or masks[k] is None:
             continue
         dropped = not_mask(masks[k])
         take = dropped if out_live is None else all_of([dropped, out_live])
-        new[k] = lax.select_n(selecting(take, invals[k] if np.shape(invals[k]) == shape
-                                        else shape), invals[k],
+        new[k] = lax.select_n(selecting(take, invals[k]), invals[k],
                               lax.stop_gradient(originals[k]))
     return bind_eqn(eqn, new)

@@ -214,14 +214,13 @@ def selecting(mask, like) -> jax.Array:
     """`mask` at the shape of `like`, the value one `select_n` selects: a broadcast is emitted
     afresh for each select that reads it, so that XLA's sharding propagation can place each one
     as the value it selects (a broadcast mask shared by values sharded differently makes it
-    gather one of them); under `Explicit` mesh axes it is placed as `like` is (`like` may be a
-    bare shape: no placement)."""
-    shape = like if isinstance(like, tuple) else np.shape(like)
+    gather one of them); under `Explicit` mesh axes it is placed as `like` is."""
+    shape = np.shape(like)
     mask = materialize(mask, shape)
     core, axes = factor(mask)
     if core is not mask and _shape(core) != tuple(shape):
         mask = lax.broadcast_in_dim(core, tuple(shape), axes)
-    return mask if isinstance(like, tuple) else sharded_like(mask, like)
+    return sharded_like(mask, like)
 
 
 def register_broadcast(out, src, dims: Sequence[int]) -> None:

@@ -310,7 +310,6 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
     return Plan(closed, sweep, nested, sites, masked, decisions, report)
 
 
-
 def _small_integer_constants(closed: ClosedJaxpr) -> dict:
     """The program's small integer and boolean constants (a `segment_sum`'s ids, `x.at[idx]`'s
     indices, a padding mask closed over), whose values the liveness rules may read: where such
