@@ -6,6 +6,9 @@ extra and runs them, and `.ci/run` calls it after `make test`. jax-md guards its
 by hand (`safe_mask`, `nan_to_num`): values, forces and Hessians must be the original's.
 """
 
+import inspect
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,17 +139,27 @@ def test_jax_md_soft_sphere_with_a_nan_particle_gives_the_other_particles_forces
 
 
 @JAX_MD_WARNINGS
-def test_jax_md_parameters_are_read_as_literals(monkeypatch):
-    """jax-md makes its parameters `jnp` scalars, constants of the traced program; read as
-    literals (the inlining pass), the cutoff's powers and products are known finite."""
+def test_jax_md_parameters_are_read_as_known_values(monkeypatch):
+    """jax-md makes its parameters `jnp` scalars, constants of the traced program, and computes
+    the cutoff's `r_c`, `r_o` from them eagerly: the smooth cutoff's divisor `(r_c - r_o) ** 3`
+    is a known nonzero constant, so it is no hazard. The analysis folds closed-over scalars
+    itself, so the guards are the same whether or not the inlining pass made them literals
+    first (the pass is tested on its own in test_already_safe.py)."""
     jax_md = _jax_md()
     displacement, _ = jax_md.space.free()
     energy = jax_md.energy.lennard_jones_pair(displacement)
-    count = lambda: len(jaxsafe.explain(energy, finite_args=True)(R).guards)
-    inlined = count()
+    cutoff = jax_md.energy.multiplicative_isotropic_cutoff
+    # the line of the cutoff's division by the constant (r_c - r_o) ** 3
+    source, first = inspect.getsourcelines(cutoff)
+    division = first + next(i for i, text in enumerate(source) if "/ (r_c - r_o)" in text)
+    sites = lambda: sorted((g.primitive, os.path.realpath(g.location.file), g.location.line)
+                           for g in jaxsafe.explain(energy, finite_args=True)(R).guards)
+    inlined = sites()
+    assert inlined and all(
+        site[1:] != (os.path.realpath(cutoff.__code__.co_filename), division) for site in inlined)
     from jaxsafe import _rewrite
     monkeypatch.setattr(_rewrite, "inline_scalar_constants", lambda closed: closed)
-    assert inlined < count()
+    assert sites() == inlined
 
 
 def test_flax_nn_scan_over_layers_with_padded_rows():
