@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._compat import Literal
+from ._compat import Literal, Tracer
 
 SMALL_CONSTANT = 64
 """Values up to this many lanes are evaluated when the rewrite is planned (a predicate computed
@@ -65,3 +65,13 @@ def is_nonfinite_literal(atom: Any) -> bool:
     if not isinstance(atom, Literal) or not is_float(atom):
         return False
     return not bool(np.all(np.isfinite(np.asarray(atom.val))))
+
+
+def readable_constant(value: Any) -> bool:
+    """Whether a closed-over constant's values can be read when the rewrite is planned: a
+    concrete array of numbers or booleans, not a tracer of an outer transformation, nor a typed
+    PRNG key (`jax.random.key`), which NumPy cannot hold."""
+    if isinstance(value, Tracer):
+        return False
+    dtype = getattr(value, "dtype", None)
+    return dtype is None or not jnp.issubdtype(dtype, jax.dtypes.extended)

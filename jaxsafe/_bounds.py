@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ._atoms import dtype_of
-from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
+from ._atoms import dtype_of, readable_constant, shape_of
+from ._compat import ClosedJaxpr, JaxprEqn, Literal, Var
 from ._constants import (
     PROOF_ORDER,
     domain_holds_above,
@@ -93,8 +93,9 @@ def _scaled(eqn: JaxprEqn, value: Bound, factor: Bound, const, divide: bool) -> 
     the rounding (`2. * max(x, 1e-6)`), where that is a normal number (else 0: it may
     underflow)."""
     if value is None or factor is None or const is None or factor <= 0 or \
-            not np.all(np.isfinite(const)):
-        return None
+            not np.all(np.isfinite(const)) or \
+            not np.issubdtype(dtype_of(eqn.outvars[0]), np.floating):
+        return None  # an integer product wraps
     c = np.asarray(const, np.float64)
     scaled = value / float(np.max(c)) if divide else value * float(np.min(c))
     lower = scaled * (1 - _slack(eqn))
@@ -129,9 +130,23 @@ def even_power(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
 
 
 def converted(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
-    """A conversion keeps the bound in the same dtype; in another, only non-negativity."""
-    same = dtype_of(eqn.invars[0]) == dtype_of(eqn.outvars[0])
-    return bounds[0] if same else (None if bounds[0] is None else 0.0)
+    """A conversion keeps the bound in the same dtype. To a float it is monotone (it rounds),
+    so the bound converted bounds the value converted: an integer count at least 1 is a float
+    at least 1 (`sum(x * m) / maximum(sum(m), 1)`, a masked mean); a boolean or unsigned
+    operand is at least 0. To an integer the bound stands only where every value fits (a
+    widening); a narrowing wraps, and a float past the end converts to anything."""
+    source, target = np.dtype(dtype_of(eqn.invars[0])), np.dtype(dtype_of(eqn.outvars[0]))
+    lower = bounds[0]
+    if lower is None and source.kind in "bu":  # a mask or an unsigned count: at least 0
+        lower = 0.0
+    if lower is None or source == target:
+        return lower
+    if target.kind == "f" and source.kind in "fiub":
+        return float(np.asarray(lower, np.float64).astype(target))
+    if target.kind in "iu" and source.kind in "biu":
+        largest = 1 if source.kind == "b" else np.iinfo(source).max
+        return lower if np.iinfo(target).max >= largest else None
+    return None
 
 
 def non_negative_if_bounded(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
@@ -282,8 +297,25 @@ class Bounds:
         if rule_for(eqn.primitive).sums and bounds[0] is not None and bounds[0] >= 0:
             largest = largest_term(eqn, self.producer, self.eqns)  # `sum(exp(x - max(x)))`
             if largest is not None and (lower is None or largest > lower):
-                return largest
+                lower = largest
+        if lower is not None and np.issubdtype(dtype_of(v), np.integer) \
+                and rule not in _ORDER_PRESERVING:
+            # integer arithmetic wraps (`uint8(255) + 1` is 0): a bound only where it cannot
+            return 0.0 if self._counts_booleans(eqn) else None
         return lower
+
+    def _counts_booleans(self, eqn: JaxprEqn) -> bool:
+        """A sum of booleans converted to integers (`jnp.sum(mask)`), over fewer lanes than the
+        integer type holds: at least 0, it cannot wrap."""
+        if not rule_for(eqn.primitive).sums or not isinstance(eqn.invars[0], Var):
+            return False
+        i = self.producer.get(eqn.invars[0])
+        source = None if i is None else self.eqns[i]
+        if source is None or rule_for(source.primitive).bound is not converted or \
+                dtype_of(source.invars[0]) != np.bool_:
+            return False
+        dtype = dtype_of(eqn.outvars[0])
+        return int(np.prod(shape_of(eqn.invars[0]))) <= int(np.iinfo(dtype).max)
 
 
 def of_program(closed: ClosedJaxpr, producer: dict | None = None) -> Bounds:
@@ -293,7 +325,7 @@ def of_program(closed: ClosedJaxpr, producer: dict | None = None) -> Bounds:
         producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
     return Bounds(jaxpr.eqns, producer,
                   {v: c for v, c in zip(jaxpr.constvars, closed.consts, strict=True)
-                   if not isinstance(c, Tracer)})
+                   if readable_constant(c)})
 
 
 def lower_end(atom: Any, bounds: Bounds) -> Bound:
@@ -487,3 +519,8 @@ def _ranged_into_domain(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Boun
     values = found[2]
     dtype = dtype_of(eqn.invars[k])
     return domain_holds_between(eqn, k, np.asarray(lo, dtype), np.asarray(hi, dtype), values)
+
+
+# the rules that only choose among their operands' values or move them (and conversions, which
+# judge their own dtypes): their bounds hold for integers too, which other arithmetic wraps
+_ORDER_PRESERVING = frozenset({largest_known, smallest, clamped, of_cases, moved, converted})

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from ._atoms import dtype_of, is_float, literal_value, shape_of
-from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
+from ._atoms import dtype_of, is_float, literal_value, readable_constant, shape_of
+from ._compat import ClosedJaxpr, JaxprEqn, Literal, Var
 from ._constants import PROOF_ORDER, domain_holds_above, finite_with_derivatives, fold
 from ._diagonal import DiagonalValues
 from ._free import FreeValues
@@ -68,7 +68,7 @@ class HandGuards:
         self.eqns, self.sweep, self.free = closed.jaxpr.eqns, sweep, free
         self.outvars = {v for v in closed.jaxpr.outvars if isinstance(v, Var)}
         self.fixed = {v for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
-                      if not isinstance(c, Tracer)}
+                      if readable_constant(c)}
         self._nonfinite: set | None = None
         self._diagonals: DiagonalValues | None = None
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ._atoms import dtype_of, is_float, literal_value
-from ._bounds import Bounds, operand_in_domain
+from ._bounds import Bounds, at_or_below, lower_end, operand_in_domain
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Var
 from ._liveness import Sweep
 from ._nested import sub_jaxprs
@@ -66,14 +66,17 @@ class Cotangents:
 
 
 def nonfinite_cotangents(closed: ClosedJaxpr, sweep: Sweep, anywhere: Set,
-                         outputs: Sequence[bool], bounds: Bounds | None = None) -> Cotangents:
+                         outputs: Sequence[bool], bounds: Bounds | None = None,
+                         own_outputs: Sequence[bool] | None = None) -> Cotangents:
     """The variables whose cotangent may hold inf or NaN in some lane. `anywhere`: the values
-    that may (`nonfinite_anywhere`); `outputs`: which outputs' cotangents may; `bounds`: the
-    program's bounds and ranges, where known (`expm1(min(x, 0.))`: a finite derivative)."""
+    that may (`nonfinite_anywhere`); `outputs`: which outputs' cotangents may; `own_outputs`:
+    which may only where the output's own value is (a loop's carry); `bounds`: the program's
+    bounds and ranges, where known (`expm1(min(x, 0.))`: a finite derivative)."""
     jaxpr = closed.jaxpr
-    bad: set = {v for v, b in zip(jaxpr.outvars, outputs, strict=True)
-                if b and isinstance(v, Var)}
-    loose: set = set(bad)  # non-finite where their own value may be finite
+    loose: set = {v for v, b in zip(jaxpr.outvars, outputs, strict=True)
+                  if b and isinstance(v, Var)}  # non-finite where their own value may be finite
+    bad: set = loose | {v for v, b in zip(jaxpr.outvars, own_outputs or (), strict=False)
+                        if b and isinstance(v, Var)}
     for i in range(len(jaxpr.eqns) - 1, -1, -1):
         eqn = jaxpr.eqns[i]
         if rule_for(eqn.primitive).zero_derivative:
@@ -143,7 +146,8 @@ def _partial_may_be_nonfinite(eqn: JaxprEqn, k: int, anywhere: Set,
                               bounds: Bounds | None = None) -> bool:
     """Whether `eqn`'s derivative in operand k may be inf or NaN for a finite cotangent."""
     if may_produce_nonfinite(eqn):  # a NaN-prone or unknown primitive, a hazardous body
-        return bounds is None or not _proven_in_domain(eqn, anywhere, bounds)
+        return bounds is None or not (_proven_in_domain(eqn, anywhere, bounds)
+                                      or _over_bounded_divisor(eqn, k, anywhere, bounds))
     rule = rule_for(eqn.primitive)
     if rule.has_body:
         return any(isinstance(v, Var) and v in anywhere for v in eqn.invars)
@@ -152,6 +156,25 @@ def _partial_may_be_nonfinite(eqn: JaxprEqn, k: int, anywhere: Set,
     reads = range(len(eqn.invars)) if rule.derivative_reads is None else \
         rule.derivative_reads[k]
     return any(isinstance(eqn.invars[j], Var) and eqn.invars[j] in anywhere for j in reads)
+
+
+def _over_bounded_divisor(eqn: JaxprEqn, k: int, anywhere: Set, bounds: Bounds) -> bool:
+    """Whether operand k is the numerator of a quotient whose divisor is finite and bounded
+    away from 0 (`PrimitiveRule.divisor`): the derivative in the numerator is `1 / d`,
+    whatever the numerator holds (a masked mean's `sum(x * m) / maximum(sum(m), 1)`)."""
+    divisor = rule_for(eqn.primitive).divisor
+    if divisor is None or divisor == k or len(eqn.invars) != 2 or len(eqn.outvars) != 1:
+        return False
+    d = eqn.invars[divisor]
+    if not isinstance(d, Var) or d in anywhere or not np.issubdtype(dtype_of(d), np.floating) \
+            or _narrow(d):
+        return False
+    lower = lower_end(d, bounds)
+    dtype = dtype_of(d)
+    # `1 / d` at most the square root of the dtype's largest value: a cotangent as large again
+    # overflows, as elsewhere not counted (float16 has too little range for that: `_narrow`)
+    return lower is not None and \
+        float(at_or_below(lower, dtype)) >= 1.0 / float(np.sqrt(np.finfo(dtype).max))
 
 
 def _proven_in_domain(eqn: JaxprEqn, anywhere: Set, bounds: Bounds) -> bool:

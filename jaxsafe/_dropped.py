@@ -13,8 +13,16 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ._atoms import SMALL_CONSTANT, dtype_of, is_float, is_numeric, literal_value, shape_of
-from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
+from ._atoms import (
+    SMALL_CONSTANT,
+    dtype_of,
+    is_float,
+    is_numeric,
+    literal_value,
+    readable_constant,
+    shape_of,
+)
+from ._compat import ClosedJaxpr, JaxprEqn, Literal, Var
 from ._constants import finite_with_derivatives, fold
 from ._free import FreeValues
 from ._liveness import Sweep
@@ -60,7 +68,7 @@ class DroppedValues:
         self.memo: dict[Any, Known] = {}
         self.free: FreeValues | None = None  # set by the guard pass: what free lanes hold
         for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True):
-            if not isinstance(c, Tracer) and np.size(c) <= SMALL_CONSTANT:
+            if readable_constant(c) and np.size(c) <= SMALL_CONSTANT:
                 self.memo[v] = (np.asarray(c), True)
 
     def get(self, atom: Any) -> Known:

@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._atoms import MAX_WEIGHT, dtype_of, is_float, literal_value, shape_of
+from ._atoms import MAX_WEIGHT, dtype_of, is_float, literal_value, readable_constant, shape_of
 from ._bounds import Bounds, never_wins_alone
 from ._carries import Carry
-from ._compat import ClosedJaxpr, JaxprEqn, Literal, Tracer, Var
+from ._compat import ClosedJaxpr, JaxprEqn, Literal, Var
 from ._constants import finite_with_derivatives, fold
 from ._ranges import compared
 from ._rules import PrimitiveRule, guard_for, rule_for
@@ -100,7 +100,7 @@ class FreeValues:
         self.selections: dict[Any, bool] = {}
         self.consts = dict(consts or {}) if closed is None else {
             v: c for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
-            if not isinstance(c, Tracer) and np.size(c) <= MAX_WEIGHT}
+            if readable_constant(c) and np.size(c) <= MAX_WEIGHT}
 
     def carry(self, atom: Any) -> Carry:
         if isinstance(atom, Literal):

@@ -82,6 +82,12 @@ class Report:
     failure: str | None = None
     """Why the analysis failed, when it did: the original program then runs unchanged
     (`AnalysisFailedWarning`)."""
+    input_cotangents: tuple[bool, ...] | None = None
+    """Which arguments' cotangents the program may make non-finite (the cotangent pass); None
+    where that pass did not run (nothing in the program reads them): how a loop's body learns
+    what its carries hand back to the step before (`_rewrite.carried_cotangents`)."""
+    input_cotangents_own: tuple[bool, ...] | None = None
+    """Of those, the ones non-finite only in lanes where the argument's own value is."""
 
     @property
     def guards(self) -> tuple[Guard, ...]:

@@ -36,10 +36,19 @@ from functools import partial
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero as NoTangent  # custom_jvp's, not ad.Zero
 
-from ._atoms import MAX_WEIGHT, SMALL_CONSTANT, dtype_of, is_float, is_nonfinite_literal, shape_of
+from ._atoms import (
+    MAX_WEIGHT,
+    SMALL_CONSTANT,
+    dtype_of,
+    is_float,
+    is_nonfinite_literal,
+    readable_constant,
+    shape_of,
+)
 from ._backward import guarded_backward, guarded_forward
 from ._bounds import of_program
 from ._carries import Carry
@@ -104,16 +113,18 @@ def rewrite_with_report(closed: ClosedJaxpr, finite_invars: Sequence[bool] | Non
 
 def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps, finite_invars: Sequence[bool] | None = None,
              bad_cotangents: Sequence[bool] | None = None, in_body: bool = False,
-             known_inputs: BodyFacts | None = None) -> tuple[ClosedJaxpr, Report]:
+             known_inputs: BodyFacts | None = None,
+             own_cotangents: Sequence[bool] | None = None) -> tuple[ClosedJaxpr, Report]:
     """A body's arguments come from the program around it: possibly non-finite. `in_body`:
     `closed` is the body of an equation (see `guard_backward_rules`). `known_inputs`: what
-    that program knows of them (`_known_body_inputs`)."""
+    that program knows of them (`_known_body_inputs`). `own_cotangents`: see
+    `plan_program`."""
     flat = take_constant_selections(inline_scalar_constants(flatten(closed)))
     if not in_body:
         sweeps.hazardous_rules = rules_with_hazards(flat)
     flat = dce(sink_into_scans(flat, sweeps))
     plan = plan_program(flat, [Kind.LIVE] * len(flat.jaxpr.outvars), sweeps, finite_invars,
-                        bad_cotangents, in_body, known_inputs)
+                        bad_cotangents, in_body, known_inputs, own_cotangents=own_cotangents)
     plan.report.original = flat
     if not plan.report.changed:
         return closed, plan.report
@@ -265,11 +276,14 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
                  finite_invars: Sequence[bool] | None = None,
                  bad_cotangents: Sequence[bool] | None = None, in_body: bool = False,
                  known_inputs: BodyFacts | None = None,
-                 out_syms: Sequence[Sym] | None = None) -> Plan:
+                 out_syms: Sequence[Sym] | None = None,
+                 own_cotangents: Sequence[bool] | None = None) -> Plan:
     """The planning passes on a flattened program. `out_kinds`: the static liveness of its
     outputs (all LIVE at the top; MAYBE for a body the program around it drops in places).
     `finite_invars`: the arguments promised finite (None: none is). `bad_cotangents`: the
-    outputs whose cotangent may be non-finite (None: none, as `jax.grad` seeds 1).
+    outputs whose cotangent may be non-finite (None: none, as `jax.grad` seeds 1);
+    `own_cotangents`: those whose cotangent may be non-finite only where their own value is
+    (a loop's carry, `carried_cotangents`).
     `known_inputs`: what the program around a body knows of its arguments (`_rewrite`).
     `out_syms`: its outputs' formulas, where the program around a body knows them."""
     consts = _small_integer_constants(closed)
@@ -277,10 +291,10 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
     invars = closed.jaxpr.invars
     consts.update((invars[k], value) for k, value in exact.items())
     weights = {v: c for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
-               if not isinstance(c, Tracer) and np.size(c) <= MAX_WEIGHT
-               and np.issubdtype(dtype_of(v), np.floating)}
+               if readable_constant(c) and np.size(c) <= MAX_WEIGHT
+               and jnp.issubdtype(dtype_of(v), np.floating)}
     masks = {v: c for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
-             if not isinstance(c, Tracer) and np.size(c) <= MAX_WEIGHT
+             if readable_constant(c) and np.size(c) <= MAX_WEIGHT
              and dtype_of(v) == np.bool_}
     sweep = sweeps.get(closed.jaxpr, out_kinds, False, consts, out_syms=out_syms,
                        known_inputs={invars[k]: held for k, held in fixed.items()},
@@ -299,8 +313,12 @@ def plan_program(closed: ClosedJaxpr, out_kinds: Sequence[Kind], sweeps: Sweeps,
     found: Cotangents | None = None
     if cotangents:
         outputs = bad_cotangents or [False] * len(closed.jaxpr.outvars)
-        found = nonfinite_cotangents(closed, sweep, anywhere, outputs, bounds)
+        own_cotangents = own_cotangents or [False] * len(closed.jaxpr.outvars)
+        found = nonfinite_cotangents(closed, sweep, anywhere, outputs, bounds,
+                                     own_cotangents)
         bad = found.bad
+        report.input_cotangents = tuple(v in bad for v in closed.jaxpr.invars)
+        report.input_cotangents_own = tuple(v in found.own for v in closed.jaxpr.invars)
     nested = rewrite_nested_bodies(closed, sweep, report, sweeps, anywhere, bad)
     backward = guard_backward_rules(closed, sweep, report, anywhere, nested, in_body)
     nested.update(backward)
@@ -316,8 +334,8 @@ def _small_integer_constants(closed: ClosedJaxpr) -> dict:
     indices fall, and what a mask moved by them holds, is known when the rewrite is planned.
     Floats are left to the rules that read them elsewhere."""
     return {v: c for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
-            if not isinstance(c, Tracer) and np.size(c) <= SMALL_CONSTANT
-            and (np.issubdtype(dtype_of(v), np.integer) or dtype_of(v) == np.bool_)}
+            if readable_constant(c) and np.size(c) <= SMALL_CONSTANT
+            and (jnp.issubdtype(dtype_of(v), np.integer) or dtype_of(v) == np.bool_)}
 
 
 # --------------------------------------------------------------------------- nested bodies
@@ -345,9 +363,12 @@ def rewrite_nested_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
             context = (rule.body_context(eqn.params) if rule.body_context is not None
                        else contextlib.nullcontext())
             with context:
+                done: dict[int, tuple[ClosedJaxpr, Report]] = {}
+                if rule.loop_links is not None:
+                    carried_cotangents(eqn, bad, sweeps, finite, known, done)
                 for name in names:
                     new_params[name] = _rewrite_param(eqn, eqn.params[name], report, sweeps,
-                                                      finite, cotangents, known)
+                                                      finite, cotangents, known, done)
         except Exception as e:
             note_failure(e, eqn, "nested-body")
             raise
@@ -489,7 +510,7 @@ def _known_body_inputs(eqn: JaxprEqn, closed: ClosedJaxpr, sweep: Sweep
     if rule.body_operands is None:
         return {}
     values = {v: c for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)
-              if not isinstance(c, Tracer) and np.size(c) <= SMALL_CONSTANT}
+              if readable_constant(c) and np.size(c) <= SMALL_CONSTANT}
     classes = sweep.carry_classes()
     known: dict[int, BodyFacts] = {}
     for name, operands in rule.body_operands(eqn).items():
@@ -509,14 +530,64 @@ def _known_body_inputs(eqn: JaxprEqn, closed: ClosedJaxpr, sweep: Sweep
     return known
 
 
+# a loop body is planned at most this many times for its carries' cotangents; past it, the
+# conservative answer stands (`body_cotangents`: every carry may hand back a non-finite one)
+MAX_CARRY_ROUNDS = 4
+
+
+def carried_cotangents(eqn: JaxprEqn, bad: Set, sweeps: Sweeps,
+                       finite: dict[int, list[bool]], known: dict[int, BodyFacts],
+                       done: dict[int, tuple[ClosedJaxpr, Report]]) -> None:
+    """A loop's bodies rewritten with what their outputs' cotangents may hold, into `done`
+    (for `_rewrite_param`): a stacked or final output's is its result's (`bad`), a carry's
+    also what the body itself makes of its carry input's cotangent, which the step before
+    receives as that carry's output cotangent. A fixpoint over the body's own cotangent pass
+    (`Report.input_cotangents`): `sqrt(maximum(t, 1e-6))` in a scan's body has a finite
+    derivative, and its `maximum` is not re-decided for a cotangent that cannot be non-finite.
+    A carry whose cotangent is non-finite only where its value is (`sqrt(maximum(c, 1e-6))`
+    of a carry that may be NaN) hands back one that is non-finite only where the value the
+    step before gave is. A body that has not settled in `MAX_CARRY_ROUNDS` is left out."""
+    loop_links = rule_for(eqn.primitive).loop_links
+    if loop_links is None:
+        return
+    bodies = {id(b.jaxpr): b for b in sub_jaxprs(eqn)}
+    for links in loop_links(eqn):
+        key = id(links.body)
+        body = bodies.get(key)
+        if not isinstance(body, ClosedJaxpr) or len(links.outputs) != len(links.body.outvars):
+            continue
+        loose = [isinstance(o, Var) and o in bad for o, _, _ in links.outputs]
+        own = [False] * len(loose)
+        # carry j: the body's output j comes back as its input k
+        carries = [(j, links.body.invars.index(var)) for j, (_, var) in enumerate(links.loops)]
+        for _ in range(MAX_CARRY_ROUNDS):
+            new, sub = _rewrite(body, sweeps, finite.get(key), loose, in_body=True,
+                                known_inputs=known.get(key), own_cotangents=own)
+            grown = False
+            for j, k in carries:
+                if sub.input_cotangents is None or not sub.input_cotangents[k] or loose[j]:
+                    continue
+                own_only = sub.input_cotangents_own is not None and sub.input_cotangents_own[k]
+                if not own_only:
+                    loose[j], grown = True, True
+                elif not own[j]:
+                    own[j], grown = True, True
+            if not grown:
+                done[key] = (new, sub)
+                break
+
+
 def _rewrite_param(eqn: JaxprEqn, value: object, report: Report, sweeps: Sweeps,
                    finite: dict[int, list[bool]], cotangents: dict[int, list[bool]],
-                   known: dict[int, BodyFacts]) -> object:
+                   known: dict[int, BodyFacts],
+                   done: dict[int, tuple[ClosedJaxpr, Report]] | None = None) -> object:
     """One body parameter, rewritten: a ClosedJaxpr, a tuple of them (branches), or an open
     Jaxpr (remat's, which can take no constants). `finite`: see `_finite_body_inputs`;
-    `cotangents`: see `_cotangents.body_cotangents`; `known`: see `_known_body_inputs`."""
+    `cotangents`: see `_cotangents.body_cotangents`; `known`: see `_known_body_inputs`;
+    `done`: bodies already rewritten with these (`carried_cotangents`)."""
     if isinstance(value, tuple):
-        return tuple(_rewrite_param(eqn, branch, report, sweeps, finite, cotangents, known)
+        return tuple(_rewrite_param(eqn, branch, report, sweeps, finite, cotangents, known,
+                                    done)
                      for branch in value)
     if isinstance(value, Jaxpr):
         with all_staged():  # no mask as a constant (`_masks.at_trace_time`)
@@ -529,8 +600,10 @@ def _rewrite_param(eqn: JaxprEqn, value: object, report: Report, sweeps: Sweeps,
         _record_nested(eqn, ClosedJaxpr(value, ()), new, sub, report)
         return new.jaxpr
     assert isinstance(value, ClosedJaxpr), (eqn.primitive, type(value))
-    new, sub = _rewrite(value, sweeps, finite.get(id(value.jaxpr)), cotangents.get(id(value.jaxpr)),
-                        in_body=True, known_inputs=known.get(id(value.jaxpr)))
+    key = id(value.jaxpr)
+    new, sub = done[key] if done and key in done else _rewrite(
+        value, sweeps, finite.get(key), cotangents.get(key), in_body=True,
+        known_inputs=known.get(key))
     _record_nested(eqn, value, new, sub, report)
     return new
 

@@ -97,6 +97,8 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report,
                 report.unknown.append(eqn)
             elif _liveness_stops(i, eqn, rule, sweep):
                 report.conservative.append(eqn)
+            if _from_constants_alone(eqn, rule, fixed, tainted, bounds, sweep):
+                continue
             site = _site(i, eqn, rule, sweep, tainted, dropped, bounds, report, free, fixed,
                          paid, by_hand)
             if site is not None and (site.replace or site.cut) and by_hand.covers(i, eqn):
@@ -292,6 +294,20 @@ def _picker_reading(eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep,
     if chooser is None or not chooser.picks or sweep.structural:
         return None
     return reader
+
+
+def _from_constants_alone(eqn: JaxprEqn, rule: PrimitiveRule, fixed: Set, tainted: set,
+                          bounds: Bounds, sweep: Sweep) -> bool:
+    """Whether `eqn` is computed from constants alone (`fixed`): no derivative of its own, at
+    any order, so no guard. What it may make non-finite is tainted, and a derivative that
+    reads it (`x * log(k)`) guards it there: `optax.kl_divergence`'s `where(t == 0, 0.,
+    log(t))` of a target computed from constants needs nothing."""
+    if not all(isinstance(v, Literal) or v in fixed for v in eqn.invars):
+        return False
+    if guard_for(eqn) is not None or _taints_outputs(eqn, rule, tainted, None, bounds,
+                                                     sweep.producer_of):
+        tainted.update(o for o in eqn.outvars if is_float(o))
+    return True
 
 
 def _without_tangent(closed: ClosedJaxpr) -> set:

@@ -1430,3 +1430,92 @@ def test_a_negated_predicate_does_not_pass_for_the_hand_fix_s():
     x = jnp.array([-1., -2.])
     assert np.isnan(jax.grad(f)(x)).all()
     assert_close(jax.grad(jaxsafe.nan_safe(f))(x), jnp.zeros(2))
+
+
+MASKED_MEANS = {
+    "bool mask": (lambda x, m: jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1), bool),
+    "int mask": (lambda x, m: jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1), jnp.int32),
+    "one plus the count": (lambda x, m: jnp.sum(x * m) / (1.0 + jnp.sum(m)), bool),
+    "per row": (lambda x, m: jnp.sum(jnp.sum(x * m, -1) / jnp.maximum(jnp.sum(m, -1), 1)),
+                bool),
+    "masked cross-entropy": (lambda x, m: jnp.sum(
+        -jnp.sum(jax.nn.one_hot(jnp.array([0, 1, 2, 0]), 3) * jax.nn.log_softmax(x), -1)
+        * m[:, 0]) / jnp.maximum(jnp.sum(m[:, 0]), 1), bool),
+}
+
+
+# a NaN logit row makes `log_softmax`'s derivative NaN in a row the mask drops: that one needs
+# its guard unless the arguments are promised finite
+@pytest.mark.parametrize(("name", "finite_args"), [
+    (name, finite) for name in sorted(MASKED_MEANS) for finite in (False, True)
+    if finite or name != "masked cross-entropy"])
+def test_a_masked_mean_over_a_count_at_least_one_is_left_as_it_is(name, finite_args):
+    """`sum(loss * m) / maximum(sum(m), 1)`, the padded batch's mean: the derivative in the
+    numerator is `1 / d` for a divisor at least 1 (an integer count converted to a float keeps
+    its bound), so the product with the mask meets no non-finite cotangent and is not
+    re-decided (hunt AO). A NaN in a masked-out lane stays in the value, as in JAX."""
+    f, dtype = MASKED_MEANS[name]
+    x = jnp.array([[0.3, 2.0, -1.0], [3.0, 4.0, 0.5], [1.0, -2.0, 0.0], [0.0, 1.0, 2.0]])
+    if not finite_args:
+        x = x.at[1, 1].set(jnp.nan)
+    m = jnp.array([[1, 0, 1], [0, 0, 0], [1, 1, 1], [1, 0, 0]]).astype(dtype)
+    report = str(jaxsafe.explain(f, finite_args=finite_args)(x, m))
+    assert report == "nothing to guard: the program runs unchanged", report
+    assert structure(jaxsafe.make_jaxpr(f, finite_args=finite_args)(x, m)) == \
+        structure(jax.make_jaxpr(f)(x, m))
+    safe = jaxsafe.nan_safe(f, finite_args=finite_args)
+    assert_bitwise(safe(x, m), jax.jit(f)(x, m))
+    assert_bitwise(jax.grad(safe)(x, m), jax.grad(f)(x, m))
+
+
+def test_a_quotient_by_a_count_that_may_be_zero_keeps_its_re_decision():
+    """Over `maximum(n, 0)` the count may be 0: the numerator's derivative `1 / 0` is inf
+    there, and the ReLU before the sum weighs it by 0 in the lanes it drops. Its `max` is
+    re-decided: those lanes' derivative is the hand fix's 0, not `0 * inf` (the live lanes keep
+    their inf). Over `maximum(n, 1)` nothing is."""
+    def f(x, n, least):
+        return jnp.sum(jnp.maximum(x, 0.0)) / jnp.maximum(n, least)
+
+    def hand(x, n):
+        return jnp.sum(jnp.where(x > 0, x, 0.0)) / jnp.maximum(n, 0)
+
+    x, n = jnp.array([4.0, -1.0, 9.0]), jnp.int32(0)
+    assert "re-decided max" in str(jaxsafe.explain(f, static_argnums=2)(x, n, 0))
+    assert "nothing to guard" in str(jaxsafe.explain(f, static_argnums=2)(x, n, 1))
+    assert np.isnan(np.asarray(jax.grad(f)(x, n, 0)[1]))
+    safe = jax.grad(jaxsafe.nan_safe(f, static_argnums=2))(x, n, 0)
+    assert_bitwise(safe, jax.grad(hand)(x, n))
+    assert np.isinf(np.asarray(safe[0]))
+
+
+def _kl_to_constant_target(logits, x):
+    """optax's `kl_divergence` pattern: `where(t == 0, 0, log(t))` of a target `t`."""
+    t = jax.nn.softmax(logits)
+    return jnp.sum(t * (jnp.where(t == 0, 0.0, jnp.log(t)) - x))
+
+
+def test_a_log_of_a_value_computed_from_constants_alone_is_left_as_it_is():
+    """A target computed inside `f` from a closed-over constant carries no derivative at any
+    order: its `log` is never differentiated, so it needs no guard, even where the `where`
+    drops a lane of it (hunt AO). Closed over as a tracer of an outer `grad`, it is an argument
+    like the others, and its dropped lane's `log` is guarded: the hand fix's derivative."""
+    logits = jnp.array([1.0, -jnp.inf, 2.0])
+    x = jnp.array([0.5, 1.0, 2.0])
+
+    def f(x):
+        return _kl_to_constant_target(logits, x)
+
+    report = str(jaxsafe.explain(f, finite_args=True)(x))
+    assert report == "nothing to guard: the program runs unchanged", report
+    assert_bitwise(jax.grad(jaxsafe.nan_safe(f))(x), jax.grad(f)(x))
+
+    def outer(logits):
+        return jaxsafe.nan_safe(lambda x: _kl_to_constant_target(logits, x))(x)
+
+    def hand(logits):
+        t = jax.nn.softmax(logits)
+        return jnp.sum(t * (jnp.where(t == 0, 0.0, jnp.log(jnp.where(t == 0, 1.0, t))) - x))
+
+    assert np.isnan(np.asarray(jax.grad(lambda c: _kl_to_constant_target(c, x))(logits))).any()
+    # one ulp apart in a live lane: XLA fuses the rewritten program differently
+    assert_close(jax.grad(outer)(logits), jax.grad(hand)(logits), rtol=1e-6)

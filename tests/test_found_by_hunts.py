@@ -1200,3 +1200,94 @@ def test_a_custom_rule_dividing_by_its_input_in_a_dropped_lane_in_forward_mode(n
     assert_bitwise(safe(x), jax.jit(f)(x))
     for order in (jax.grad, jax.jacfwd, jax.hessian, lambda g: jax.jacfwd(jax.jacrev(g))):
         assert_close(order(safe)(x), order(hand)(x))
+
+
+# --------------------------------------------------------------------------- hunt AQ
+
+def _relu(hand):
+    """A ReLU, or the hand fix's where that keeps a NaN as `maximum` does."""
+    return (lambda x: jnp.where(x < 0, jnp.zeros_like(x), x)) if hand else \
+        (lambda x: jnp.maximum(x, jnp.zeros_like(x)))
+
+
+CONSTANT_OPERANDS = {
+    # a NaN-prone equation of constants alone: its own derivative is never taken, but the
+    # product's derivative in `x` reads its value (-inf, NaN in the dropped lanes)
+    "log of arange": lambda x, hand: jnp.sum(jnp.where(
+        jnp.arange(3.0) > 0,
+        x * jnp.log(jnp.where(jnp.arange(3.0) > 0, jnp.arange(3.0), 1.0) if hand
+                    else jnp.arange(3.0)), 0.0)),
+    "sqrt of a closed-over array": lambda x, hand: jnp.sum(jnp.where(
+        jnp.array([4.0, -1.0, 2.0]) > 0,
+        x * jnp.sqrt(jnp.array([4.0, 1.0, 2.0]) if hand else jnp.array([4.0, -1.0, 2.0])),
+        0.0)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONSTANT_OPERANDS))
+def test_a_nan_prone_value_of_constants_that_a_derivative_reads_is_guarded(name):
+    """Hunt AQ: a value computed from constants alone takes no guard of its own (no derivative
+    reads its operands), but a product whose derivative in an argument reads it in dropped
+    lanes guards it there: `x * log(k)` at `k = 0` gives 0, not `0 * -inf`."""
+    f = CONSTANT_OPERANDS[name]
+    x = jnp.array([1.5, 3.0, 2.0])
+    _same_forward(lambda x: f(x, False), x)
+    got = jax.grad(jaxsafe.nan_safe(lambda x: f(x, False)))(x)
+    assert_bitwise(got, jax.grad(lambda x: f(x, True))(x))
+    assert_bitwise(jax.jacrev(jaxsafe.nan_safe(lambda x: f(x, False)))(x), got)
+
+
+INTEGER_DIVISORS = {
+    # an integer product: its bound was computed with float rounding slack (it raised)
+    "a count times 2": (lambda x, m: jnp.maximum(jnp.sum(m) * 2, 1),
+                        jnp.array([True, False, True])),
+    # 255 + 1 wraps to 0 in uint8: a bound of 2 was claimed
+    "a uint8 that wraps": (lambda x, k: jnp.maximum(k, jnp.uint8(1)) + jnp.uint8(1),
+                           jnp.uint8(255)),
+    # 255 booleans summed in int8 are -1, plus 1 is 0
+    "an int8 count that wraps": (lambda x, m: jnp.sum(m.astype(jnp.int8), dtype=jnp.int8)
+                                 + jnp.int8(1), jnp.ones(255, bool)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INTEGER_DIVISORS))
+def test_a_divisor_computed_by_integer_arithmetic_keeps_no_bound_that_wrapping_breaks(name):
+    """Hunt AQ: integer arithmetic wraps, so only choices (`maximum`, a select), moves and
+    widening conversions keep an integer bound; a divisor that wraps to 0 leaves the ReLU
+    before the quotient re-decided, and the dropped lane's derivative is the hand fix's 0."""
+    divisor, arg = INTEGER_DIVISORS[name]
+
+    def f(x, a, hand=False):
+        return jnp.sum(_relu(hand)(x) / divisor(x, a).astype(jnp.float32))
+
+    x = jnp.array([-1.0, 2.0, 3.0])
+    _same_forward(f, x, arg)
+    assert_bitwise(jax.grad(jaxsafe.nan_safe(f))(x, arg),
+                   jax.grad(lambda x, a: f(x, a, hand=True))(x, arg))
+
+
+def test_a_float16_divisor_bounded_by_a_tiny_number_still_re_decides_the_relu():
+    """Hunt AQ: `8 * relu(x) / maximum(s, 1e-4)` in float16 with `s = 0`: the numerator's
+    derivative `8 / 1e-4` overflows float16, so the ReLU's dropped lane would get `0 * inf`."""
+    h = jnp.float16
+
+    def f(x, s, hand=False):
+        return jnp.sum(8 * (_relu(hand)(x) / jnp.maximum(s, h(1e-4))))
+
+    x, s = jnp.array([-1.0, 2.0], h), h(0.0)
+    got = jax.grad(jaxsafe.nan_safe(f, finite_args=True))(x, s)
+    assert_bitwise(got, jax.grad(lambda x, s: f(x, s, hand=True))(x, s))
+
+
+def test_a_closed_over_typed_prng_key_does_not_stop_the_analysis():
+    """Hunt AQ: a `jax.random.key` closed over made the analysis fail (NumPy cannot hold a
+    typed key), and the original program ran unguarded; now it is an unknown constant."""
+    m, key = VALID, jax.random.key(0)
+
+    def f(x, hand=False):
+        inner = jnp.where(m, x, 1.0) if hand else x
+        return jnp.sum(jnp.where(m, jnp.log(inner) * jax.random.uniform(key, (2,)), 0.0))
+
+    x = jnp.array([1.5, 0.0])
+    _same_forward(f, x)
+    assert_bitwise(jax.grad(jaxsafe.nan_safe(f))(x), jax.grad(lambda x: f(x, hand=True))(x))
