@@ -45,8 +45,8 @@ test: lint
 		-m "not slow and not tables" \
 		tests/test_x64.py \
 		tests/test_x64_transparency.py tests/test_x64_where.py
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -m "not slow" \
-		tests/test_multidevice.py
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -n auto --dist load \
+		-m "not slow" tests/test_multidevice.py
 
 # What `make test` leaves out, marked by tests/conftest.py: the table sweeps in their other
 # dtypes (float16, bfloat16; float64 with x64) and the half of their float32 cases that
