@@ -364,8 +364,7 @@ def rewrite_nested_bodies(closed: ClosedJaxpr, sweep: Sweep, report: Report,
                        else contextlib.nullcontext())
             with context:
                 done: dict[int, tuple[ClosedJaxpr, Report]] = {}
-                if rule.loop_links is not None:
-                    carried_cotangents(eqn, bad, sweeps, finite, known, done)
+                carried_cotangents(eqn, bad, sweeps, finite, known, done)
                 for name in names:
                     new_params[name] = _rewrite_param(eqn, eqn.params[name], report, sweeps,
                                                       finite, cotangents, known, done)

@@ -73,6 +73,7 @@ from ._taint import (
     contains_hazard,
     literal_taints,
     makes_nonfinite,
+    nan_prone,
     selected_only_where_finite,
 )
 
@@ -304,8 +305,7 @@ def _from_constants_alone(eqn: JaxprEqn, rule: PrimitiveRule, fixed: Set, tainte
     log(t))` of a target computed from constants needs nothing."""
     if not all(isinstance(v, Literal) or v in fixed for v in eqn.invars):
         return False
-    if guard_for(eqn) is not None or _taints_outputs(eqn, rule, tainted, None, bounds,
-                                                     sweep.producer_of):
+    if nan_prone(eqn) or _taints_outputs(eqn, rule, tainted, None, bounds, sweep.producer_of):
         tainted.update(o for o in eqn.outvars if is_float(o))
     return True
 
