@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import inspect
 import threading
@@ -439,6 +440,20 @@ class NanSafeFunction:
         # name, doc and __wrapped__ only: merging fun.__dict__ would let a jitted function's own
         # `_fun` (the undecorated Python function) replace ours and drop its custom rules
         functools.update_wrapper(self, fun, updated=())
+
+    # -- copies ---------------------------------------------------------------------------
+    def __copy__(self) -> NanSafeFunction:
+        return self._over(self._fun)
+
+    def __deepcopy__(self, memo: dict) -> NanSafeFunction:
+        return self._over(copy.deepcopy(self._fun, memo))
+
+    def _over(self, fun: Callable) -> NanSafeFunction:
+        """A function over `fun` with these options and caches of its own: a lock, and traced
+        programs whose tracebacks cannot be copied (a config or a model that holds a
+        `nan_safe` loss is deep-copied)."""
+        return NanSafeFunction(fun, self._static_argnums, self._static_argnames, self._use_jit,
+                               self._cache_size, self._finite_args)
 
     # -- signature ------------------------------------------------------------------------
     def _split(self, args: tuple, kwargs: dict):

@@ -38,7 +38,7 @@ import numpy as np
 from jax import lax
 
 from ._atoms import dtype_of, is_float, literal_value, shape_of
-from ._compat import JaxprEqn, Literal, Var, bind_eqn, varying_like
+from ._compat import JaxprEqn, Literal, Var, bind_eqn, sharded_like, varying_like
 from ._constants import fold_chain, lane_chain
 from ._liveness_rules import (
     aligned_syms,
@@ -61,7 +61,7 @@ from ._masks import (
     zeros,
 )
 from ._rules import Context, Mask, MaskRule, StaticRule, rule_for
-from ._symbolic import TRUE, Lit, Sym, predicate_literal, sym_and_literal, unknown
+from ._symbolic import TRUE, Lit, Sym, known_lanes, predicate_literal, sym_and_literal, unknown
 
 # --------------------------------------------------------------------------- liveness
 
@@ -530,7 +530,8 @@ def by_wins(eqn: JaxprEqn, guarded: list, originals: Sequence[Any], operand_mask
         rivals = [v for j, v in enumerate(eqn.invars) if j != i]
         if guarded[i] is originals[i] and all(isinstance(v, Literal) for v in rivals):
             continue
-        out = lax.select_n(win, out, case)  # disjoint wins: the order is free
+        # a literal's broadcast is replicated: placed as `out` on `Explicit` mesh axes
+        out = lax.select_n(sharded_like(win, out), out, sharded_like(case, out))
     return [out]
 
 
@@ -613,15 +614,18 @@ def by_original(eqn: JaxprEqn, guarded: list, originals: Sequence[Any],
 
 # --------------------------------------------------------------------------- a masked contraction
 
-def _contraction_may_mask(eqn: JaxprEqn, k: int, ctx: Context) -> bool:
+def _contraction_may_mask(eqn: JaxprEqn, k: int, ctx: Context,
+                          out_sym: Sym | None = None) -> bool:
     """Whether operand k of a `dot_general` may have a lane that every factor of the other
-    operand it meets masks: the other operand carries no derivative at all (a constant 0/1
-    weight, a one-hot, an adjacency or selection matrix) and may be 0. A value that carries in
-    part (`where(p, x, 0.)`, a padded row of queries) is left out: its zeros rarely cover a
-    lane's whole contraction, and the mask would be a contraction at the full size of the
-    product (an attention's logits). A constant known when the rewrite is planned masks a lane
-    only where all of its factors for that lane are 0: a pruned weight matrix with a zero here
-    and there drops nothing, and costs nothing."""
+    operand it meets in a live output lane masks: the other operand carries no derivative at
+    all (a constant 0/1 weight, a one-hot, an adjacency or selection matrix) and may be 0. A
+    value that carries in part (`where(p, x, 0.)`, a padded row of queries) is left out: its
+    zeros rarely cover a lane's whole contraction, and the mask would be a contraction at the
+    full size of the product (an attention's logits). A constant known when the rewrite is
+    planned masks a lane only where all of its factors for that lane in the live output lanes
+    are 0 (`out_sym`, the output's formula; the sweep's by default): a pruned weight matrix
+    with a zero here and there drops nothing, and costs nothing, unless the output's dropped
+    lanes leave a lane only zeros (`(sqrt(x) @ w)[0]`, hunt AT)."""
     j = 1 - k
     factor = eqn.invars[j]
     if ctx.structural or not _maskable(eqn.invars[k]) or not ctx.carries_nothing(factor):
@@ -636,17 +640,25 @@ def _contraction_may_mask(eqn: JaxprEqn, k: int, ctx: Context) -> bool:
         # one-hot, an indicator), not a weight matrix whose values are unknown here
         held = ctx.held(factor)
         return held is not None and any(h == 0 for h in held)
-    kept = _contracted_with(eqn, k, np.asarray(value) != 0)
-    return not bool(np.all(kept))
+    keep = np.asarray(np.asarray(value) != 0)  # an array also for a 0-d weight (`jnp.dot(2., x)`)
+    if not bool(np.all(_contracted_with(eqn, k, keep))):
+        return True
+    out_sym = ctx.sym(eqn.outvars[0]) if out_sym is None else out_sym
+    if out_sym == TRUE or bool(np.all(keep)):
+        return False
+    live = known_lanes(out_sym, shape_of(eqn.outvars[0]))
+    # decided at run time (a `where` after it): a dropped output lane may leave only zeros
+    return live is None or not bool(np.all(_contracted_with(eqn, k, keep, live)))
 
 
 def _contracted_with(eqn: JaxprEqn, k: int, keep: Any, live: Any = None) -> Any:
     """The lanes of operand k that meet a kept lane of the other operand (`keep`, booleans) in
     a live output lane (`live`; None: every one): the contraction's transpose in operand k, on
-    0/1 values. NumPy for a known `keep` and no `live`, else on the current trace."""
+    0/1 values. NumPy for a known `keep` and `live`, else on the current trace."""
     shape = shape_of(eqn.outvars[0])
-    if live is None and isinstance(keep, np.ndarray):
-        ones = np.ones(shape, np.float32)
+    if isinstance(keep, np.ndarray) and (live is None or isinstance(live, np.ndarray)):
+        ones = np.ones(shape, np.float32) if live is None else \
+            np.broadcast_to(live, shape).astype(np.float32)
         keep_f = keep.astype(np.float32)
     else:
         ones = lax.convert_element_type(materialize(live, shape), jnp.float32)
@@ -736,7 +748,7 @@ def contraction_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> li
     if syms is None:
         return syms
     for k in (0, 1):
-        if syms[k] and _contraction_may_mask(eqn, k, ctx):
+        if syms[k] and _contraction_may_mask(eqn, k, ctx, out_syms[0]):
             axes = [i for i, n in enumerate(shape_of(eqn.invars[k])) if n != 1]
             syms[k] = sym_and_literal(syms[k], unknown(axes))
     return syms

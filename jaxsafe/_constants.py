@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._atoms import SMALL_CONSTANT, literal_value, shape_of
+from ._atoms import SMALL_CONSTANT, dtype_of, literal_value, shape_of
 from ._compat import JaxprEqn, Literal, Tracer, Var, bind_eqn
 from ._rules import rule_for
 
@@ -88,8 +88,21 @@ _MEMO = _Memo()
 
 
 def fold(eqn: JaxprEqn, values: Sequence[Any]) -> list[np.ndarray]:
-    """`eqn`'s outputs on concrete operand values, as NumPy arrays (read-only: shared)."""
-    return _MEMO.get(_MEMO.key("fold", eqn, values), lambda: _fold(eqn, values))
+    """`eqn`'s outputs on concrete operand values, as NumPy arrays (read-only: shared). Where
+    the user's `jax_debug_nans` or `jax_debug_infs` stops it, the result holds NaN or inf in
+    some lane: every lane reads as NaN (unknown, and possibly non-finite: no proof rests on it),
+    and nothing is remembered."""
+    try:
+        return _MEMO.get(_MEMO.key("fold", eqn, values), lambda: _fold(eqn, values))
+    except FloatingPointError:
+        return [_unknown_float(o) for o in eqn.outvars]
+
+
+def _unknown_float(var: Any) -> np.ndarray:
+    dtype = dtype_of(var) if jnp.issubdtype(dtype_of(var), jnp.inexact) else np.float32
+    out = np.full(shape_of(var), np.nan, dtype)
+    out.setflags(write=False)
+    return out
 
 
 def _fold(eqn: JaxprEqn, values: Sequence[Any]) -> list[np.ndarray]:
@@ -217,8 +230,11 @@ def finite_with_derivatives(eqn: JaxprEqn, point: Sequence[Any], order: int = 1,
     operand `wrt` only) are finite at `point` (one value per operand). False where JAX defines
     no such derivative. With `order` > 1 (one floating-point operand only, or `wrt`), the
     derivatives up to that order too, as far as JAX defines them."""
-    return _MEMO.get(_MEMO.key(f"finite{order}:{wrt}", eqn, point),
-                     lambda: _finite_with_derivatives(eqn, point, order, wrt))
+    try:
+        return _MEMO.get(_MEMO.key(f"finite{order}:{wrt}", eqn, point),
+                         lambda: _finite_with_derivatives(eqn, point, order, wrt))
+    except FloatingPointError:  # the user's jax_debug_nans/infs met a NaN or inf: no proof
+        return False
 
 
 def _finite_with_derivatives(eqn: JaxprEqn, point: Sequence[Any], order: int,

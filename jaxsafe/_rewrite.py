@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Iterator, Sequence, Set
 from functools import partial
 from typing import Any
 
@@ -99,7 +99,7 @@ def rewrite_with_report(closed: ClosedJaxpr, finite_invars: Sequence[bool] | Non
     symbolic = _symbolic_dimensions(closed)
     if symbolic:
         return closed, _not_analysed(closed, symbolic)
-    with fewer_collections():
+    with fewer_collections(), _probes_unchecked():
         try:
             new, report = _rewrite(closed, Sweeps(), finite_invars)
         except Exception as error:
@@ -109,6 +109,17 @@ def rewrite_with_report(closed: ClosedJaxpr, finite_invars: Sequence[bool] | Non
     # the diagnostics compare the flattened original (what was analysed) with the result
     report.rewritten = report.original if new is closed else new
     return new, report
+
+
+@contextlib.contextmanager
+def _probes_unchecked() -> Iterator[None]:
+    """The analysis reads constants from the device: a transfer guard is the user's check of
+    the user's program, which runs under it as it would without jaxsafe. (`jax_debug_nans` and
+    `jax_debug_infs` stay on: JAX keeps an operation compiled with them off unchecked for the
+    user's later eager calls; the probes that meet them answer conservatively instead,
+    `_constants.py`.)"""
+    with jax.transfer_guard("allow"):
+        yield
 
 
 def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps, finite_invars: Sequence[bool] | None = None,

@@ -1,5 +1,7 @@
 """Hostile and unusual inputs: nan_safe never crashes on a program it does not understand."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,6 +193,64 @@ def test_debug_nans_raises_no_false_alarm_on_value_guarded_lanes(op, bad, use_ji
     with jax.debug_nans(True):
         g = jax.grad(lambda x: jnp.sum(nan_safe(f, jit=use_jit)(x)))(x)
     assert g[0] == 0. and np.isfinite(g[1])
+
+
+@pytest.mark.parametrize("check, edge", [
+    ("debug_infs", 1.2345), ("debug_nans", 1.3456), ("transfer_guard", 1.4567)])
+def test_the_users_debugging_checks_do_not_stop_the_analysis(check, edge):
+    """The analysis folds constants and probes derivatives at points where inf and NaN are
+    the expected answers, and reads constants from the device: under the user's
+    `jax_debug_infs`, `jax_debug_nans` or a disallowing transfer guard it used to fail, and
+    the original program ran unguarded (hunt AT). The constants here are each case's own, so
+    that no earlier probe answered them from the cache."""
+    weights = np.array([-1.0, edge, 0.0], np.float32)  # NaN and -inf in the log's dropped lanes
+
+    def f(x):
+        return jnp.sum(jnp.sqrt(jnp.maximum(x, edge) - edge)) + jnp.sum(
+            jnp.where(weights > 0, jnp.log(weights), 0.0) * jnp.where(x > 0, jnp.sqrt(x), 0.0))
+
+    def hand(x):
+        clamp = jnp.where(x > edge, jnp.sqrt(jnp.where(x > edge, x - edge, 1.0)), 0.0)
+        return jnp.sum(clamp) + jnp.sum(
+            jnp.where(weights > 0, jnp.log(jnp.where(weights > 0, weights, 1.0)), 0.0)
+            * jnp.where(x > 0, jnp.sqrt(jnp.where(x > 0, x, 1.0)), 0.0))
+
+    x = jnp.array([-1.0, 0.5, 4.0])
+    expected = jax.jit(jax.grad(hand))(x)
+    checks = {"debug_infs": lambda: jax.debug_infs(True),
+              "debug_nans": lambda: jax.debug_nans(True),
+              "transfer_guard": lambda: jax.transfer_guard("disallow")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxsafe.AnalysisFailedWarning)
+        with checks[check]():
+            got = jax.jit(jax.grad(nan_safe(f)))(x)
+            if check != "transfer_guard":  # the user's own eager checks still stop a NaN
+                # (JAX keeps an op compiled without them unchecked: they were never turned off)
+                numerator = np.float32(edge if check == "debug_infs" else 0.0)
+                with pytest.raises(FloatingPointError):
+                    lax.div(numerator, np.float32(0.0))
+    assert_bitwise(got, expected)
+
+
+def test_a_nan_safe_function_is_copied_with_its_options():
+    """A config or a model holding a `nan_safe` loss is deep-copied: the copy has the same
+    options and caches of its own (the lock and the traced programs' tracebacks cannot be
+    copied: a TypeError, before and after a call; hunt AT)."""
+    import copy
+
+    def loss(x, scale):
+        return jnp.sum(jnp.where(x > 0, jnp.sqrt(x), 0.0)) * scale
+
+    f = nan_safe(loss, static_argnums=1, finite_args=(True, False), jit=False, cache_size=3)
+    x = jnp.array([4.0, -1.0])
+    for g in (copy.deepcopy({"loss": f, "lr": 1e-3})["loss"], copy.copy(f)):
+        assert g is not f and g.__wrapped__ is loss
+        assert g.cache_info()["max_size"] == 3
+        assert_bitwise(jax.grad(g)(x, 2.0), jax.grad(f)(x, 2.0))
+    f(x, 2.0)  # a traced program with its traceback in the cache
+    g = copy.deepcopy(f)
+    assert g.cache_info()["size"] == 0
+    assert_bitwise(g(x, 3.0), f(x, 3.0))
 
 
 def test_default_cache_size_is_documented_and_used():

@@ -489,6 +489,10 @@ EXPLICIT_DROPS = {
     "row max": lambda x: jnp.sum(jnp.max(jnp.where(x > 0, jnp.sqrt(x), -1.), axis=1)),
     "top_k": lambda x: jnp.sum(jax.lax.top_k(jnp.where(x > 0, jnp.sqrt(x), -1.), 2)[0]),
     "cummax": lambda x: jnp.sum(jax.lax.cummax(jnp.where(x > 0, jnp.sqrt(x), -1.), axis=1)),
+    # re-decided on the original values: the literal's broadcast is placed too (hunt AT)
+    "maximum": lambda x: jnp.sum(jnp.sqrt(jnp.maximum(x, 1.) - 1.)),
+    "minimum": lambda x: jnp.sum(jnp.sqrt(1. - jnp.minimum(x, 1.))),
+    "clip": lambda x: jnp.sum(jnp.sqrt(jnp.clip(x, 1., 1.5) - 1.)),
 }
 
 
