@@ -154,6 +154,14 @@ def non_negative_if_bounded(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
     return None if bounds[0] is None else 0.0
 
 
+def root(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
+    """`sqrt`: at least the root of its operand's bound, less the rounding (a count's
+    `sqrt(maximum(n, 1))` is at least about 1); at least 0 when the operand is bounded."""
+    if bounds[0] is None or bounds[0] <= 0:
+        return non_negative_if_bounded(eqn, bounds, consts)
+    return float(np.sqrt(bounds[0])) * (1 - _slack(eqn))
+
+
 def moved(eqn: JaxprEqn, bounds: list, consts: list) -> Bound:
     """Lanes that move, unchanged: the operand's bound."""
     return bounds[0]

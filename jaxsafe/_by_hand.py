@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ._atoms import dtype_of, is_float, literal_value, readable_constant, shape_of
+from ._case_index import case_syms
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Var
 from ._constants import PROOF_ORDER, domain_holds_above, finite_with_derivatives, fold
 from ._diagonal import DiagonalValues
@@ -43,8 +44,10 @@ from ._ranges import compared
 from ._rules import rule_for
 from ._symbolic import (
     FALSE,
+    TRUE,
     Sym,
     disjoint,
+    expand_connectives,
     forced_everywhere,
     implies,
     negate,
@@ -144,13 +147,21 @@ class HandGuards:
                 return False
             # an operand no selection made: every dead lane must be in the domain
             free = self.free.free_sym(v) if self.free.selected(v) else FALSE
-            if implies(dead, free):
+            if self._implies(dead, free):
                 continue
             carrying = sym_not(free)
             rest = None if carrying is None else sym_and(dead, carrying)
             if rest is None or not self._in_domain(eqn, k, rest):
                 return False
         return True
+
+    def _implies(self, a: Sym, b: Sym) -> bool:
+        """`a` implies `b`, also where they are read over the predicates that `and`, `or` and
+        `not` compute theirs from (`jnp.select`'s branch guarded by `(x > 0) & ~(x > 1)`)."""
+        if implies(a, b):
+            return True
+        expansion = self.sweep.connective_of
+        return implies(expand_connectives(a, expansion), expand_connectives(b, expansion))
 
     def _in_domain(self, eqn: JaxprEqn, k: int, lanes: Sym) -> bool:
         """Whether operand k of `eqn` (the only one) is, in every lane of `lanes`, where a
@@ -231,10 +242,22 @@ class HandGuards:
             forced = forced_everywhere(term).get(key)
             if forced is not None:
                 holds.add(forced)
+            if not holds:
+                holds = self._decided_by_connectives((key, True, embed), term)
             if len(holds) != 1:
                 return None
             v = producer.invars[2 if holds.pop() else 1]
         return None
+
+    def _decided_by_connectives(self, lit: tuple, term: frozenset) -> set[bool]:
+        """The value `term` forces on a predicate that `and`, `or` and `not` compute from
+        predicates `term` names (`(x > 0) & ~(x > 1)` where `x > 1` holds: False), as a set of
+        one bool; empty where it forces none."""
+        expanded = expand_connectives(frozenset({frozenset({lit})}), self.sweep.connective_of)
+        lanes = frozenset({term})
+        if disjoint(lanes, expanded):
+            return {False}
+        return {True} if implies(lanes, expanded) else set()
 
     def _decided(self, operand: Any, term: frozenset) -> dict:
         """The predicates `term` decides lane by lane for `operand` (same shape, same axes),
@@ -378,7 +401,7 @@ class HandGuards:
 
     def _step(self, j: int, eqn: JaxprEqn, reads: list[int], poisoned: dict) -> bool:
         """Carry the poisoned lanes across equation j; False where they reach a live lane."""
-        carried = self._carried(eqn, reads, poisoned)
+        carried = self._carried(j, eqn, reads, poisoned)
         if carried is None:
             return False
         # terms no lane satisfies (`eq(i, j)` and `r2 > 0` together) poison nothing
@@ -395,7 +418,7 @@ class HandGuards:
                 del poisoned[v]
         return True
 
-    def _carried(self, eqn: JaxprEqn, reads: list[int], poisoned: dict) -> Sym | None:
+    def _carried(self, j: int, eqn: JaxprEqn, reads: list[int], poisoned: dict) -> Sym | None:
         """The output lanes whose tangent may be NaN, from the operands' (None: unknown)."""
         rule = rule_for(eqn.primitive)
         if len(eqn.outvars) != 1:
@@ -404,6 +427,9 @@ class HandGuards:
         if any(shape_of(eqn.invars[k]) != shape for k in reads):
             return None
         pred = eqn.invars[0]
+        if rule.selection is not None and rule.selection.by_predicate and \
+                isinstance(pred, Var) and dtype_of(pred) != np.bool_:
+            return self._carried_by_index(eqn, poisoned)
         if rule.selection is not None and rule.selection.by_predicate:
             if not isinstance(pred, Var) or dtype_of(pred) != np.bool_ \
                     or len(eqn.invars) != 3 or shape_of(pred) not in (shape, ()):
@@ -417,8 +443,41 @@ class HandGuards:
             out = FALSE
             for k in reads:
                 out = sym_or(out, poisoned[eqn.invars[k]])
+            if not rule.linear and self._weighs_another(j, eqn, reads, out):
+                # `eps * sqrt(safe_mask(...))` with `eps` differentiated: a second reverse pass
+                # weighs the NaN tangent's zero cotangent into `eps` (`0 * inf`; hunt AR)
+                return None
             return out
         return None
+
+    def _weighs_another(self, j: int, eqn: JaxprEqn, reads: list[int], lanes: Sym) -> bool:
+        """Whether non-linear equation j has an operand besides the poisoned ones (`reads`)
+        that carries a derivative in the poisoned `lanes`: its mixed second derivative carries
+        their NaN to it. One a selection made free there hands it to a constant (`log(sqrt(y)
+        - .5) / y` with `y = where(p, x, 0.)`)."""
+        for k, (v, d) in enumerate(zip(eqn.invars, self.sweep.diff[j], strict=True)):
+            if not d or k in reads or not isinstance(v, Var) or not is_float(v) or \
+                    v in self.fixed:
+                continue
+            if not (self.free.selected(v) and self._implies(lanes, self.free.free_sym(v))):
+                return True
+        return False
+
+
+    def _carried_by_index(self, eqn: JaxprEqn, poisoned: dict) -> Sym | None:
+        """A `select_n` on `jnp.select`'s first-True index: each case's poisoned lanes where
+        it is taken (`_case_index.case_syms`); None where the index is not that."""
+        taken = case_syms(eqn, TRUE, self.sweep)
+        if taken is None:
+            return None
+        out: Sym | None = FALSE
+        for case, where in zip(eqn.invars[1:], taken[1:], strict=True):
+            part = poisoned.get(case, FALSE) if isinstance(case, Var) else FALSE
+            both = sym_and(part, where)
+            if both is None:
+                return None
+            out = sym_or(out, both)
+        return out
 
 
 class _DiagonalContext:

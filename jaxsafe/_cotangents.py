@@ -33,7 +33,7 @@ from ._compat import ClosedJaxpr, JaxprEqn, Literal, Var
 from ._liveness import Sweep
 from ._nested import sub_jaxprs
 from ._rules import Context, guard_for, rule_for
-from ._taint import may_produce_nonfinite
+from ._taint import makes_nonfinite, may_produce_nonfinite, nan_prone
 
 
 @dataclasses.dataclass
@@ -145,10 +145,13 @@ def _own_nonfinite_only(eqn: JaxprEqn, k: int, anywhere: Set, bounds: Bounds | N
 def _partial_may_be_nonfinite(eqn: JaxprEqn, k: int, anywhere: Set,
                               bounds: Bounds | None = None) -> bool:
     """Whether `eqn`'s derivative in operand k may be inf or NaN for a finite cotangent."""
+    rule = rule_for(eqn.primitive)
+    if rule.linear and rule.known and not rule.has_body and not nan_prone(eqn) \
+            and not makes_nonfinite(eqn):
+        return False  # a NaN literal (`where(c, x, nan)`) is a value: its derivative is 0 or 1
     if may_produce_nonfinite(eqn):  # a NaN-prone or unknown primitive, a hazardous body
         return bounds is None or not (_proven_in_domain(eqn, anywhere, bounds)
                                       or _over_bounded_divisor(eqn, k, anywhere, bounds))
-    rule = rule_for(eqn.primitive)
     if rule.has_body:
         return any(isinstance(v, Var) and v in anywhere for v in eqn.invars)
     if rule.linear:

@@ -675,6 +675,7 @@ def _value_numbers(jaxpr: Jaxpr) -> dict:
     1, in order)."""
     first: dict = {}
     same: dict = {}
+    producer: dict = {}
     for eqn in jaxpr.eqns:
         rule = rule_for(eqn.primitive)
         if eqn.effects or len(eqn.outvars) != 1:
@@ -682,6 +683,11 @@ def _value_numbers(jaxpr: Jaxpr) -> dict:
         out = eqn.outvars[0]
         if _only_size_one_axes_move(eqn):
             same[out] = same.get(eqn.invars[0], eqn.invars[0])
+            continue
+        held = _predicate_held(eqn, same, producer)
+        producer[out] = eqn
+        if held is not None:
+            same[out] = held
             continue
         if not (rule.foldable or rule.elementwise or rule.broadcast):
             continue  # a value made anew at each call (`rng_uniform`), a body, an unknown
@@ -695,6 +701,37 @@ def _value_numbers(jaxpr: Jaxpr) -> dict:
         if twin is not out:
             same[out] = twin
     return same
+
+
+def _predicate_held(eqn: JaxprEqn, same: dict, producer: dict) -> Any:
+    """The predicate a boolean equation holds unchanged, else None: `stop_gradient(p)`, a
+    `select_n` whose cases are all one predicate (a batched `cond` hands each branch
+    `select_n(taken, stop_gradient(p), p)`, which is `p`), and `int(p) == 1` (its `taken`)."""
+    out = eqn.outvars[0]
+    if dtype_of(out) != np.bool_:
+        return None
+    rule = rule_for(eqn.primitive)
+    source = eqn.invars[0]
+    if not isinstance(source, Var) or shape_of(source) != shape_of(out):
+        return None
+    if rule.holds_operand:
+        return same.get(source, source)
+    if rule.equality:
+        cast = producer.get(source)
+        one = eqn.invars[1]
+        if cast is not None and rule_for(cast.primitive).casts and \
+                isinstance(cast.invars[0], Var) and dtype_of(cast.invars[0]) == np.bool_ and \
+                shape_of(cast.invars[0]) == shape_of(out) and isinstance(one, Literal) and \
+                np.asarray(one.val).shape == () and np.asarray(one.val) == 1:
+            return same.get(cast.invars[0], cast.invars[0])
+        return None
+    if rule.selection is None or not rule.selection.by_predicate:
+        return None
+    cases = {_operand_key(v, same) for v in eqn.invars[1:]}
+    case = eqn.invars[1]
+    if len(cases) != 1 or not isinstance(case, Var) or shape_of(case) != shape_of(out):
+        return None
+    return same.get(case, case)
 
 
 def _sizes(atom: Any) -> tuple[int, ...]:

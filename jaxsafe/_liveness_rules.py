@@ -26,6 +26,7 @@ import numpy as np
 from jax import lax
 
 from ._atoms import dtype_of, is_float, shape_of
+from ._case_index import case_syms
 from ._compat import JaxprEqn, Literal, Var, bind_eqn, sharded_like, varying_like
 from ._constants import fold
 from ._masks import (
@@ -1824,4 +1825,8 @@ def select_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sy
         if not isinstance(pred, Literal):
             lit = predicate_literal(pred, True, ctx.broadcast_of, ctx.same_as)
             return [FALSE, sym_and_literal(out, negate(lit)), sym_and_literal(out, lit)]
+    if not ctx.structural:
+        by_index = case_syms(eqn, out_syms[0], ctx)  # `jnp.select`'s first True
+        if by_index is not None:
+            return by_index
     return selected_syms(eqn, out_syms, ctx)

@@ -36,6 +36,7 @@ from ._carries import (
     winner_lanes,
     winner_static,
 )
+from ._case_index import first_true_of_argmax, rows_of_concatenate, rows_of_stack
 from ._choosers import (
     by_fill,
     by_held,
@@ -202,6 +203,9 @@ from ._taint import (
     exponent_set_by,
     fills_nonfinite,
     indices_in_range,
+    not_nan_where_false,
+    not_nan_where_true,
+    reduces_an_empty_axis,
     scan_body_inputs,
     scan_body_operands,
     sliced_body_operands,
@@ -277,9 +281,8 @@ ZEROTH = frozenset({0})  # `PrimitiveRule.at_least`: the output is at least oper
 
 # --------------------------------------------------------------------------- elementwise
 # NaN-prone (the guard table): each listed operand takes the safe value in dropped lanes.
-register_elementwise(prims.sqrt_p, guard=ONE, decreasing=True,
-                     bound=bounds.non_negative_if_bounded, preimage=bounds.root_preimage,
-                     range=ranges.root_range)
+register_elementwise(prims.sqrt_p, guard=ONE, decreasing=True, bound=bounds.root,
+                     preimage=bounds.root_preimage, range=ranges.root_range)
 register_elementwise(prims.cbrt_p, guard=ONE, decreasing=True)
 register_elementwise(prims.rsqrt_p, prims.log_p, guard=POLE_AT_ONE, decreasing=True)
 register_elementwise(prims.log1p_p, guard=POLE_AT_ZERO, decreasing=True, edge=-1.0)
@@ -345,6 +348,7 @@ register_elementwise(prims.mul_p, bound=bounds.product, preimage=bounds.product_
                      chooser=Chooser(by_original, product_applies))
 register_elementwise(prims.square_p, bound=bounds.non_negative, range=ranges.square_range)
 register_elementwise(prims.convert_element_type_p, linear=True, bound=bounds.converted,
+                     casts=True,
                      preimage=bounds.same_preimage, range=ranges.converted_range)
 register_elementwise(prims.reduce_precision_p, linear=True,
                      bound=bounds.non_negative_if_bounded)
@@ -383,8 +387,8 @@ register(prims.select_and_gather_add_p, prims.select_and_scatter_add_p,
          prims.shift_right_logical_p, prims.create_token_p, prims.after_all_p)
 # row by row, as a sum: the rows a dropped result reduces are dropped too (a custom rule's body
 # that tests its pivots, `slogdet`'s `any(diag == 0)`, read as one unit)
-register_reduction(prims.reduce_and_p, prims.reduce_or_p, prims.reduce_xor_p, prims.argmax_p,
-                   prims.argmin_p)
+register_reduction(prims.reduce_and_p, prims.reduce_or_p, prims.reduce_xor_p, prims.argmin_p)
+register_reduction(prims.argmax_p, first_true=first_true_of_argmax)
 if hasattr(lax, "mulhi_p"):  # JAX 0.10 on
     register(lax.mulhi_p)
 # integer pivots to a permutation (`lu_solve`, `lu_factor`): no float, no derivative
@@ -400,15 +404,18 @@ register_elementwise(prims.atan_p, range=ranges.between(-np.pi / 2, np.pi / 2))
 register_elementwise(prims.nextafter_p, no_derivative=frozenset({0, 1}))
 # zero derivative: operands are read for their value only
 register_elementwise(prims.stop_gradient_p, zero_derivative=True, linear=True,
-                     bound=bounds.moved, at_least=ZEROTH)
+                     bound=bounds.moved, at_least=ZEROTH, holds_operand=True)
 transpose_to_zero_where_missing(prims.stop_gradient_p)  # jax-ml/jax#22011, under vmap of a cond
 register_elementwise(prims.sign_p, prims.floor_p, prims.ceil_p, prims.round_p,
                      zero_derivative=True)
 register_elementwise(prims.is_finite_p, zero_derivative=True, tests_nonfinite=every_operand,
-                     true_where_finite=True)
+                     true_where_finite=True, not_nan_where=not_nan_where_true)
 # comparisons and logic: no tangent, but in structural mode every read counts
-register_elementwise(prims.eq_p, tests_nonfinite=compared_with_nonfinite, equality=True)
-register_elementwise(prims.ne_p, prims.lt_p, prims.le_p, prims.gt_p, prims.ge_p,
+register_elementwise(prims.eq_p, tests_nonfinite=compared_with_nonfinite, equality=True,
+                     not_nan_where=not_nan_where_true)
+register_elementwise(prims.ne_p, tests_nonfinite=compared_with_nonfinite,
+                     not_nan_where=not_nan_where_false)
+register_elementwise(prims.lt_p, prims.le_p, prims.gt_p, prims.ge_p,
                      tests_nonfinite=compared_with_nonfinite)
 register_elementwise(prims.and_p, connective=Connective.AND)
 register_elementwise(prims.or_p, connective=Connective.OR)
@@ -463,13 +470,14 @@ register_movement(prims.broadcast_in_dim_p, masks=broadcast_in_dim_masks,
                   scalar_move=same_scalar, bound=bounds.moved, range=ranges.same_range,
                   diagonal=broadcast_diagonal, at_least=ZEROTH)
 register_movement(prims.concatenate_p, masks=concatenate_masks, static=concatenate_syms,
-                  carries=MOVED, works_along=concatenated_axis)
+                  carries=MOVED, works_along=concatenated_axis, stacked_rows=rows_of_concatenate)
 if hasattr(lax, "split_p"):
     register_movement(lax.split_p, masks=split_masks, static=split_syms,
                       works_along=split_axis)
 # `jnp.stack`, `jnp.unstack` and `jnp.tile` bind primitives of their own in newer JAX
 if hasattr(lax, "stack_p"):
-    register_movement(lax.stack_p, masks=stack_masks, static=stack_syms, carries=MOVED)
+    register_movement(lax.stack_p, masks=stack_masks, static=stack_syms, carries=MOVED,
+                      stacked_rows=rows_of_stack)
 if hasattr(lax, "unstack_p"):
     register_movement(lax.unstack_p, masks=unstack_masks)
 if hasattr(lax, "tile_p"):
@@ -502,14 +510,15 @@ register_reduction(prims.reduce_sum_p, linear=True, scalar_move=summed_scalar,
 register(prims.iota_p, iota_axis=lambda eqn: eqn.params["dimension"], foldable=True)
 # --------------------------------------------------------------------------- choosers
 # Only the lanes their derivative chooses on the original values are live (`_choosers.py`).
-FILL = Chooser(by_fill, keeps_dropped_values=False)
+FILL = Chooser(by_fill, keeps_dropped_values=False, meets_nan_only=True)
 
 RUNNING_FILL = Chooser(by_fill, keeps_dropped_values=False, guarded_results=False)
 for prim, identity in ((prims.reduce_max_p, -np.inf), (prims.reduce_min_p, np.inf)):
     register_reduction(prim, masks=comparison_masks(row_reads), static=selected_syms,
                        drops=_always, chooser=FILL, identity=identity,
                        scalar_move=chosen_scalar, diagonal=reduced_diagonal,
-                       at_least=ZEROTH if identity < 0 else frozenset())
+                       at_least=ZEROTH if identity < 0 else frozenset(),
+                       nonfinite_when=reduces_an_empty_axis)
 # a running maximum only grows: its choice is two cumulative ops, not a scan tree's derivative
 register(prims.cummax_p, masks=comparison_masks(reads_as(prims.cumsum_p),
                                                 running_choice(lax.cummin, np.inf)),
@@ -648,6 +657,10 @@ for _p in (prims.neg_p, prims.convert_element_type_p, prims.copy_p, prims.name_p
            prims.reduce_precision_p, prims.real_p, prims.imag_p, prims.conj_p, prims.square_p,
            prims.sharding_constraint_p):
     update(_p, zeros=Zeros(zero_lanes.like_operand(0)))
+# no NaN from operands without NaN (`_taint.nan_free`: `jnp.where(isnan(x), inf, x)`'s cast)
+for _p in (prims.neg_p, prims.convert_element_type_p, prims.copy_p, prims.reduce_precision_p,
+           prims.stop_gradient_p, prims.abs_p):
+    update(_p, keeps_nan_free=True)
 update(prims.mul_p, zeros=Zeros(zero_lanes.any_operand, absorbs=frozenset({0, 1})))
 update(prims.div_p, zeros=Zeros(zero_lanes.like_operand(0), absorbs=frozenset({0})))
 update(prims.select_n_p, zeros=Zeros(zero_lanes.selected))

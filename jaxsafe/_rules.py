@@ -343,6 +343,10 @@ class Chooser:
     non-finite cotangent makes `0 * inf` there and the equation is re-decided for it (None:
     wherever it chooses, unless it `picks`). A custom rule whose tangent is a selection
     (`jax.nn.relu`'s `select_n`) writes its zeros."""
+    meets_nan_only: bool = False
+    """Its derivative weighs a lane by whether it equals the result, over how many do: only a
+    result that no lane equals (a NaN in the row: 0 / 0) makes it non-finite, never an inf
+    (`reduce_max`). An operand shown free of NaN (`_taint.nan_free`) needs no guard."""
     picks: bool = False
     """Its derivative picks one operand lane per output lane (pooling's select-and-gather), never
     weighs lanes: whatever tangent a dropped lane holds never reaches an output, and its zero
@@ -544,6 +548,26 @@ class PrimitiveRule:
     true_where_finite: bool = False
     """True exactly in the lanes where its operand is finite (`is_finite`): for finite values,
     `select_n(is_finite(m), 0., m)` is `m` (logsumexp's shift, `_maxima.maximum_of`)."""
+    not_nan_where: Callable[[JaxprEqn], tuple[Any, bool] | None] | None = None
+    """A test that shows a value is not NaN: (x, v) when x holds no NaN in the lanes where this
+    boolean is v (`x != x`: (x, False); `x == x` and `is_finite(x)`: (x, True)). A selection of x
+    there is NaN-free (`jnp.nanmax`'s `where(isnan(x), -inf, x)`, `_taint.nan_free`)."""
+    stacked_rows: Callable[[JaxprEqn, int, Context], list[Any] | None] | None = None
+    """Stacks values along an axis, each shaped as one slice of the output: (equation, axis)
+    -> those values in order, or None where it does not stack along that axis (`stack`, a
+    `concatenate` of size-1 broadcasts; `_case_index.py`)."""
+    first_true: Callable[[JaxprEqn, Context], list[Any] | None] | None = None
+    """The index of the first True among stacked booleans (`argmax`): the conditions, each of
+    the index's shape, or None (`_case_index.py`: `jnp.select`'s case index)."""
+    holds_operand: bool = False
+    """Its output holds its operand's values, unchanged (`stop_gradient`): a boolean's is the
+    same predicate (`Sweep.same_as`)."""
+    casts: bool = False
+    """Converts its operand's values to another dtype, lane by lane (`convert_element_type`): a
+    boolean cast to an integer is 0 or 1 (`_case_index.py`: a batched `cond`'s index)."""
+    keeps_nan_free: bool = False
+    """Makes no NaN from operands without NaN, lane by lane (`neg`, a cast, `stop_gradient`; a
+    move of lanes that fills nothing with NaN is such too): `_taint.nan_free` follows it."""
     difference: bool = False
     """Operand 0 minus operand 1 (`sub`): at most 0 where operand 1 is at least operand 0."""
     sums: bool = False

@@ -73,6 +73,7 @@ from ._taint import (
     contains_hazard,
     literal_taints,
     makes_nonfinite,
+    nan_free,
     nan_prone,
     selected_only_where_finite,
 )
@@ -339,7 +340,8 @@ def _nonfinite_operands(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool],
     for k, v in enumerate(eqn.invars):
         if not guarded[k] or not _may_be_nonfinite(eqn, v, tainted):
             continue
-        if _finite_where_dropped(eqn, k, dropped) or by_hand(k):
+        if _finite_where_dropped(eqn, k, dropped) or by_hand(k) or \
+                _counts_no_nan(rule, v, sweep, tainted):
             # `jnp.where(norm <= eps, 1., x)`: 1 in every lane read as dropped; by hand,
             # `x * log(where(x > 0, x, 1.))` under `where(x > 0, ., 0.)`
             continue
@@ -359,6 +361,13 @@ def _nonfinite_operands(eqn: JaxprEqn, rule: PrimitiveRule, diff: list[bool],
             coarse[k] = named
         found.append(k)
     return found, coarse
+
+
+def _counts_no_nan(rule: PrimitiveRule, v: object, sweep: Sweep, tainted: set) -> bool:
+    """A row maximum of a value free of NaN (`jnp.nanmax`): its derivative counts the lanes
+    equal to it, inf included, and never divides by a zero count."""
+    return rule.chooser is not None and rule.chooser.meets_nan_only and \
+        nan_free(v, sweep.producer_of, tainted)
 
 
 def _named_by_predicates(eqn: JaxprEqn, k: int, rule: PrimitiveRule,
@@ -403,8 +412,9 @@ def _guard_needs_no_reduction(eqn: JaxprEqn, k: int, sweep: Sweep) -> bool:
     operand, a transpose), or the output's liveness is the same along the axes the operand
     does not run along (a key padding mask and the query axis of `q @ k.T`)."""
     rule = rule_for(eqn.primitive)
-    if rule.elementwise and len(eqn.outvars) == 1 and \
-            shape_of(eqn.invars[k]) == shape_of(eqn.outvars[0]):
+    if rule.elementwise and len(eqn.outvars) == 1 and (
+            shape_of(eqn.invars[k]) == shape_of(eqn.outvars[0])
+            or isinstance(eqn.invars[k], Literal)):  # `v * nan`: guarded at the output's shape
         return True
     align = alignment(eqn, k)
     if align is None or len(eqn.outvars) != 1:

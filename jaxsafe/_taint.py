@@ -40,6 +40,7 @@ from ._constants import finite_with_derivatives
 from ._liveness import Sweep
 from ._nested import any_equation, sub_jaxprs
 from ._rules import Kind, guard_for, rule_for
+from ._symbolic import Connective
 
 
 def compared_with_nonfinite(eqn: JaxprEqn) -> list[Var]:
@@ -54,6 +55,70 @@ def compared_with_nonfinite(eqn: JaxprEqn) -> list[Var]:
     if is_nonfinite_literal(b) and isinstance(a, Var):
         return [a]
     return []
+
+
+def not_nan_where_false(eqn: JaxprEqn) -> tuple[Var, bool] | None:
+    """`x != x` (`jnp.isnan`): x is not NaN where it is False."""
+    a, b = eqn.invars
+    return (a, False) if a is b and isinstance(a, Var) else None
+
+
+def not_nan_where_true(eqn: JaxprEqn) -> tuple[Var, bool] | None:
+    """`x == x`, `is_finite(x)`: x is not NaN where it is True."""
+    a = eqn.invars[0]
+    if not isinstance(a, Var) or len(eqn.invars) == 2 and eqn.invars[1] is not a:
+        return None
+    return a, True
+
+
+MAX_NAN_FREE_VALUES = 64
+"""Values `nan_free` follows back, at most."""
+
+
+def nan_free(atom: Any, producer_of: Callable[[Var], Any], tainted: Set) -> bool:
+    """Whether `atom` holds NaN in no lane (inf allowed): a value that may be non-finite in no
+    lane, a literal without NaN, lanes moved from such values, or a selection that takes a value
+    only where a test shows it is not NaN (`jnp.nanmax`'s `where(isnan(x), -inf, x)`)."""
+    stack, seen = [atom], set()
+    while stack:
+        u = stack.pop()
+        if isinstance(u, Literal):
+            if np.any(np.isnan(np.asarray(literal_value(u), dtype=np.float64))):
+                return False
+            continue
+        if not isinstance(u, Var) or u not in tainted or u in seen:
+            continue
+        seen.add(u)
+        eqn = producer_of(u)
+        if eqn is None or len(seen) > MAX_NAN_FREE_VALUES:
+            return False
+        rule = rule_for(eqn.primitive)
+        if rule.selection is not None and rule.selection.by_predicate:
+            stack.extend(case for k, case in enumerate(eqn.invars[1:])
+                         if not _chosen_where_not_nan(eqn, k, producer_of))
+        elif rule.keeps_nan_free or rule.moves_only and not makes_nonfinite(eqn):
+            # (a gather may fill with NaN)
+            stack.extend(eqn.invars)
+        else:
+            return False
+    return True
+
+
+def _chosen_where_not_nan(eqn: JaxprEqn, k: int, producer_of: Callable[[Var], Any]) -> bool:
+    """Whether case k of a boolean `select_n` is taken only where a NaN test of it fails."""
+    predicate, case = eqn.invars[0], eqn.invars[1 + k]
+    flipped = False
+    while isinstance(predicate, Var) and dtype_of(predicate) == np.bool_:
+        test = producer_of(predicate)
+        if test is None:
+            return False
+        rule = rule_for(test.primitive)
+        if rule.connective is Connective.NOT:
+            predicate, flipped = test.invars[0], not flipped
+            continue
+        found = rule.not_nan_where(test) if rule.not_nan_where is not None else None
+        return found is not None and found[0] is case and (found[1] != flipped) == bool(k)
+    return False
 
 
 def every_operand(eqn: JaxprEqn) -> list[Var]:
@@ -112,6 +177,14 @@ def indices_in_range(eqn: JaxprEqn, bounds: Bounds) -> bool:
     shape = shape_of(eqn.invars[0])
     room = min((shape[d] - sizes[d] for d in dn.start_index_map), default=0)
     return bool(found[0] >= 0 and found[1] <= room)
+
+
+def reduces_an_empty_axis(eqn: JaxprEqn) -> bool:
+    """A row maximum over an axis of size 0: its identity, -inf (+inf for a minimum), from
+    finite operands (`jnp.max(x, axis=1, initial=-jnp.inf)` of a batch with no entries)."""
+    shape = shape_of(eqn.invars[0])
+    return any(shape[a] == 0 for a in eqn.params["axes"]) and \
+        int(np.prod(shape_of(eqn.outvars[0]))) > 0
 
 
 def window_may_read_padding_only(eqn: JaxprEqn) -> bool:

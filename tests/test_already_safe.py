@@ -1436,6 +1436,8 @@ MASKED_MEANS = {
     "bool mask": (lambda x, m: jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1), bool),
     "int mask": (lambda x, m: jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1), jnp.int32),
     "one plus the count": (lambda x, m: jnp.sum(x * m) / (1.0 + jnp.sum(m)), bool),
+    "root of the count": (lambda x, m: jnp.sum(x * m) / jnp.sqrt(jnp.maximum(jnp.sum(m), 1)),
+                          bool),
     "per row": (lambda x, m: jnp.sum(jnp.sum(x * m, -1) / jnp.maximum(jnp.sum(m, -1), 1)),
                 bool),
     "masked cross-entropy": (lambda x, m: jnp.sum(
@@ -1468,16 +1470,22 @@ def test_a_masked_mean_over_a_count_at_least_one_is_left_as_it_is(name, finite_a
     assert_bitwise(jax.grad(safe)(x, m), jax.grad(f)(x, m))
 
 
-def test_a_quotient_by_a_count_that_may_be_zero_keeps_its_re_decision():
+@pytest.mark.parametrize("root", [False, True])
+def test_a_quotient_by_a_count_that_may_be_zero_keeps_its_re_decision(root):
     """Over `maximum(n, 0)` the count may be 0: the numerator's derivative `1 / 0` is inf
     there, and the ReLU before the sum weighs it by 0 in the lanes it drops. Its `max` is
     re-decided: those lanes' derivative is the hand fix's 0, not `0 * inf` (the live lanes keep
-    their inf). Over `maximum(n, 1)` nothing is."""
+    their inf). Over `maximum(n, 1)` nothing is, nor over its square root (at least 1, less
+    rounding: `_bounds.root`)."""
+    def divisor(n, least):
+        d = jnp.maximum(n, least)
+        return jnp.sqrt(d.astype(jnp.float32)) if root else d
+
     def f(x, n, least):
-        return jnp.sum(jnp.maximum(x, 0.0)) / jnp.maximum(n, least)
+        return jnp.sum(jnp.maximum(x, 0.0)) / divisor(n, least)
 
     def hand(x, n):
-        return jnp.sum(jnp.where(x > 0, x, 0.0)) / jnp.maximum(n, 0)
+        return jnp.sum(jnp.where(x > 0, x, 0.0)) / divisor(n, 0)
 
     x, n = jnp.array([4.0, -1.0, 9.0]), jnp.int32(0)
     assert "re-decided max" in str(jaxsafe.explain(f, static_argnums=2)(x, n, 0))
@@ -1519,3 +1527,188 @@ def test_a_log_of_a_value_computed_from_constants_alone_is_left_as_it_is():
     assert np.isnan(np.asarray(jax.grad(lambda c: _kl_to_constant_target(c, x))(logits))).any()
     # one ulp apart in a live lane: XLA fuses the rewritten program differently
     assert_close(jax.grad(outer)(logits), jax.grad(hand)(logits), rtol=1e-6)
+
+
+NAN_FREE_MAXIMA = {
+    "nanmax": lambda x: jnp.nanmax(x, axis=-1),
+    "nanmin": lambda x: jnp.nanmin(x, axis=-1),
+    "where isnan": lambda x: jnp.where(jnp.all(jnp.isnan(x), -1), 0.0,
+                                       jnp.max(jnp.where(jnp.isnan(x), -jnp.inf, x), -1)),
+    "where not isnan": lambda x: jnp.where(jnp.all(jnp.isnan(x), -1), 0.0,
+                                           jnp.max(jnp.where(~jnp.isnan(x), x, -jnp.inf), -1)),
+    "where isfinite": lambda x: jnp.where(jnp.any(jnp.isfinite(x), -1),
+                                          jnp.min(jnp.where(jnp.isfinite(x), x, jnp.inf), -1),
+                                          0.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAN_FREE_MAXIMA))
+def test_a_row_maximum_of_values_shown_not_nan_is_left_as_it_is(name):
+    """`jnp.nanmax` maximizes `where(isnan(x), -inf, x)` and drops the result of a row of NaN
+    alone: a row maximum's derivative counts the lanes equal to it, and only a NaN (which no lane
+    equals: 0 / 0) makes it non-finite, so an operand shown free of NaN needs no guard, inf
+    included (`Chooser.meets_nan_only`). The derivatives are JAX's, bitwise."""
+    f = NAN_FREE_MAXIMA[name]
+    x = jnp.array([[1.0, jnp.nan, 3.0], [jnp.nan] * 3, [jnp.inf, 2.0, -jnp.inf],
+                   [-jnp.inf] * 3])
+    report = str(jaxsafe.explain(f)(x))
+    assert report == "nothing to guard: the program runs unchanged", report
+    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(x), jax.jit(f)(x))
+    assert_bitwise(jax.grad(lambda v: jnp.sum(safe(v)))(x), jax.grad(lambda v: jnp.sum(f(v)))(x))
+
+
+NAN_KEEPING_MAXIMA = {
+    # the selection keeps x where it IS NaN, or tests another value, or fills with NaN
+    "kept where NaN": lambda x, y: jnp.max(jnp.where(jnp.isnan(x), x, -jnp.inf), -1),
+    "another value tested": lambda x, y: jnp.max(jnp.where(jnp.isnan(y), -jnp.inf, x), -1),
+    "NaN fill": lambda x, y: jnp.max(jnp.where(jnp.isnan(x), jnp.nan, x), -1),
+    "compared with itself by <": lambda x, y: jnp.max(jnp.where(x < x, -jnp.inf, x), -1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAN_KEEPING_MAXIMA))
+def test_a_row_maximum_that_may_meet_nan_keeps_its_guard(name):
+    """The near misses: the row maximum may be NaN where the `where` after it drops the row, and
+    JAX's `0 / 0` reaches the row's lanes; jaxsafe's derivative there is the hand fix's 0."""
+    g = NAN_KEEPING_MAXIMA[name]
+    x = jnp.array([[1.0, jnp.nan, 3.0], [2.0, 5.0, 4.0]])
+    y = jnp.array([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    keep = jnp.array([False, True])
+
+    def f(x):
+        return jnp.sum(jnp.where(keep, g(x, y), 0.0))
+
+    def hand(x):
+        return jnp.sum(jnp.where(keep, g(jnp.where(keep[:, None], x, 0.0), y), 0.0))
+
+    assert "nothing to guard" not in str(jaxsafe.explain(f)(x))
+    assert np.isnan(np.asarray(jax.grad(f)(x))[0]).any()
+    assert_bitwise(jax.grad(jaxsafe.nan_safe(f))(x), jax.grad(hand)(x))
+
+
+def test_a_nan_literal_in_a_selection_makes_no_cotangent_non_finite():
+    """`where(c, max(v), nan)` of a `v` free of NaN: the NaN is a value, and the selection's
+    derivative in the row maximum is 0 or 1, so the maximum is not re-decided (its cotangent is
+    finite). Where a product with a NaN weighs the maximum's row, the cotangent is NaN there,
+    and the maximum is re-decided: its losing lanes' derivative is the hand fix's 0."""
+    x = jnp.array([[1.0, jnp.nan, 3.0], [0.0, 2.0, jnp.inf]])
+    c = jnp.array([True, False])
+
+    def row_max(x):
+        return jnp.max(jnp.where(jnp.isnan(x), -jnp.inf, x), -1)
+
+    def f(x):
+        return jnp.sum(jnp.where(c, row_max(x), jnp.nan))
+
+    def g(x):
+        return jnp.sum(jnp.where(c, row_max(x) * jnp.array([1.0, jnp.nan]), 0.0))
+
+    def hand(x):
+        return jnp.sum(jnp.where(c, row_max(jnp.where(c[:, None], x, 0.0))
+                                 * jnp.where(c, jnp.array([1.0, jnp.nan]), 0.0), 0.0))
+
+    report = str(jaxsafe.explain(f)(x))
+    assert report == "nothing to guard: the program runs unchanged", report
+    assert_bitwise(jax.grad(jaxsafe.nan_safe(f))(x), jax.grad(f)(x))
+    assert "nothing to guard" not in str(jaxsafe.explain(g)(x))
+    assert np.isnan(np.asarray(jax.grad(g)(x))[1]).all()
+    assert_bitwise(jax.grad(jaxsafe.nan_safe(g))(x), jax.grad(hand)(x))
+
+
+def _select_guarded_by_hand(x):
+    """Each branch of `jnp.select` guarded by hand with the lanes it is taken in."""
+    first, second = x > 1, x > 0
+    return jnp.select([first, second],
+                      [jnp.sqrt(jnp.where(first, x, 1.0)),
+                       jnp.log(jnp.where(second & ~first, x, 1.0))], 0.0)
+
+
+def _select_of_three_guarded_by_hand(x):
+    c = [x > 2, x > 1, x > 0]
+    return jnp.select(c, [jnp.sqrt(jnp.where(c[0], x - 2, 1.0)),
+                          jnp.log(jnp.where(c[1] & ~c[0], x - 1, 1.0)),
+                          1 / jnp.where(c[2] & ~c[1] & ~c[0], x, 1.0)], -x)
+
+
+@pytest.mark.parametrize("f", [_select_guarded_by_hand, _select_of_three_guarded_by_hand])
+def test_a_select_whose_branches_are_guarded_by_hand_is_left_as_it_is(f):
+    """`jnp.select` picks by the index of the first condition that holds (an `argmax` over the
+    stacked conditions): read so, each branch is taken where its condition holds and no earlier
+    one does (`_case_index.py`), and a branch the user guarded with those lanes needs no guard.
+    Derivatives of every order are JAX's."""
+    x = jnp.array([1.5, -2.0, 0.5, 0.0, 1.0, 2.5, jnp.nan, jnp.inf, -jnp.inf])
+    report = str(jaxsafe.explain(f)(x))
+    assert report == "nothing to guard: the program runs unchanged", report
+    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(x), jax.jit(f)(x))
+    for derivative in (jax.grad, jax.jacfwd, jax.hessian):
+        assert_close(jax.vmap(derivative(safe))(x), jax.jit(jax.vmap(derivative(f)))(x))
+
+
+def test_a_select_branch_guarded_with_a_wider_condition_keeps_its_guard():
+    """The near miss: the first branch's hand guard `x > 0` lets `x - 1 <= 0` through in lanes
+    where the branch is not taken (`0 < x <= 1`): JAX's gradient is NaN there, jaxsafe's the
+    hand fix's, at every order."""
+    def f(x):
+        return jnp.select([x > 1, x > 0], [jnp.sqrt(jnp.where(x > 0, x - 1, 1.0)), 2 * x], 0.0)
+
+    def hand(x):
+        return jnp.select([x > 1, x > 0], [jnp.sqrt(jnp.where(x > 1, x - 1, 1.0)), 2 * x], 0.0)
+
+    x = jnp.array([1.5, -2.0, 0.5, 0.0, 1.0, jnp.nan])
+    assert "guarded sqrt" in str(jaxsafe.explain(f)(x))
+    assert np.isnan(np.asarray(jax.vmap(jax.grad(f))(x))).any()
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(x), jax.jit(f)(x))
+    for derivative in (jax.grad, jax.jacfwd, jax.hessian):
+        assert_bitwise(jax.vmap(derivative(safe))(x), jax.vmap(derivative(hand))(x))
+
+
+def _branch_guarded_by_hand(x):
+    p = x > 0
+    return lax.cond(p, lambda x: jnp.sqrt(jnp.where(p, x, 1.0)), lambda x: 0.0 * x, x)
+
+
+def test_a_batched_cond_whose_branch_is_guarded_by_hand_is_left_as_it_is():
+    """Under `vmap`, a `cond` runs both branches and picks with a `select_n` on its predicate
+    cast to an integer, handing each branch `select_n(taken, stop_gradient(p), p)` for `p`:
+    read as `p` itself (`_case_index.py`, `Sweep.same_as`), the branch's hand guard is seen.
+    Derivatives of every order are JAX's."""
+    f = jax.vmap(_branch_guarded_by_hand)
+    x = jnp.array([1.5, -2.0, 0.5, 0.0, -0.7, jnp.nan, -jnp.inf])
+    report = str(jaxsafe.explain(f)(x))
+    assert report == "nothing to guard: the program runs unchanged", report
+    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(x), jax.jit(f)(x))
+    total = lambda g: lambda v: jnp.sum(g(v))  # noqa: E731
+    for derivative in (jax.grad, jax.jacfwd, jax.hessian):  # one ulp: fused otherwise
+        assert_close(derivative(total(safe))(x), jax.jit(derivative(total(f)))(x))
+
+
+def test_a_batched_cond_branch_whose_inner_drop_meets_a_pole_keeps_its_guard():
+    """The taken branch drops lanes of its own (`0 < x <= 1`) where `sqrt(x - 1)` is at or past
+    its pole: JAX's gradient is NaN there, jaxsafe's the hand fix's, to the second order. (The
+    lanes where the branch is not taken need nothing: the batched `cond` already hands them a
+    `stop_gradient`.)"""
+    def branch(x, inner):
+        p = x > 0
+        return lax.cond(p, lambda x: jnp.where(x > 1, jnp.sqrt(jnp.where(inner(x), x - 1, 1.0)),
+                                               0.0), lambda x: 0.0 * x, x)
+
+    def f(x):
+        return jnp.sum(jax.vmap(lambda v: branch(v, lambda v: v > 0))(x))
+
+    def hand(x):
+        return jnp.sum(jax.vmap(lambda v: branch(v, lambda v: v > 1))(x))
+
+    x = jnp.array([1.5, -2.0, 0.5, 0.0, -0.7, 1.0, jnp.nan])
+    assert "nothing to guard" not in str(jaxsafe.explain(f)(x))
+    assert np.isnan(np.asarray(jax.grad(f)(x))).any()
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(x), jax.jit(f)(x))
+    assert_bitwise(jax.grad(safe)(x), jax.jit(jax.grad(hand))(x))
+    assert_bitwise(jax.hessian(safe)(x), jax.jit(jax.hessian(hand))(x))

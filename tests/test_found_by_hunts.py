@@ -2,6 +2,8 @@
 checked against an independent reference: the hand-written double where, or JAX on the
 program with the dropped lanes removed."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -1291,3 +1293,157 @@ def test_a_closed_over_typed_prng_key_does_not_stop_the_analysis():
     x = jnp.array([1.5, 0.0])
     _same_forward(f, x)
     assert_bitwise(jax.grad(jaxsafe.nan_safe(f))(x), jax.grad(lambda x: f(x, hand=True))(x))
+
+
+# --------------------------------------------------------------------------- hunt AT
+_ROUTES = np.array([[0.0, 1.0], [0.0, 1.0], [1.0, 0.0], [1.0, 0.0]], np.float32)
+SLICED_CONTRACTIONS = {  # rows 0, 1 meet only a zero weight in the column the program keeps
+    "sliced": lambda v: (v @ _ROUTES)[0],
+    "a where after it": lambda v: jnp.sum(jnp.where(jnp.array([True, False]), v @ _ROUTES, 0.0)),
+    "a matrix product, sliced": lambda v: (v[None] @ _ROUTES)[0, 0],
+    "an einsum, sliced": lambda v: jnp.einsum("i,ij->j", v, _ROUTES)[0],
+}
+
+
+@pytest.mark.parametrize("name", list(SLICED_CONTRACTIONS))
+def test_a_contraction_s_zero_weights_in_the_output_lanes_kept(name):
+    """Hunt AT: `(sqrt(x) @ w)[0]` where `w`'s rows 0 and 1 are zero in column 0 only: those
+    lanes reach the output through zero weights alone, yet a weight matrix with a nonzero in
+    each row was read as masking nothing, whatever the output kept ("nothing to guard", NaN).
+    A known weight is now read against the output lanes the program keeps (known when it is
+    planned, or decided at run time). The same sum written as a product was already right."""
+    contract = SLICED_CONTRACTIONS[name]
+
+    def f(x):
+        return contract(jnp.sqrt(x))
+
+    def hand(x):
+        return contract(jnp.sqrt(jnp.where(_ROUTES[:, 0] != 0, x, 1.0)))
+
+    x = jnp.array([1.0, 0.0, 4.0, 2.0])
+    assert np.isnan(np.asarray(jax.grad(f)(x))).any()
+    _same_forward(f, x)
+    for derivative in (jax.grad, jax.jacfwd, jax.hessian):
+        assert_bitwise(derivative(jaxsafe.nan_safe(f))(x), jax.jit(derivative(hand))(x))
+
+
+def test_a_contraction_whose_weights_are_nonzero_where_kept_is_left_as_it_is():
+    """The other side: with the output sliced and a weight matrix nonzero in the kept column,
+    nothing is dropped by the weights, and nothing is added."""
+    w = np.array([[1.0, 0.0], [2.0, 0.0], [3.0, 5.0], [4.0, 0.0]], np.float32)
+
+    def f(x):
+        return (jnp.sqrt(x) @ w + 1.0)[0]
+
+    x = jnp.array([1.0, 4.0, 4.0, 2.0])
+    assert str(jaxsafe.explain(f)(x)) == "nothing to guard: the program runs unchanged"
+
+
+# --------------------------------------------------------------------------- hunt AS
+def test_a_scalar_weight_of_a_contraction_does_not_stop_the_analysis():
+    """Hunt AS: `jnp.dot(2., x)` stages a `dot_general` of a 0-d literal, whose zero test gave
+    a NumPy scalar, not an array: the analysis raised under `jit(grad)` (an eager call retried
+    at concrete values hid it) and the original program ran, NaN in the dropped lane."""
+    def f(x, hand=False):
+        inner = jnp.where(x > 0, x, 1.0) if hand else x
+        return jnp.sum(jnp.where(x > 0, jnp.sqrt(jnp.dot(2.0, inner)), 0.0))
+
+    x = jnp.array([-1.0, 4.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxsafe.AnalysisFailedWarning)
+        got = jax.jit(jax.grad(jaxsafe.nan_safe(f)))(x)
+    assert_bitwise(got, jax.jit(jax.grad(lambda x: f(x, hand=True)))(x))
+
+
+@pytest.mark.parametrize("constant", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("left", [True, False])
+def test_a_product_with_a_non_finite_python_scalar_is_guarded(constant, left):
+    """Hunt AS: `jnp.exp(-jnp.inf * v)` under a `where`: the scalar literal's derivative in `v`
+    is the literal, and a dropped lane's zero cotangent met it (`0 * inf`). Its guard was
+    skipped as needing a reduction of the liveness; a literal is guarded at the output's
+    shape, as `v / 0.` was. Forward values unchanged; derivatives the hand fix's."""
+    def op(v):
+        return constant * v if left else v * constant
+
+    def f(v, hand=False):
+        inner = jnp.where(v > 0, v, 1.0) if hand else v
+        return jnp.sum(jnp.where(v > 0, jnp.exp(op(inner)) * jnp.log(inner), 0.0))
+
+    x = jnp.array([-1.0, 4.0, 0.5])
+    _same_forward(f, x)
+    for derivative in (jax.grad, jax.jacfwd, jax.hessian):
+        assert_bitwise(derivative(jaxsafe.nan_safe(f))(x),
+                       jax.jit(derivative(lambda v: f(v, hand=True)))(x))
+
+
+# --------------------------------------------------------------------------- hunt AR
+def _safe_mask(mask, fn, operand, placeholder=0.0):
+    """jax-md's `util.safe_mask`: 0, a singular point of `sqrt`, under the inner where."""
+    return jnp.where(mask, fn(jnp.where(mask, operand, 0.0)), placeholder)
+
+
+def test_a_hand_guard_at_the_pole_times_a_differentiated_factor_second_order():
+    """Hunt AR: `safe_mask(r2 > 0, lambda v: eps * sqrt(v), r2)` with `eps` differentiated
+    (force matching): the first derivatives are right as written, but a second reverse pass
+    weighs the zero cotangent of `eps * sqrt'(0)`'s NaN tangent into `eps` (`0 * inf`): the
+    mixed derivative and the Hessian were NaN, "nothing to guard". A product whose other
+    factor carries a derivative there now keeps the guard; the reference is the hand fix with
+    its safe value inside the domain."""
+    def energy(eps, r2, safe=0.0):
+        ok = r2 > 0
+        return jnp.sum(jnp.where(ok, eps * jnp.sqrt(jnp.where(ok, r2, safe)), 0.0))
+
+    def hand(eps, r2):
+        return energy(eps, r2, safe=1.0)
+
+    def mixed(e):
+        return jax.grad(lambda eps, r2: jnp.sum(jax.grad(e, 1)(eps, r2)), 0)
+
+    r2, eps = jnp.array([0.0, 4.0]), 2.0
+    safe = jaxsafe.nan_safe(energy)
+    assert np.isnan(np.asarray(mixed(energy)(eps, r2)))
+    assert_bitwise(safe(eps, r2), jax.jit(energy)(eps, r2))
+    assert_bitwise(mixed(safe)(eps, r2), jax.jit(mixed(hand))(eps, r2))
+    for argnums in (0, 1, (0, 1)):
+        assert_bitwise(jax.hessian(safe, argnums)(eps, r2),
+                       jax.jit(jax.hessian(hand, argnums))(eps, r2))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_a_hand_guard_times_its_own_argument_second_order(dtype):
+    """The one-argument form, `x * sqrt(where(x > 0, x, 0.))` under `where(x > 0, ., 0.)`, and
+    in float16 `x * log(where(x > 0, x, 1e-5))`, whose safe value is inside the domain but
+    whose `log'` there overflows float16: Hessians are the hand fix's, 0 in dropped lanes."""
+    inner_fn, safe_value = (jnp.sqrt, 0.0) if dtype == jnp.float32 else (jnp.log, 1e-5)
+
+    def f(x, safe=safe_value):
+        return jnp.sum(jnp.where(x > 0, x * inner_fn(jnp.where(x > 0, x, dtype(safe))),
+                                 dtype(0.0)))
+
+    x = jnp.array([-1.0, 0.5, 2.0], dtype)
+    safe = jaxsafe.nan_safe(f)
+    assert np.isnan(np.asarray(jax.hessian(f)(x))).any()
+    assert_bitwise(safe(x), jax.jit(f)(x))
+    assert_bitwise(jax.hessian(safe)(x), jax.jit(jax.hessian(lambda x: f(x, 1.0)))(x))
+
+
+def test_a_row_maximum_over_an_empty_axis_may_be_infinite():
+    """Hunt AR: `jnp.max(x, axis=1, initial=-inf)` of a batch with no entries is -inf from
+    finite operands (the reduction's identity), and was taken as finite: with `finite_args`, or
+    over a constant, a product with it in a dropped row was left unguarded (`0 * -inf`)."""
+    keep = jnp.array([True, False])
+
+    def f(x, s, hand=False):
+        weight = jnp.where(keep, s, 0.0) if hand else s
+        return jnp.sum(jnp.where(keep, jnp.max(x, axis=1, initial=-jnp.inf) * weight, 0.0))
+
+    x, s = jnp.ones((2, 0)), jnp.array([2.0, 3.0])
+    assert np.isnan(np.asarray(jax.grad(f, 1)(x, s))).any()
+    safe = jaxsafe.nan_safe(f, finite_args=True)
+    assert_bitwise(jax.grad(safe, 1)(x, s), jax.grad(lambda x, s: f(x, s, hand=True), 1)(x, s))
+
+    def g(s, hand=False):
+        weight = jnp.where(keep, s, 0.0) if hand else s
+        return jnp.sum(jnp.where(keep, lax.reduce_max(jnp.ones((2, 0)), (1,)) * weight, 0.0))
+
+    assert_bitwise(jax.grad(jaxsafe.nan_safe(g))(s), jax.grad(lambda s: g(s, hand=True))(s))
