@@ -418,6 +418,7 @@ class NanSafeFunction:
     def __init__(self, fun: Callable, static_argnums, static_argnames, use_jit: bool,
                  cache_size: int, finite_args: Any = False):
         self._fun = fun
+        self._given = (static_argnums, static_argnames, use_jit, cache_size, finite_args)
         self._finite_args = _check_finite_args(finite_args, "nan_safe")
         _check_finite_flags_fit(fun, self._finite_args, "nan_safe")
         self._static_argnums, self._static_argnames = _normalize_static(
@@ -452,8 +453,7 @@ class NanSafeFunction:
         """A function over `fun` with these options and caches of its own: a lock, and traced
         programs whose tracebacks cannot be copied (a config or a model that holds a
         `nan_safe` loss is deep-copied)."""
-        return NanSafeFunction(fun, self._static_argnums, self._static_argnames, self._use_jit,
-                               self._cache_size, self._finite_args)
+        return NanSafeFunction(fun, *self._given)  # as the user gave them, checked again
 
     # -- signature ------------------------------------------------------------------------
     def _split(self, args: tuple, kwargs: dict):

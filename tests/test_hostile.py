@@ -251,6 +251,10 @@ def test_a_nan_safe_function_is_copied_with_its_options():
     g = copy.deepcopy(f)
     assert g.cache_info()["size"] == 0
     assert_bitwise(g(x, 3.0), f(x, 3.0))
+    for given in (0, (0,), [0], True):  # each form of `finite_args` (hunt AU)
+        h = nan_safe(loss, static_argnums=1, finite_args=given)
+        for copied in (copy.copy(h), copy.deepcopy(h)):
+            assert_bitwise(jax.grad(copied)(x, 2.0), jax.grad(h)(x, 2.0))
 
 
 def test_default_cache_size_is_documented_and_used():
