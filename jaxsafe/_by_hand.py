@@ -427,10 +427,9 @@ class HandGuards:
         if any(shape_of(eqn.invars[k]) != shape for k in reads):
             return None
         pred = eqn.invars[0]
-        if rule.selection is not None and rule.selection.by_predicate and \
-                isinstance(pred, Var) and dtype_of(pred) != np.bool_:
-            return self._carried_by_index(eqn, poisoned)
         if rule.selection is not None and rule.selection.by_predicate:
+            if isinstance(pred, Var) and dtype_of(pred) != np.bool_:
+                return self._carried_by_index(eqn, poisoned)
             if not isinstance(pred, Var) or dtype_of(pred) != np.bool_ \
                     or len(eqn.invars) != 3 or shape_of(pred) not in (shape, ()):
                 return None
@@ -463,10 +462,10 @@ class HandGuards:
                 return True
         return False
 
-
     def _carried_by_index(self, eqn: JaxprEqn, poisoned: dict) -> Sym | None:
-        """A `select_n` on `jnp.select`'s first-True index: each case's poisoned lanes where
-        it is taken (`_case_index.case_syms`); None where the index is not that."""
+        """A `select_n` on an integer index read as predicates (`jnp.select`'s first True, a
+        batched `cond`'s cast): each case's poisoned lanes where it is taken
+        (`_case_index.case_syms`); None where the index is neither."""
         taken = case_syms(eqn, TRUE, self.sweep)
         if taken is None:
             return None
