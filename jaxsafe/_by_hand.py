@@ -50,10 +50,9 @@ from ._symbolic import (
     expand_connectives,
     forced_everywhere,
     implies,
-    negate,
+    join_on,
     predicate_literal,
     sym_and,
-    sym_and_literal,
     sym_not,
     sym_or,
 )
@@ -436,8 +435,7 @@ class HandGuards:
             lit = predicate_literal(pred, True, self.sweep.broadcast_of, self.sweep.same_as)
             cases = [poisoned.get(v, FALSE) if isinstance(v, Var) else FALSE
                      for v in eqn.invars[1:]]
-            return sym_or(sym_and_literal(cases[0], negate(lit)),
-                          sym_and_literal(cases[1], lit))
+            return join_on(lit, cases[0], cases[1])
         if rule.elementwise and rule.selection is None:
             out = FALSE
             for k in reads:

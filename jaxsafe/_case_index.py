@@ -24,7 +24,7 @@ import numpy as np
 from ._atoms import dtype_of, shape_of
 from ._compat import JaxprEqn, Literal, Var
 from ._rules import Context, rule_for
-from ._symbolic import FALSE, Lit, Sym, negate, predicate_literal, sym_and_literal, sym_or
+from ._symbolic import FALSE, Lit, Sym, negate, predicate_literal, split_on, sym_and_literal, sym_or
 
 
 def rows_of_stack(eqn: JaxprEqn, axis: int, ctx: Context) -> list[Any] | None:
@@ -82,7 +82,7 @@ def case_syms(eqn: JaxprEqn, out: Sym, ctx: Context) -> list[Sym] | None:
     cast = _cast_predicate(producer)
     if cast is not None and len(eqn.invars) == 3:
         lit = predicate_literal(cast, True, ctx.broadcast_of, ctx.same_as)
-        return [FALSE, sym_and_literal(out, negate(lit)), sym_and_literal(out, lit)]
+        return [FALSE, *split_on(out, lit)]
     first_true = rule_for(producer.primitive).first_true
     rows = first_true(producer, ctx) if first_true is not None else None
     if rows is None or len(rows) != len(eqn.invars) - 1:

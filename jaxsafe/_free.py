@@ -48,12 +48,10 @@ from ._symbolic import (
     TRUE,
     Sym,
     disjoint,
-    negate,
+    join_on,
     opaque,
     predicate_literal,
     sym_and,
-    sym_and_literal,
-    sym_or,
 )
 from ._walk import demand
 
@@ -230,7 +228,7 @@ class FreeValues:
                 cases.append((yield u) if isinstance(u, Var) and d else TRUE)
             lit = predicate_literal(pred, True, self.sweep.broadcast_of,
                                     self.sweep.same_as)
-            return sym_or(sym_and_literal(cases[0], negate(lit)), sym_and_literal(cases[1], lit))
+            return join_on(lit, cases[0], cases[1])
         if rule.elementwise and rule.carries is None and len(eqn.outvars) == 1:
             out: Sym | None = TRUE
             for u, d in zip(eqn.invars, diff, strict=True):

@@ -60,9 +60,9 @@ from ._symbolic import (
     backward_mapping,
     implies,
     move,
-    negate,
     opaque,
     predicate_literal,
+    split_on,
     sym_and_literal,
     sym_or,
     unknown,
@@ -1824,7 +1824,7 @@ def select_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sy
             return [FALSE, untaken, out] if np.all(value) else [FALSE, out, untaken]
         if not isinstance(pred, Literal):
             lit = predicate_literal(pred, True, ctx.broadcast_of, ctx.same_as)
-            return [FALSE, sym_and_literal(out, negate(lit)), sym_and_literal(out, lit)]
+            return [FALSE, *split_on(out, lit)]
     if not ctx.structural:
         by_index = case_syms(eqn, out_syms[0], ctx)  # `jnp.select`'s first True
         if by_index is not None:

@@ -251,6 +251,18 @@ def sym_and_literal(a: Sym, lit: Lit) -> Sym:
     return _simplify({t | {lit} for t in a if negated not in t})
 
 
+def split_on(sym: Sym, lit: Lit) -> tuple[Sym, Sym]:
+    """`sym`'s lanes where `lit` fails and where it holds: what a boolean `select_n`'s output
+    lanes `sym` ask of its two cases."""
+    return sym_and_literal(sym, negate(lit)), sym_and_literal(sym, lit)
+
+
+def join_on(lit: Lit, when_false: Sym, when_true: Sym) -> Sym:
+    """A boolean `select_n`'s output lanes from its cases': `when_false` where `lit` fails,
+    `when_true` where it holds."""
+    return sym_or(sym_and_literal(when_false, negate(lit)), sym_and_literal(when_true, lit))
+
+
 def sym_not(a: Sym) -> Sym | None:
     """The complement, or None when it has too many terms to track."""
     out: Sym | None = TRUE
