@@ -355,7 +355,9 @@ class HandGuards:
 
     def _operand_bound(self, operand: Any, a: Var, lower: float, taken: dict) -> float | None:
         """A lower bound of `operand` where `a >= lower`: back from `a` through the selections
-        `taken` decides and the primitives it grows with, to `operand`."""
+        `taken` decides and the primitives it grows with, to `operand`, itself read through
+        the selections `taken` decides (`log(where(x > 1, x, 1.))` where `x > 2`: `x`)."""
+        operand = _taken_case(operand, taken, self.sweep)
         target = self.sweep.same_as(operand) if isinstance(operand, Var) else None
         v: Any = a
         shape = shape_of(operand)

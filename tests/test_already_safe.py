@@ -1712,3 +1712,57 @@ def test_a_batched_cond_branch_whose_inner_drop_meets_a_pole_keeps_its_guard():
     assert_bitwise(safe(x), jax.jit(f)(x))
     assert_bitwise(jax.grad(safe)(x), jax.jit(jax.grad(hand))(x))
     assert_bitwise(jax.hessian(safe)(x), jax.jit(jax.hessian(hand))(x))
+
+
+def _nested_where_guarded_by_order(x):
+    """A piecewise function as nested wheres: the inner branch's guard `x > 1` leaves `x`
+    through where `x > 2` drops the branch, and there `log` is finite with its derivatives."""
+    return jnp.where(x > 2, jnp.sqrt(jnp.where(x > 2, x, 1.0)),
+                     jnp.where(x > 1, jnp.log(jnp.where(x > 1, x, 1.0)), 0.0))
+
+
+def _select_guarded_by_order(x):
+    """The second branch names only its own condition; the first one's implies it."""
+    return jnp.select([x > 2, x > 1], [jnp.sqrt(jnp.where(x > 2, x, 1.0)),
+                                       jnp.log(jnp.where(x > 1, x, 1.0))], 0.0)
+
+
+def _nested_where_guarded_by_order_hand(x):
+    return jnp.where(x > 2, jnp.sqrt(jnp.where(x > 2, x, 1.0)),
+                     jnp.where(x > 1, jnp.log(jnp.where((x > 1) & ~(x > 2), x, 1.0)), 0.0))
+
+
+@pytest.mark.parametrize("f", [_nested_where_guarded_by_order, _select_guarded_by_order])
+def test_a_branch_whose_hand_guard_lets_through_values_an_earlier_test_bounds_is_left(f):
+    """The lanes an earlier branch takes (`x > 2`) are dropped from the later one, whose guard
+    (`x > 1`) does not fill them: there the guard's `where` takes `x`, which the earlier test
+    bounds into `log`'s domain (`_by_hand._operand_bound` reads the operand through the
+    selections the lanes decide). Derivatives of every order are the fully guarded program's."""
+    x = jnp.array([1.5, -2.0, 0.5, 0.0, 1.0, 2.0, 2.5, 3.0, 1e30, jnp.nan, jnp.inf, -jnp.inf])
+    report = str(jaxsafe.explain(f)(x))
+    assert report == "nothing to guard: the program runs unchanged", report
+    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(x), jax.jit(f)(x))
+    for derivative in (jax.grad, jax.jacfwd, jax.hessian):
+        assert_close(jax.vmap(derivative(safe))(x),  # up to the sign of a zero
+                     jax.vmap(derivative(_nested_where_guarded_by_order_hand))(x))
+
+
+def test_a_branch_whose_earlier_test_bounds_the_value_on_the_wrong_side_keeps_its_guard():
+    """The near miss: the earlier test `x < 0.5` bounds `x` from above, and the later branch's
+    guard `x > -1` lets `-1 < x <= 0` through into `log` where both drop it: JAX's gradient is
+    NaN there, jaxsafe's the hand fix's, to the second order."""
+    def f(x):
+        return jnp.where(x < 0.5, 0.0, jnp.where(x > 1, jnp.log(jnp.where(x > -1, x, 1.0)), 0.0))
+
+    def hand(x):
+        return jnp.where(x < 0.5, 0.0, jnp.where(x > 1, jnp.log(jnp.where(x > 1, x, 1.0)), 0.0))
+
+    x = jnp.array([1.5, -2.0, -0.5, 0.0, 0.7, 1.0, 3.0, jnp.nan, jnp.inf])
+    assert "guarded log" in str(jaxsafe.explain(f)(x))
+    assert np.isnan(np.asarray(jax.vmap(jax.grad(f))(x))).any()
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(x), jax.jit(f)(x))
+    for derivative in (jax.grad, jax.jacfwd, jax.hessian):
+        assert_bitwise(jax.vmap(derivative(safe))(x), jax.vmap(derivative(hand))(x))
