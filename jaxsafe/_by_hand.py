@@ -38,6 +38,7 @@ from ._case_index import case_syms
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Var
 from ._constants import PROOF_ORDER, domain_holds_above, finite_with_derivatives, fold
 from ._diagonal import DiagonalValues
+from ._finite_lanes import finite_where_dropped
 from ._free import FreeValues
 from ._liveness import Sweep
 from ._ranges import compared
@@ -122,6 +123,9 @@ class HandGuards:
         another operand's zero tangent (`pow`'s exponent does: hunt W)."""
         rule = rule_for(eqn.primitive)
         reads, dead = rule.derivative_reads, self._dead(eqn)
+        if dead is not None and shape_of(eqn.invars[k]) == shape_of(eqn.outvars[0]) and \
+                finite_where_dropped(dead, eqn.invars[k], self.sweep, self.free.bounds):
+            return True  # finite where dropped, by the comparison that drops it
         if reads is None or k in reads[k] or dead is None:
             return False
         shape = shape_of(eqn.outvars[0])

@@ -1786,7 +1786,8 @@ def _aligned(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context,
         if by_value and sym and not ctx.operand_never_loses(eqn, k):
             # which operand wins is decided by value, at run time
             shape = shape_of(v)
-            sym = sym_and_literal(sym, unknown(i for i, n in enumerate(shape) if n != 1))
+            sym = sym_and_literal(sym, unknown((i for i, n in enumerate(shape) if n != 1),
+                                               wins=(eqn, k)))
         syms.append(sym)
     return syms
 

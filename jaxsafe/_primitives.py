@@ -673,6 +673,31 @@ update(prims.concatenate_p, zeros=Zeros(zero_lanes.moved()))
 update(prims.reduce_sum_p, zeros=Zeros(zero_lanes.summed))
 update(prims.scatter_add_p, zeros=Zeros(zero_lanes.scattered))
 
+# operands whose inf or NaN makes the output inf or NaN (`_finite_lanes.py`): not `exp`,
+# `x ** -1`, a divisor or `max`, which map an inf to a finite value
+
+
+def _every_operand(eqn: JaxprEqn) -> frozenset[int]:
+    return frozenset(range(len(eqn.invars)))
+
+
+def _first_operand(eqn: JaxprEqn) -> frozenset[int]:
+    return frozenset({0})
+
+
+def _positive_power_base(eqn: JaxprEqn) -> frozenset[int]:
+    return frozenset({0}) if eqn.params["y"] > 0 else frozenset()
+
+
+for _p in (prims.add_p, prims.sub_p, prims.mul_p):
+    update(_p, finite_where_finite=_every_operand)
+for _p in (prims.neg_p, prims.abs_p, prims.sqrt_p, prims.cbrt_p, prims.log_p, prims.log1p_p,
+           prims.square_p, prims.convert_element_type_p, prims.copy_p, prims.reduce_precision_p,
+           prims.div_p, prims.reduce_sum_p, prims.reshape_p, prims.squeeze_p, prims.transpose_p,
+           prims.broadcast_in_dim_p, prims.rev_p):
+    update(_p, finite_where_finite=_first_operand)
+update(prims.integer_pow_p, finite_where_finite=_positive_power_base)
+
 # comparisons that bound an operand from below where they hold (`_by_hand.py`)
 update(prims.gt_p, bounds_below=(True, 0))
 update(prims.ge_p, bounds_below=(False, 0))

@@ -570,6 +570,12 @@ class PrimitiveRule:
     move of lanes that fills nothing with NaN is such too): `_taint.nan_free` follows it."""
     difference: bool = False
     """Operand 0 minus operand 1 (`sub`): at most 0 where operand 1 is at least operand 0."""
+    finite_where_finite: Callable[[JaxprEqn], frozenset[int]] | None = None
+    """The operands that are finite wherever the output is, read lane by lane (an elementwise
+    row) or in every lane (a sum, a move): an inf or NaN operand lane makes an inf or NaN
+    output lane (`x + y`, `x * y`, `x ** 2`, `sqrt`, `log`; not `exp`, `x ** -1` or a divisor,
+    which map inf to a finite value). `_by_hand.HandGuards.finite_where_dropped` follows it
+    back from a value that a comparison shows finite."""
     sums: bool = False
     """Adds operand 0's lanes over its reduced axes (`reduce_sum`): at least its largest term
     where no term is negative (`_maxima.largest_term`)."""

@@ -55,14 +55,18 @@ class Unknown:
     `output`: the mask a loop's body is given for one of its outputs (a scan's carry, the same
     at every step), as (its index, the output's shape, the axes the mask runs along): a coarse
     guard in that body reads it as it reads a predicate, from the mask (`_emit.py`). Foreign to
-    a body nested in it (`foreign_keys_unknown`)."""
-    __slots__ = ("parts", "embed", "static", "reads", "lanes", "output")
+    a body nested in it (`foreign_keys_unknown`).
+
+    `wins`: the mask of an operand of a `max` or `min` that holds where the operand wins or
+    ties, as (the equation, the operand's index): where it fails, the other operand beats it
+    strictly, and neither is NaN (`_by_hand.HandGuards.finite_where_dropped`)."""
+    __slots__ = ("parts", "embed", "static", "reads", "lanes", "output", "wins")
 
     def __init__(self, parts: frozenset | None = None, embed: tuple | None = None,
                  static: bool = False, reads: bool = False, lanes: np.ndarray | None = None,
-                 output: tuple | None = None):
+                 output: tuple | None = None, wins: tuple | None = None):
         self.parts, self.embed, self.static, self.reads = parts, embed, static, reads
-        self.lanes, self.output = lanes, output
+        self.lanes, self.output, self.wins = lanes, output, wins
 
     @property
     def reduced(self) -> frozenset | None:
@@ -74,10 +78,11 @@ class Unknown:
 
 
 def unknown(axes: Iterable[int] | None, static: bool = False,
-            lanes: np.ndarray | None = None) -> Lit:
+            lanes: np.ndarray | None = None, wins: tuple | None = None) -> Lit:
     """A fresh unknown mask over `axes` of a value (None: every axis); `static`: it depends on
-    shapes only; `lanes`: its value over `axes` (sorted), where known (`Unknown.lanes`)."""
-    return (Unknown(static=static or lanes is not None, lanes=lanes), True,
+    shapes only; `lanes`: its value over `axes` (sorted), where known (`Unknown.lanes`);
+    `wins`: the `max`/`min` operand it is the winning lanes of (`Unknown.wins`)."""
+    return (Unknown(static=static or lanes is not None, lanes=lanes, wins=wins), True,
             None if axes is None else tuple(sorted(set(axes))))
 
 

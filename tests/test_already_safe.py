@@ -1766,3 +1766,89 @@ def test_a_branch_whose_earlier_test_bounds_the_value_on_the_wrong_side_keeps_it
     assert_bitwise(safe(x), jax.jit(f)(x))
     for derivative in (jax.grad, jax.jacfwd, jax.hessian):
         assert_bitwise(jax.vmap(derivative(safe))(x), jax.vmap(derivative(hand))(x))
+
+
+EPS = 1e-12
+_EDGE_ROWS = [[1.0, 2.0], [0.0, 0.0], [jnp.nan, 0.0], [jnp.inf, 0.0], [-jnp.inf, 1.0],
+              [1e-7, 0.0], [1e30, 0.0]]
+
+
+def _floored_norm(x):
+    return jnp.sqrt(jnp.maximum(jnp.sum(x ** 2), EPS))
+
+
+def _floored_norm_hand(x):
+    """The dropped lanes removed by hand: `x` zeroed where the floor wins."""
+    keep = ~(jnp.sum(x ** 2) < EPS)
+    return jnp.sqrt(jnp.maximum(jnp.sum(jnp.where(keep, x, 0.0) ** 2), EPS))
+
+
+def _floored_squares(x):
+    return jnp.sum(jnp.sqrt(jnp.maximum(x ** 2, EPS)))
+
+
+def _floored_squares_hand(x):
+    keep = ~(x ** 2 < EPS)
+    return jnp.sum(jnp.sqrt(jnp.maximum(jnp.where(keep, x, 0.0) ** 2, EPS)))
+
+
+def _thresholded_norm(x):
+    s = jnp.sum(x ** 2)
+    return jnp.where(s < EPS, 0.0, jnp.sqrt(jnp.where(s < EPS, 1.0, s)))
+
+
+def _thresholded_norm_hand(x):
+    keep = ~(jnp.sum(x ** 2) < EPS)
+    s = jnp.sum(jnp.where(keep, x, 0.0) ** 2)
+    return jnp.where(keep, jnp.sqrt(jnp.where(keep, s, 1.0)), 0.0)
+
+
+@pytest.mark.parametrize(("f", "hand"), [(_floored_norm, _floored_norm_hand),
+                                         (_floored_squares, _floored_squares_hand),
+                                         (_thresholded_norm, _thresholded_norm_hand)])
+def test_a_value_that_the_dropping_comparison_shows_finite_needs_no_guard(f, hand):
+    """`sqrt(maximum(sum(x ** 2), eps))` drops the sum where eps beats it: there the sum is in
+    [0, eps), not NaN, so every `x` it sums is finite (an inf or NaN would have made it inf
+    or NaN), and `x ** 2`'s derivative meets its zero cotangent as a finite number
+    (`_finite_lanes.py`). NaN and inf arguments included, derivatives of every order are the
+    program's with the dropped lanes removed by hand."""
+    x = jnp.array([1.0, 2.0])
+    report = str(jaxsafe.explain(f)(x))
+    assert report == "nothing to guard: the program runs unchanged", report
+    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    safe = jaxsafe.nan_safe(f)
+    for row in _EDGE_ROWS:
+        x = jnp.array(row)
+        assert_bitwise(safe(x), jax.jit(f)(x))
+        for derivative in (jax.grad, jax.jacfwd, jax.hessian):
+            assert_close(derivative(safe)(x), derivative(hand)(x))
+
+
+@pytest.mark.parametrize(("f", "keep", "row"), [
+    # a cube's sum may be -inf below the floor: its derivative there is inf
+    (lambda x: jnp.sqrt(jnp.maximum(jnp.sum(x ** 3), EPS)),
+     lambda x: ~(jnp.sum(x ** 3) < EPS), [-jnp.inf, 1.0]),
+    # a sum above a ceiling may be inf
+    (lambda x: jnp.minimum(jnp.sum(x ** 2), 1e6), lambda x: ~(jnp.sum(x ** 2) > 1e6),
+     [jnp.inf, 0.0]),
+    # `exp` maps -inf to 0: a finite sum does not show `x` finite
+    (lambda x: jnp.maximum(jnp.sum(jnp.exp(-x ** 2)), 1e-3),
+     lambda x: ~(jnp.sum(jnp.exp(-x ** 2)) < 1e-3), [jnp.inf, jnp.inf]),
+], ids=["cube", "ceiling", "exp"])
+def test_a_value_the_dropping_comparison_does_not_show_finite_keeps_its_guard(f, keep, row):
+    """The near misses: a range unbounded on the other side, or an operation that maps an inf
+    to a finite value. At an inf argument in the dropped lanes JAX's gradient is NaN;
+    jaxsafe's is the hand fix's, 0."""
+    def hand(x):
+        return f(jnp.where(keep(x), x, 0.0))
+
+    safe = jaxsafe.nan_safe(f)
+    assert "guarded" in str(jaxsafe.explain(f)(jnp.array([1.0, 2.0])))
+    for edge in [row, [1.0, 2.0], [0.0, 0.0]]:
+        x = jnp.array(edge)
+        assert_bitwise(safe(x), jax.jit(f)(x))
+        for derivative in (jax.grad, jax.jacfwd):
+            assert_close(derivative(safe)(x), derivative(hand)(x))
+    assert np.isnan(np.asarray(jax.grad(f)(jnp.array(row)))).any()
+    assert_bitwise(jax.grad(safe)(jnp.array(row)), jnp.zeros(2))
+
