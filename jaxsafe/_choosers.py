@@ -589,10 +589,9 @@ def by_permutation(eqn: JaxprEqn, guarded: list, originals: Sequence[Any],
 
 def by_top_k(eqn: JaxprEqn, guarded: list, originals: Sequence[Any], operand_masks: OperandMasks,
              out_masks: OperandMasks) -> list:
-    """`top_k`: the original indices, gathered from the guarded operand."""
+    """`top_k`, `approx_top_k`: the original indices, gathered from the guarded operand."""
     _, indices = bind_eqn(eqn, [originals[0]])
-    axis = eqn.params.get("axis", -1)
-    return [jnp.take_along_axis(guarded[0], indices, axis=axis), indices]
+    return [jnp.take_along_axis(guarded[0], indices, axis=top_k_axis(eqn)[0]), indices]
 
 
 def by_original(eqn: JaxprEqn, guarded: list, originals: Sequence[Any],

@@ -83,6 +83,10 @@ class Diagnosis:
     left: tuple[Finding, ...] = ()
     """Still non-finite under nan_safe, from inf or NaN that an argument or a constant holds
     only in lanes the program drops: a path jaxsafe does not guard (not a singularity)."""
+    plain_error: str | None = None
+    """What plain `jax.grad` raised, where it did not run (a library's check that stops on a
+    non-finite value, as equinox's in a diffrax solve, met the leak's NaN): no leak is listed
+    then, and `genuine`/`left` describe nan_safe's gradient alone."""
 
     def __str__(self) -> str:
         return format_diagnosis(self)
@@ -92,10 +96,14 @@ class Diagnosis:
 
 
 def _nonfinite(value: Any) -> np.ndarray | None:
-    array = np.asarray(value)
-    if not jnp.issubdtype(array.dtype, jnp.inexact):
+    """Where a float value is inf or NaN; None for any other value (an integer, a PRNG key,
+    which no NumPy array holds)."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        dtype = np.result_type(value)
+    if not jnp.issubdtype(dtype, jnp.inexact):
         return None
-    return ~np.isfinite(array)
+    return ~np.isfinite(np.asarray(value))
 
 
 def _inputs(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
@@ -294,8 +302,14 @@ class _Call:
                          and (g.location.file, g.location.line, g.location.column)
                          == (at.file, at.line, at.column))
 
-        plain_outs, plain_origins = _run(plain_program, self.leaves)
         safe_outs, safe_origins = _run(safe_program, self.leaves)
+        plain_error = None
+        try:
+            plain_outs, plain_origins = _run(plain_program, self.leaves)
+        except Exception as e:  # the user's program stopped on a value (a library's check)
+            lines = str(e).strip().splitlines()
+            plain_error = f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+            plain_outs, plain_origins = safe_outs, safe_origins  # classify nan_safe's alone
         names = (self.names if len(self.names) == len(plain_outs)
                  else [f"gradient leaf {k}" for k in range(len(plain_outs))])
         leaves = [f"argument leaf {k}" for k in range(len(self.leaves))]
@@ -337,7 +351,7 @@ class _Call:
                 genuine += _group("genuine", names[k], s_bad & ~by_drops, np.asarray(s),
                                   fixes, safe_name, lambda o: ())
         return Diagnosis(tuple(leaks), tuple(genuine), _masked(forward, self.leaves),
-                         tuple(left))
+                         tuple(left), plain_error)
 
     @staticmethod
     def namer(program: ClosedJaxpr, forward: ClosedJaxpr, leaves: Sequence[str]
@@ -430,6 +444,10 @@ def _entries(finding: Finding) -> str:
 
 def format_diagnosis(diagnosis: Diagnosis) -> str:
     lines: list[str] = []
+    if diagnosis.plain_error is not None:
+        lines.append(f"jax.grad raised, and nan_safe's gradient ran: {diagnosis.plain_error} "
+                     f"(a check in the program may have stopped on a leak's NaN; what follows "
+                     f"is nan_safe's gradient alone)")
     for f in diagnosis.leaks:
         lines.append(f"leak: {_entries(f)}: non-finite in jax.grad, "
                      f"finite under nan_safe")

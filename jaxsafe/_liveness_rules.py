@@ -1246,7 +1246,9 @@ def tiled_axes(eqn: JaxprEqn) -> list[int]:
 
 
 def top_k_axis(eqn: JaxprEqn) -> list[int]:
-    return [eqn.params.get("axis", len(shape_of(eqn.invars[0])) - 1)]
+    """`top_k`'s axis (the last before JAX named it); `approx_top_k`'s `reduction_dimension`."""
+    rank = len(shape_of(eqn.invars[0]))
+    return [eqn.params.get("axis", eqn.params.get("reduction_dimension", -1)) % rank]
 
 
 def window_axes(eqn: JaxprEqn) -> list[int]:

@@ -306,7 +306,9 @@ register_elementwise(prims.abs_p, guard=Guard({0: 1.0}, _complex_operand),
 register_elementwise(prims.acos_p, prims.asin_p, guard=ZERO)
 register_elementwise(prims.atanh_p, prims.erf_inv_p, guard=POLE_AT_ZERO)
 register_elementwise(prims.acosh_p, guard=Guard({0: 2.0}))
-register_elementwise(prims.atan2_p, guard=Guard({0: 0.0, 1: 1.0}, _no_nonzero_literal))
+# each safe value alone is off the singular origin: an operand that keeps its value (a scalar
+# broadcast into a live lane, one that carries no derivative) never meets 0 from the other
+register_elementwise(prims.atan2_p, guard=Guard({0: 1.0, 1: 1.0}, _no_nonzero_literal))
 # overflow: inf in the forward, inf * 0 = NaN in the backward
 register_elementwise(prims.exp_p, guard=POLE_AT_ZERO, bound=bounds.non_negative, increasing=True,
                      range=ranges.exp_range)
@@ -379,7 +381,7 @@ register(*PRIVATE_PLATFORM_INDEX, zero_derivative=True)
 register(prims.bitcast_convert_type_p, makes_nonfinite=True,
          finite_when=exponent_set_by(prims.or_p, prims.shift_right_logical_p))
 register(prims.select_and_gather_add_p, prims.select_and_scatter_add_p,
-         prims.select_and_scatter_p, prims.approx_top_k_p, prims.rng_uniform_p,
+         prims.select_and_scatter_p, prims.rng_uniform_p,
          prims.random_bits_p, prims.random_seed_p,
          prims.random_fold_in_p, prims.random_split_p, prims.rng_bit_generator_p,
          prims.threefry2x32_p, prims.hessenberg_p, prims.schur_p, prims.tridiagonal_p,
@@ -538,10 +540,14 @@ for prim, identity in ((prims.reduce_window_max_p, -np.inf), (prims.reduce_windo
              chooser=Chooser(by_fill, keeps_dropped_values=False, picks=True,
                                      guarded_results=False),
              identity=identity, foldable=True, nonfinite_when=window_may_read_padding_only)
-register(prims.sort_p, masks=sort_masks, drops=_always, chooser=Chooser(by_permutation),
+# a permutation of each row: a row whose sorted lanes are all live is live (no `drops`)
+register(prims.sort_p, masks=sort_masks, chooser=Chooser(by_permutation),
          static=along_axes_syms(sort_axis), works_along=sort_axis, linear=True,
          foldable=True)
-register(prims.top_k_p, masks=support_masks, drops=_always, chooser=Chooser(by_top_k),
+# `approx_max_k`/`approx_min_k`: the lanes it returns, as `top_k` (exact on CPU and GPU; on
+# TPU, whatever it returns: JAX's derivative reads the returned indices)
+register(prims.top_k_p, prims.approx_top_k_p, masks=support_masks, drops=_always,
+         chooser=Chooser(by_top_k),
          static=along_axes_syms(top_k_axis), works_along=top_k_axis, linear=True,
          foldable=True)
 register_reduction(prims.reduce_prod_p)

@@ -450,7 +450,7 @@ def _identity(eqn: JaxprEqn) -> int | None:
 
 
 def _contains_drop(closed: ClosedJaxpr) -> bool:
-    """Whether a body drops lanes anywhere (a selection, a slice, a gather, a sort): what its
+    """Whether a body drops lanes anywhere (a selection, a slice, a gather, `top_k`): what its
     derivative's transpose writes zeros for."""
     def drops(eqn: JaxprEqn) -> bool:
         rule = rule_for(eqn.primitive)

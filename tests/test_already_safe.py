@@ -1852,3 +1852,34 @@ def test_a_value_the_dropping_comparison_does_not_show_finite_keeps_its_guard(f,
     assert np.isnan(np.asarray(jax.grad(f)(jnp.array(row)))).any()
     assert_bitwise(jax.grad(safe)(jnp.array(row)), jnp.zeros(2))
 
+
+@pytest.mark.parametrize("f", [
+    lambda x: jnp.sort(jnp.sqrt(x)),
+    lambda x: jnp.sum(jnp.sort(jnp.log(x.reshape(2, 3)), axis=1) * 2.0),
+    lambda x: jax.lax.sort((x, jnp.sqrt(x)), num_keys=1)[1],
+], ids=["sort", "rows", "two-operand"])
+def test_a_sort_whose_outputs_are_all_live_is_left_as_it_is(f):
+    """Hunt AX: a sort is a permutation of each row, so a row whose sorted lanes are all live
+    is live: `jnp.sort(jnp.sqrt(x))` needs no guard (it was 2 equations rewritten to 18).
+    Derivatives are JAX's (its NaN at a negative `x` is a live lane's)."""
+    x = jnp.array([4.0, 1.0, 0.0, 2.0, jnp.nan, -1.0])
+    report = str(jaxsafe.explain(f)(x))
+    assert report == "nothing to guard: the program runs unchanged", report
+    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+
+
+def test_a_sort_whose_row_is_cut_short_keeps_its_guard():
+    """The near miss: `jnp.sort(jnp.sqrt(x))[:3]` drops the lanes that sort past the third by
+    value: JAX's gradient is NaN at the dropped negative `x`; jaxsafe's is the hand fix's."""
+    def f(x):
+        return jnp.sum(jnp.sort(jnp.sqrt(x))[:3])
+
+    def hand(x):
+        kept = jnp.zeros(x.shape, bool).at[jnp.argsort(jnp.sqrt(x))[:3]].set(True)
+        return jnp.sum(jnp.sort(jnp.sqrt(jnp.where(kept, x, 1e4)))[:3])  # sorts past them
+
+    x = jnp.array([4.0, 1.0, 0.5, 2.0, -1.0])
+    assert np.isnan(np.asarray(jax.grad(f)(x))).any()
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(x), jax.jit(f)(x))
+    assert_close(jax.grad(safe)(x), jax.grad(hand)(x))

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from diagnostics_fixture import LINES
+from helpers import assert_bitwise
 
 import jaxsafe
 
@@ -288,3 +289,49 @@ def test_diagnose_replaces_every_dropped_input_at_once():
     (left,) = found.left
     assert {o.primitive for o in left.origins} == {"inf or NaN held by argument leaf 0",
                                                    "inf or NaN held by argument leaf 1"}
+
+
+def test_diagnose_reads_past_random_keys():
+    """Hunt AY: a PRNG key among the values (made in `f` or passed in) raised a TypeError when
+    `diagnose` looked for inf and NaN in it; keys are not floats and are skipped."""
+    def made_inside(x):
+        noise = jax.random.normal(jax.random.PRNGKey(0), x.shape)
+        return jnp.sum(jnp.where(x > 0, jnp.sqrt(x), 0.0) * noise)
+
+    def passed_in(key, x):
+        return made_inside(x) + jnp.sum(jax.random.normal(key, x.shape) * x)
+
+    x = jnp.array([-1.0, 4.0])
+    for found in (jaxsafe.diagnose(made_inside)(x),
+                  jaxsafe.diagnose(passed_in, 1)(jax.random.key(1), x)):
+        assert [leak.entries for leak in found.leaks] == [((0,),)], str(found)
+        assert found.plain_error is None
+
+
+def test_diagnose_reports_a_plain_gradient_that_raises():
+    """Hunt AY: where plain `jax.grad` raises because a check in the program meets the leak's
+    NaN (equinox's in a diffrax solve; here a callback in a `custom_vjp`), `diagnose` says so
+    and describes nan_safe's gradient, instead of raising."""
+    def check(ct):
+        if not np.isfinite(ct).all():
+            raise ValueError("non-finite cotangent")
+
+    @jax.custom_vjp
+    def checked(x):
+        return x
+
+    def backward(_, ct):
+        jax.debug.callback(check, ct)
+        return (ct,)
+
+    checked.defvjp(lambda x: (x, None), backward)
+
+    def f(x):
+        return jnp.sum(jnp.where(x > 0, jnp.sqrt(checked(x)), 0.0))
+
+    x = jnp.array([-1.0, 4.0])
+    assert_bitwise(jax.grad(jaxsafe.nan_safe(f))(x), jnp.array([0.0, 0.25]))
+    found = jaxsafe.diagnose(f)(x)
+    assert found.plain_error is not None and "non-finite cotangent" in found.plain_error
+    assert not found.leaks and not found.genuine
+    assert str(found).startswith("jax.grad raised, and nan_safe's gradient ran: ValueError")

@@ -172,6 +172,9 @@ ROWS: list[Drop] = [
     Drop("top_k", P.top_k_p, lambda x, h: (lax.top_k(h(x), 2)[0] * jnp.array([1., 2.], x.dtype)
                                            ).sum(),
          lambda x: _idx(x) >= 2),
+    Drop("approx_max_k", P.approx_top_k_p,
+         lambda x, h: (lax.approx_max_k(h(x), 2)[0] * jnp.array([1., 2.], x.dtype)).sum(),
+         lambda x: _idx(x) >= 2),
     # multiplicative masks
     Drop("mul-constant-mask", P.mul_p, lambda x, h: (jnp.array([0., 0., 1., 1.], x.dtype)
                                                      * h(x)).sum(),

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_bitwise, assert_close
+from helpers import assert_bitwise, assert_close, assert_finite
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
@@ -1447,3 +1447,75 @@ def test_a_row_maximum_over_an_empty_axis_may_be_infinite():
         return jnp.sum(jnp.where(keep, lax.reduce_max(jnp.ones((2, 0)), (1,)) * weight, 0.0))
 
     assert_bitwise(jax.grad(jaxsafe.nan_safe(g))(s), jax.grad(lambda s: g(s, hand=True))(s))
+
+
+# --------------------------------------------------------------------------- hunt AW
+
+
+@pytest.mark.parametrize(("approx", "exact"), [
+    (lambda v: jax.lax.approx_max_k(v, 2)[0], lambda v: jax.lax.top_k(v, 2)[0]),
+    (lambda v: jax.lax.approx_min_k(-v, 1, reduction_dimension=0)[0],
+     lambda v: -jax.lax.top_k(v.T, 1)[0].T),
+], ids=["max_k", "min_k along axis 0"])
+def test_approx_top_k_drops_the_lanes_it_does_not_return(approx, exact):
+    """Hunt AW: `approx_max_k`/`approx_min_k` kept every input lane live (no liveness row), so
+    `sqrt`'s infinite derivative at a 0 it did not return stayed NaN. Its derivative reads the
+    lanes it returns, as `top_k`'s does: jaxsafe's gradient is now the exact `top_k`'s under
+    nan_safe (CPU computes it exactly), and 0 in every lane not returned."""
+    def f(x):
+        return jnp.sum(approx(jnp.sqrt(x)))
+
+    def g(x):
+        return jnp.sum(exact(jnp.sqrt(x)))
+
+    x = jnp.array([[4.0, 9.0, 0.0, 1.0, 0.25], [1.0, 0.0, 2.0, 0.0, 3.0]])
+    assert np.isnan(np.asarray(jax.grad(f)(x))).any() or \
+        np.isinf(np.asarray(jax.grad(f)(x))).any()
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(x), jax.jit(f)(x))
+    for derivative in (jax.grad, jax.jacfwd):
+        got = derivative(safe)(x)  # up to a NaN's sign (`-top_k(v)` for the minimum)
+        assert_close(got, derivative(jaxsafe.nan_safe(g))(x))
+    returned = np.asarray(jax.grad(lambda x: jnp.sum(approx(x)))(x + 1.0)) != 0
+    assert returned.sum() == np.asarray(approx(x)).size
+    assert not np.asarray(jax.grad(safe)(x))[~returned].any()
+
+
+# --------------------------------------------------------------------------- hunt AX
+
+
+@pytest.mark.parametrize("form", ["scalar", "constant"])
+def test_atan2_with_one_operand_left_as_it_is_is_not_guarded_onto_its_origin(form):
+    """Hunt AX: `where(y > 0, arctan2(y, x), 0.)` with a scalar `x` (read by live lanes too, so
+    it keeps its value): the guard put 0 into `y`'s dropped lanes, and with `x == 0` made
+    `atan2(0, 0)` there, whose derivative is 0 / 0: `x`'s gradient was NaN where JAX's is
+    finite. Each safe value alone is now off the origin. With an `x` that carries no derivative
+    (a constant, also left as it is) every order is the hand fix's too."""
+    y = jnp.array([-1.0, 2.0, -3.0])
+    if form == "scalar":
+        def f(y, x):
+            return jnp.sum(jnp.where(y > 0, jnp.arctan2(y, x), 0.0))
+
+        def hand(y, x):
+            ok = y > 0
+            xb = jnp.broadcast_to(x, y.shape)
+            return jnp.sum(jnp.where(ok, jnp.arctan2(jnp.where(ok, y, 1.0),
+                                                     jnp.where(ok, xb, 1.0)), 0.0))
+        args = (y, jnp.float32(0.0))
+        argnums = (0, 1)
+    else:
+        xs = jnp.array([0.0, 0.0, 1.0])
+
+        def f(y):
+            return jnp.sum(jnp.where(y > 0, jnp.arctan2(y, xs), 0.0))
+
+        def hand(y):
+            ok = y > 0
+            return jnp.sum(jnp.where(ok, jnp.arctan2(jnp.where(ok, y, 1.0), xs), 0.0))
+        args, argnums = (y,), 0
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(*args), jax.jit(f)(*args))
+    for derivative in (jax.grad, jax.jacfwd, jax.hessian):
+        got = derivative(safe, argnums)(*args)
+        assert_finite(got)
+        assert_close(got, derivative(hand, argnums)(*args))
