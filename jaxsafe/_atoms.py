@@ -75,3 +75,9 @@ def readable_constant(value: Any) -> bool:
         return False
     dtype = getattr(value, "dtype", None)
     return dtype is None or not jnp.issubdtype(dtype, jax.dtypes.extended)
+
+
+def float_info(dtype: Any) -> Any:
+    """`np.finfo` for every float dtype JAX has: NumPy's refuses bfloat16 and the float8s
+    (`ml_dtypes`), and an analysis that raised there would leave the program unguarded."""
+    return jnp.finfo(dtype)

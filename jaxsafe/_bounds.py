@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ._atoms import dtype_of, readable_constant, shape_of
+from ._atoms import dtype_of, float_info, readable_constant, shape_of
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Var
 from ._constants import (
     PROOF_ORDER,
@@ -101,7 +101,7 @@ def _scaled(eqn: JaxprEqn, value: Bound, factor: Bound, const, divide: bool) -> 
     lower = scaled * (1 - _slack(eqn))
     dtype = dtype_of(eqn.outvars[0])
     if not np.issubdtype(dtype, np.floating) or not np.isfinite(lower) \
-            or lower < float(np.finfo(dtype).tiny):
+            or lower < float(float_info(dtype).tiny):
         return 0.0
     return float(at_or_below(lower, dtype))
 
@@ -192,7 +192,7 @@ def _non_negative_in(eqn: JaxprEqn) -> Bound:
 
 def _slack(eqn: JaxprEqn) -> float:
     """A relative margin wider than the rounding of one operation in `eqn`'s dtype."""
-    return 8 * float(np.finfo(dtype_of(eqn.outvars[0])).eps)
+    return 8 * float(float_info(dtype_of(eqn.outvars[0])).eps)
 
 
 def _positive_finite(const) -> float | None:
@@ -459,7 +459,7 @@ def _bounded_divisor(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bounds,
         return False
     dtype = dtype_of(v)
     point = at_or_below(lower, dtype)
-    if not float(point) >= float(np.finfo(dtype).tiny):
+    if not float(point) >= float(float_info(dtype).tiny):
         return False
     ends = _numerator_ends(eqn, 1 - k, bounds)
     if ends is None:
@@ -469,7 +469,7 @@ def _bounded_divisor(eqn: JaxprEqn, k: int, rule: PrimitiveRule, bounds: Bounds,
         numerator = eqn.invars[1 - k]
         return float(point) >= 1.0 and isinstance(numerator, Var) \
             and numerator not in bounds.producer \
-            and float(np.finfo(dtype).max) >= float(np.finfo(np.float32).max)
+            and float(float_info(dtype).max) >= float(float_info(np.float32).max)
     points = [[point if j == k else np.asarray(end, dtype) for j in range(2)] for end in ends]
     return all(finite_with_derivatives(eqn, p, PROOF_ORDER, wrt=j) for p in points
                for j in range(2))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._atoms import SMALL_CONSTANT, dtype_of, literal_value, shape_of
+from ._atoms import SMALL_CONSTANT, dtype_of, float_info, literal_value, shape_of
 from ._compat import JaxprEqn, Literal, Tracer, Var, bind_eqn
 from ._rules import rule_for
 
@@ -189,7 +189,7 @@ def domain_holds_above(eqn: JaxprEqn, point: Any) -> bool:
     point = np.asarray(point).reshape(())
     edge = rule_for(eqn.primitive).edge
     past = float(point) - edge  # float64: `-.999 - -1.` is exact enough
-    return bool(past >= np.finfo(point.dtype).tiny) and finite_with_derivatives(
+    return bool(past >= float_info(point.dtype).tiny) and finite_with_derivatives(
         eqn, [point], PROOF_ORDER)
 
 
@@ -218,7 +218,7 @@ def domain_holds_between(eqn: JaxprEqn, k: int, lo: Any, hi: Any, point: Sequenc
     between. `point`: the other operands' values (k's is ignored). Not below the smallest
     normal number (see `domain_holds_above`)."""
     lo, hi = np.asarray(lo).reshape(()), np.asarray(hi).reshape(())
-    if not (lo >= np.finfo(lo.dtype).tiny and np.isfinite(hi) and lo <= hi):
+    if not (lo >= float_info(lo.dtype).tiny and np.isfinite(hi) and lo <= hi):
         return False
     ends = [[end if j == k else p for j, p in enumerate(point)] for end in (lo, hi)]
     return all(finite_with_derivatives(eqn, end, PROOF_ORDER, wrt=k) for end in ends)

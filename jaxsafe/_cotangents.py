@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ._atoms import dtype_of, is_float, literal_value
+from ._atoms import dtype_of, float_info, is_float, literal_value
 from ._bounds import Bounds, at_or_below, lower_end, operand_in_domain
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Var
 from ._liveness import Sweep
@@ -102,7 +102,7 @@ def _narrow(atom: Any) -> bool:
     (overflow of finite values is not counted)."""
     dtype = dtype_of(atom)
     return np.issubdtype(dtype, np.floating) and \
-        float(np.finfo(dtype).max) < float(np.finfo(np.float32).max)
+        float(float_info(dtype).max) < float(float_info(np.float32).max)
 
 
 def _finite(atom: Any, anywhere: Set) -> bool:
@@ -177,7 +177,7 @@ def _over_bounded_divisor(eqn: JaxprEqn, k: int, anywhere: Set, bounds: Bounds) 
     # `1 / d` at most the square root of the dtype's largest value: a cotangent as large again
     # overflows, as elsewhere not counted (float16 has too little range for that: `_narrow`)
     return lower is not None and \
-        float(at_or_below(lower, dtype)) >= 1.0 / float(np.sqrt(np.finfo(dtype).max))
+        float(at_or_below(lower, dtype)) >= 1.0 / float(np.sqrt(float_info(dtype).max))
 
 
 def _proven_in_domain(eqn: JaxprEqn, anywhere: Set, bounds: Bounds) -> bool:

@@ -16,6 +16,7 @@ import numpy as np
 from ._atoms import (
     SMALL_CONSTANT,
     dtype_of,
+    float_info,
     is_float,
     is_numeric,
     literal_value,
@@ -360,7 +361,7 @@ def summed_scalar(eqn: JaxprEqn, value: np.ndarray) -> np.ndarray | None:
     if n is None:
         return None
     total = float(value) * n  # the row sums a run computes differ by rounding only
-    if not abs(total) < float(np.finfo(value.dtype).max) / 2:
+    if not abs(total) < float(float_info(value.dtype).max) / 2:
         return None
     return np.asarray(total, value.dtype)
 

@@ -109,8 +109,8 @@ def _finite_back_to(a: Var, v: Any, sweep: Any, lanewise: bool) -> bool:
             continue
         seen.add(u)
         producer: JaxprEqn | None = sweep.producer_of(u)
-        if producer is None or len(producer.outvars) != 1:
-            continue
+        if producer is None or len(producer.outvars) != 1 or not np.prod(shape_of(u)):
+            continue  # an empty value reads no lane of its operands (a broadcast to size 0)
         rule = rule_for(producer.primitive)
         if rule.finite_where_finite is None or lanewise and not rule.elementwise:
             continue

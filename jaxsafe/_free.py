@@ -36,7 +36,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._atoms import MAX_WEIGHT, dtype_of, is_float, literal_value, readable_constant, shape_of
+from ._atoms import (
+    MAX_WEIGHT,
+    dtype_of,
+    float_info,
+    is_float,
+    literal_value,
+    readable_constant,
+    shape_of,
+)
 from ._bounds import Bounds, never_wins_alone
 from ._carries import Carry
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Var
@@ -387,7 +395,7 @@ def _sums_exactly(a: Any, k: int, dtype: Any) -> bool:
     """Whether every partial sum of `k` copies of `a` is exact in `dtype`, whatever the order
     of the additions: each `j * a` (j <= k) is representable (doubling always is, so a row of
     two holds `2 * a` for any `a`), and far from overflow."""
-    info = np.finfo(dtype)
+    info = float_info(dtype)
     a = float(a)
     if k > MAX_SUMMED or not np.isfinite(a) or abs(a) * k > float(info.max) / 4:
         return False

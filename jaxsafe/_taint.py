@@ -27,7 +27,7 @@ from typing import Any, cast
 import numpy as np
 from jax import lax
 
-from ._atoms import dtype_of, is_float, is_nonfinite_literal, literal_value, shape_of
+from ._atoms import dtype_of, float_info, is_float, is_nonfinite_literal, literal_value, shape_of
 from ._bounds import (
     Bounds,
     of_program,
@@ -406,7 +406,7 @@ def exponent_set_by(or_primitive: Any, shift_primitive: Any) -> Callable[[JaxprE
         out = eqn.outvars[0]
         if not is_float(out) or not isinstance(eqn.invars[0], Var):
             return False
-        info = np.finfo(dtype_of(out))
+        info = float_info(dtype_of(out))
         width = np.dtype(dtype_of(out)).itemsize * 8
         joined = _produced_by(eqn.invars[0], or_primitive, bounds)
         if joined is None or np.dtype(dtype_of(eqn.invars[0])).itemsize * 8 != width:

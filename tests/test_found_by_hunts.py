@@ -1519,3 +1519,44 @@ def test_atan2_with_one_operand_left_as_it_is_is_not_guarded_onto_its_origin(for
         got = derivative(safe, argnums)(*args)
         assert_finite(got)
         assert_close(got, derivative(hand, argnums)(*args))
+
+
+# --------------------------------------------------------------------------- hunt AZ
+
+
+def test_an_empty_broadcast_shows_nothing_finite():
+    """Hunt AZ: a sum over an empty broadcast of `x ** 2` is 0 whatever `x` holds, yet the walk
+    back from `s < 1` (`_finite_lanes.py`) took it to show `x` finite, and left `x ** 2`
+    unguarded where `s < 1` drops it: `inf`'s gradient was NaN. An empty value reads no lane
+    of its operands."""
+    def f(x, hand=False):
+        y = x ** 2
+        s = jnp.sum(jnp.broadcast_to(y, (0, 3)))
+        inner = jnp.where(s < 1.0, 0.0, x) ** 2 if hand else y
+        return jnp.sum(jnp.where(s < 1.0, 0.0, inner))
+
+    x = jnp.array([jnp.inf, 1.0, 2.0])
+    assert np.isnan(np.asarray(jax.grad(f)(x))).any()
+    safe = jaxsafe.nan_safe(f)
+    assert_bitwise(safe(x), jax.jit(f)(x))
+    assert_bitwise(jax.grad(safe)(x), jax.grad(lambda x: f(x, hand=True))(x))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e5m2"])
+def test_the_analysis_reads_dtypes_numpy_has_no_finfo_for(dtype):
+    """Hunt AZ: a domain bound in bfloat16 or float8 (`where(x > 2, 0., log(x))`) asked
+    NumPy's `finfo`, which refuses `ml_dtypes` types: the analysis failed and the whole program
+    ran unguarded, so an unrelated leak beside it stayed (`sqrt(0.5 - x)` where `x > 0.5`)."""
+    dt = jnp.dtype(dtype)
+
+    def f(x, hand=False):
+        a = jnp.where(x > 2, 0.0, jnp.log(x))
+        b = jnp.where(x > 0.5, 0.0, jnp.sqrt(0.5 - jnp.where(hand & (x > 0.5), 0.0, x)))
+        return jnp.sum(a + b)
+
+    x = jnp.array([0.25, 1.5, 3.0], dt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no AnalysisFailedWarning
+        got = jax.grad(jaxsafe.nan_safe(f))(x)
+    assert_bitwise(got, jax.grad(lambda x: f(x, hand=True))(x))
+    assert_finite(got.astype(jnp.float32))
