@@ -51,7 +51,8 @@ def _operand_key(value: Any) -> Hashable | None:
     array = np.asarray(value)
     if array.nbytes > _MEMO_BYTES or array.dtype == object:
         return None
-    return array.dtype.str, array.shape, array.tobytes()
+    # the dtype itself: `.str` is `<V1` for every 1-byte `ml_dtypes` type
+    return array.dtype, array.shape, array.tobytes()
 
 
 class _Memo:

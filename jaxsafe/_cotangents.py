@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence, Set
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from ._atoms import dtype_of, float_info, is_float, literal_value
@@ -95,14 +96,15 @@ def nonfinite_cotangents(closed: ClosedJaxpr, sweep: Sweep, anywhere: Set,
 
 
 def _narrow(atom: Any) -> bool:
-    """A float type narrower in range than float32 (float16): a finite cotangent times a
-    finite derivative overflows there at ordinary values (a loss scale of 2 ** 15 times
-    `sqrt`'s derivative at 0.01), so no cotangent is taken as non-finite only where its own
-    value is. In float32 and wider that takes values near 1e37, as elsewhere in the analysis
-    (overflow of finite values is not counted)."""
+    """A float type narrower in range than float32 (float16, the float8s; not bfloat16, whose
+    exponent is float32's): a finite cotangent times a finite derivative overflows there at
+    ordinary values (a loss scale of 2 ** 15 times `sqrt`'s derivative at 0.01), so no
+    cotangent is taken as non-finite only where its own value is. In float32 and wider that
+    takes values near 1e37, as elsewhere in the analysis (overflow of finite values is not
+    counted). `jnp.issubdtype`: NumPy's does not count the `ml_dtypes` floats as floats."""
     dtype = dtype_of(atom)
-    return np.issubdtype(dtype, np.floating) and \
-        float(float_info(dtype).max) < float(float_info(np.float32).max)
+    return bool(jnp.issubdtype(dtype, jnp.floating)) and \
+        float_info(dtype).maxexp < float_info(np.float32).maxexp
 
 
 def _finite(atom: Any, anywhere: Set) -> bool:
@@ -169,7 +171,7 @@ def _over_bounded_divisor(eqn: JaxprEqn, k: int, anywhere: Set, bounds: Bounds) 
     if divisor is None or divisor == k or len(eqn.invars) != 2 or len(eqn.outvars) != 1:
         return False
     d = eqn.invars[divisor]
-    if not isinstance(d, Var) or d in anywhere or not np.issubdtype(dtype_of(d), np.floating) \
+    if not isinstance(d, Var) or d in anywhere or not jnp.issubdtype(dtype_of(d), jnp.floating) \
             or _narrow(d):
         return False
     lower = lower_end(d, bounds)

@@ -761,7 +761,7 @@ def _only_size_one_axes_move(eqn: JaxprEqn) -> bool:
 def _operand_key(atom: Any, same: dict) -> Any:
     if isinstance(atom, Literal):
         value = np.asarray(atom.val)
-        return ("literal", value.dtype.str, value.tobytes(), getattr(atom.aval, "weak_type", None))
+        return ("literal", value.dtype, value.tobytes(), getattr(atom.aval, "weak_type", None))
     return same.get(atom, atom)
 
 

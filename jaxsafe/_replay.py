@@ -80,10 +80,11 @@ class _Functions:
         return found
 
 
-def _value_key(value: Any) -> tuple[str, bytes]:
-    """A literal by its bits (a 0-d array is not hashable; NaN is not equal to itself)."""
+def _value_key(value: Any) -> tuple[np.dtype, bytes]:
+    """A literal by its dtype and bits (a 0-d array is not hashable; NaN is not equal to
+    itself; `dtype.str` is `<V1` for every 1-byte `ml_dtypes` type)."""
     array = np.asarray(value)
-    return array.dtype.str, array.tobytes()
+    return array.dtype, array.tobytes()
 
 
 def _single(primitive: Any, params: dict, arity: int, literals: dict[int, Any]) -> Callable:

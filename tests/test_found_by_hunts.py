@@ -1560,3 +1560,40 @@ def test_the_analysis_reads_dtypes_numpy_has_no_finfo_for(dtype):
         got = jax.grad(jaxsafe.nan_safe(f))(x)
     assert_bitwise(got, jax.grad(lambda x: f(x, hand=True))(x))
     assert_finite(got.astype(jnp.float32))
+
+
+# --------------------------------------------------------------------------- hunt BA
+
+
+def test_a_clamp_in_float8_has_float16_s_narrow_range():
+    """Hunt BA: `2e4 * sqrt(maximum(x, .01))` in float8_e5m2: a loss scale times `sqrt`'s finite
+    derivative at the clamp overflows the narrow range, as in float16, but NumPy does not count
+    the `ml_dtypes` floats as floats, and the clamp was left: NaN in the lanes it drops."""
+    h = jnp.float8_e5m2
+
+    def f(x, hand=False):
+        m = jnp.where(x > h(0.01), x, h(0.01)) if hand else jnp.maximum(x, h(0.01))
+        return jnp.sum((h(2e4) * jnp.sqrt(m)).astype(jnp.float32))
+
+    x = jnp.array([-1.0, 0.0, 2.0], h)
+    assert np.isnan(np.asarray(jax.grad(f)(x).astype(jnp.float32))).any()
+    got = jax.grad(jaxsafe.nan_safe(f))(x)
+    assert_bitwise(got, jax.grad(lambda x: f(x, hand=True))(x))
+
+
+def test_one_byte_dtypes_do_not_share_folded_constants():
+    """Hunt BA: folded constants were remembered by `dtype.str`, which is `<V1` for every
+    1-byte `ml_dtypes` type: the same program in float8_e4m3fnuz, then in float8_e4m3fn, read
+    the first one's constants, the analysis failed and the program ran unguarded."""
+    grads = []
+    for dt in (jnp.float8_e4m3fnuz, jnp.float8_e4m3fn):
+        def f(x, dt=dt):
+            y = jnp.where(x > 0, jnp.log(x) + jnp.sqrt(jnp.sum(x * x) + dt(1.0)), dt(0.0))
+            return jnp.sum(y.astype(jnp.float32))
+
+        x = jnp.array([-1.0, 0.0, 2.0], dt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no AnalysisFailedWarning
+            grads.append(np.asarray(jax.grad(jaxsafe.nan_safe(f))(x).astype(jnp.float32)))
+    for g in grads:
+        assert np.isfinite(g).all() and g[1] == 0.0, grads
