@@ -21,6 +21,13 @@ import jaxsafe
 pytestmark = pytest.mark.no_leak_check
 
 
+def _assert_left_as_it_is(f, *args):
+    """`explain` finds nothing to guard, and the rewritten program is the original."""
+    report = str(jaxsafe.explain(f)(*args))
+    assert report == "nothing to guard: the program runs unchanged", report
+    assert structure(jaxsafe.make_jaxpr(f)(*args)) == structure(jax.make_jaxpr(f)(*args))
+
+
 def safe_mask(mask, fn, operand, placeholder=0.0):
     """jax-md's `util.safe_mask`: the inner where puts 0 (a singular point of sqrt)."""
     masked = jnp.where(mask, operand, 0)
@@ -1551,9 +1558,7 @@ def test_a_row_maximum_of_values_shown_not_nan_is_left_as_it_is(name):
     f = NAN_FREE_MAXIMA[name]
     x = jnp.array([[1.0, jnp.nan, 3.0], [jnp.nan] * 3, [jnp.inf, 2.0, -jnp.inf],
                    [-jnp.inf] * 3])
-    report = str(jaxsafe.explain(f)(x))
-    assert report == "nothing to guard: the program runs unchanged", report
-    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    _assert_left_as_it_is(f, x)
     safe = jaxsafe.nan_safe(f)
     assert_bitwise(safe(x), jax.jit(f)(x))
     assert_bitwise(jax.grad(lambda v: jnp.sum(safe(v)))(x), jax.grad(lambda v: jnp.sum(f(v)))(x))
@@ -1639,9 +1644,7 @@ def test_a_select_whose_branches_are_guarded_by_hand_is_left_as_it_is(f):
     one does (`_case_index.py`), and a branch the user guarded with those lanes needs no guard.
     Derivatives of every order are JAX's."""
     x = jnp.array([1.5, -2.0, 0.5, 0.0, 1.0, 2.5, jnp.nan, jnp.inf, -jnp.inf])
-    report = str(jaxsafe.explain(f)(x))
-    assert report == "nothing to guard: the program runs unchanged", report
-    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    _assert_left_as_it_is(f, x)
     safe = jaxsafe.nan_safe(f)
     assert_bitwise(safe(x), jax.jit(f)(x))
     for derivative in (jax.grad, jax.jacfwd, jax.hessian):
@@ -1679,9 +1682,7 @@ def test_a_batched_cond_whose_branch_is_guarded_by_hand_is_left_as_it_is():
     Derivatives of every order are JAX's."""
     f = jax.vmap(_branch_guarded_by_hand)
     x = jnp.array([1.5, -2.0, 0.5, 0.0, -0.7, jnp.nan, -jnp.inf])
-    report = str(jaxsafe.explain(f)(x))
-    assert report == "nothing to guard: the program runs unchanged", report
-    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    _assert_left_as_it_is(f, x)
     safe = jaxsafe.nan_safe(f)
     assert_bitwise(safe(x), jax.jit(f)(x))
     total = lambda g: lambda v: jnp.sum(g(v))  # noqa: E731
@@ -1739,9 +1740,7 @@ def test_a_branch_whose_hand_guard_lets_through_values_an_earlier_test_bounds_is
     bounds into `log`'s domain (`_by_hand._operand_bound` reads the operand through the
     selections the lanes decide). Derivatives of every order are the fully guarded program's."""
     x = jnp.array([1.5, -2.0, 0.5, 0.0, 1.0, 2.0, 2.5, 3.0, 1e30, jnp.nan, jnp.inf, -jnp.inf])
-    report = str(jaxsafe.explain(f)(x))
-    assert report == "nothing to guard: the program runs unchanged", report
-    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    _assert_left_as_it_is(f, x)
     safe = jaxsafe.nan_safe(f)
     assert_bitwise(safe(x), jax.jit(f)(x))
     for derivative in (jax.grad, jax.jacfwd, jax.hessian):
@@ -1813,9 +1812,7 @@ def test_a_value_that_the_dropping_comparison_shows_finite_needs_no_guard(f, han
     (`_finite_lanes.py`). NaN and inf arguments included, derivatives of every order are the
     program's with the dropped lanes removed by hand."""
     x = jnp.array([1.0, 2.0])
-    report = str(jaxsafe.explain(f)(x))
-    assert report == "nothing to guard: the program runs unchanged", report
-    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    _assert_left_as_it_is(f, x)
     safe = jaxsafe.nan_safe(f)
     for row in _EDGE_ROWS:
         x = jnp.array(row)
@@ -1863,9 +1860,7 @@ def test_a_sort_whose_outputs_are_all_live_is_left_as_it_is(f):
     is live: `jnp.sort(jnp.sqrt(x))` needs no guard (it was 2 equations rewritten to 18).
     Derivatives are JAX's (its NaN at a negative `x` is a live lane's)."""
     x = jnp.array([4.0, 1.0, 0.0, 2.0, jnp.nan, -1.0])
-    report = str(jaxsafe.explain(f)(x))
-    assert report == "nothing to guard: the program runs unchanged", report
-    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    _assert_left_as_it_is(f, x)
 
 
 def test_a_sort_whose_row_is_cut_short_keeps_its_guard():
