@@ -81,3 +81,26 @@ def float_info(dtype: Any) -> Any:
     """`np.finfo` for every float dtype JAX has: NumPy's refuses bfloat16 and the float8s
     (`ml_dtypes`), and an analysis that raised there would leave the program unguarded."""
     return jnp.finfo(dtype)
+
+
+def farthest(dtype: Any, sign: int) -> np.ndarray:
+    """The value of `dtype` beyond every other on the side of `sign` (+1 or -1): `±inf`, or
+    the largest finite number where the dtype has no inf (`float8_e4m3fn` and the `fnuz`
+    float8s, where `inf` converts to NaN, which a `max` or a comparison would spread), or an
+    integer's extreme."""
+    dtype = np.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        info = np.iinfo(dtype)
+        return np.asarray(info.max if sign > 0 else info.min, dtype)
+    with np.errstate(invalid="ignore", over="ignore"):
+        value = np.asarray(sign * np.inf).astype(dtype)
+    if not np.isinf(value):
+        finfo = float_info(dtype)
+        value = np.asarray(finfo.max if sign > 0 else finfo.min, dtype)
+    return value
+
+
+def next_toward(point: np.ndarray, sign: int) -> np.ndarray:
+    """The next value of `point`'s dtype above it (`sign` +1) or below it (-1). NumPy's
+    `nextafter` toward `inf` gives NaN in a float8 without inf."""
+    return np.nextafter(point, farthest(point.dtype, sign))

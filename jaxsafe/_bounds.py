@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ._atoms import dtype_of, float_info, readable_constant, shape_of
+from ._atoms import dtype_of, float_info, next_toward, readable_constant, shape_of
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Var
 from ._constants import (
     PROOF_ORDER,
@@ -51,7 +51,7 @@ def at_or_below(lower: float, dtype: Any) -> np.ndarray:
     rounds up in float32)."""
     point = np.asarray(lower, dtype)
     if float(point) > lower:
-        point = np.nextafter(point, np.asarray(-np.inf, dtype))
+        point = next_toward(point, -1)
     return point
 
 

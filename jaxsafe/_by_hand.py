@@ -33,7 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from ._atoms import dtype_of, is_float, literal_value, readable_constant, shape_of
+from ._atoms import (
+    dtype_of,
+    is_float,
+    literal_value,
+    next_toward,
+    readable_constant,
+    shape_of,
+)
 from ._case_index import case_syms
 from ._compat import ClosedJaxpr, JaxprEqn, Literal, Var
 from ._constants import PROOF_ORDER, domain_holds_above, finite_with_derivatives, fold
@@ -347,14 +354,13 @@ class HandGuards:
         if not lit[1] and (a in self.nonfinite or not np.isfinite(point)):
             return False
         if strict:
-            point = np.nextafter(point, np.asarray(np.inf, point.dtype))
+            point = next_toward(point, 1)
         lower = self._operand_bound(eqn.invars[0], a, float(point), taken)
         if lower is None or not np.isfinite(lower):
             return False
         operand_point = np.asarray(lower, dtype_of(eqn.invars[0])).reshape(())
         if float(operand_point) > lower:  # rounded up: one step down
-            operand_point = np.nextafter(operand_point,
-                                         np.asarray(-np.inf, operand_point.dtype))
+            operand_point = next_toward(operand_point, -1)
         return domain_holds_above(eqn, operand_point)
 
     def _operand_bound(self, operand: Any, a: Var, lower: float, taken: dict) -> float | None:

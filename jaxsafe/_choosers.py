@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._atoms import dtype_of, is_float, literal_value, shape_of
+from ._atoms import dtype_of, farthest, is_float, literal_value, shape_of
 from ._compat import JaxprEqn, Literal, Var, bind_eqn, sharded_like, varying_like
 from ._constants import fold_chain, lane_chain
 from ._liveness_rules import (
@@ -183,15 +183,16 @@ def _chosen_by_derivative(eqn: JaxprEqn, outs: list[Mask], x: Any, out: Any) -> 
     return _nonzero(_pulled_back(eqn, outs, [x], widen=True)[0])
 
 
-def running_choice(nearest: Callable, far: float) -> ChosenRule:
+def running_choice(nearest: Callable, far: int) -> ChosenRule:
     """`cummax` (`cummin`): a lane is chosen where it equals the running maximum at the nearest
     live output that reads it, since the running maximum only grows along the scan (JAX's
     derivative shares a tie). Two cumulative ops, where the derivative would be a scan tree.
-    A lane that no live output reads is not chosen, whatever it holds (an inf equals `far`)."""
+    A lane that no live output reads is not chosen, whatever it holds (an inf equals the fill).
+    `far`: the side (+1 or -1) of the fill that `nearest` never picks over a live output."""
     def chosen(eqn: JaxprEqn, outs: list[Mask], x: Any, out: Any) -> jax.Array:
         axis, reverse = eqn.params["axis"], eqn.params["reverse"]
         live = selecting(outs[0], out)
-        at_live = lax.select_n(live, lax.full_like(out, far), out)
+        at_live = lax.select_n(live, lax.full_like(out, farthest(out.dtype, far)), out)
         read = lax.cummax(lax.convert_element_type(live, np.int32), axis=axis,
                           reverse=not reverse) > 0
         return lax.bitwise_and(read, lax.eq(x, nearest(at_live, axis=axis, reverse=not reverse)))

@@ -192,7 +192,38 @@ class _Emitter:
         outs = self._bind(i, invals)
         if site is not None:
             outs = self._cut_outputs(i, site, outs, free, guarded)
+            outs = self._cut_free_operands(i, site, outs, invals)
         self._record(i, outs, shared and site is None)
+
+    def _cut_free_operands(self, i: int, site: Site, outs: list, invals: list) -> list:
+        """Where an operand's lanes carry no derivative and the output's do
+        (`Site.free_operands`): the output computed again there with that operand's derivative
+        cut (a `stop_gradient` of the whole operand: a select would give it a zero tangent,
+        and forward mode would weigh it by the partial derivative, `0 * -x / 1e-40`). Each
+        such operand takes its safe value where the other computation is taken: the cotangent
+        of what is not taken is 0, and `0 / 0` there would reach a live operand. With several
+        such operands, the lanes where all of them carry nothing."""
+        if not site.free_operands:
+            return outs
+        shape = shape_of(site.eqn.invars[next(iter(site.free_operands))])  # the same for all
+        frees = []
+        for k in site.free_operands:
+            carrying = self.plan.sweep.carry_mask(site.eqn.invars[k], self.orig)
+            if carrying is None:
+                return outs
+            frees.append(not_mask(carrying))
+        self.changed = True
+        taken = materialize(all_of(frees), shape)
+        carried, cut = list(invals), list(invals)
+        for k, value in site.free_operands.items():
+            operand = invals[k]
+            if np.shape(operand) != shape:
+                operand = broadcast(operand, shape)
+            safe = lax.full_like(operand, value)
+            carried[k] = lax.select_n(taken, operand, safe)
+            cut[k] = lax.stop_gradient(lax.select_n(taken, safe, operand))
+        carried_out, cut_out = self._bind(i, carried)[0], self._bind(i, cut)[0]
+        return [lax.select_n(broadcast(taken, np.shape(carried_out)), carried_out, cut_out)]
 
     def _cut_outputs(self, i: int, site: Site, outs: list, free: Any, guarded: list) -> list:
         """The site's output lanes that pass no derivative: those that carry none (`free`),

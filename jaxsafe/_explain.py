@@ -189,6 +189,9 @@ def _operands(site: Site) -> tuple[GuardedOperand, ...]:
         ops += [GuardedOperand(k, "forward-mode value", float(v),
                                "no derivative where it carries none")
                 for k, v in sorted(site.free.items())]
+    ops += [GuardedOperand(k, "forward-mode stop-gradient", None,
+                           "no derivative where it carries none, beside operands that carry one")
+            for k in sorted(site.free_operands)]
     return tuple(ops)
 
 
@@ -204,7 +207,8 @@ def guards_of(report: Report) -> tuple[Guard, ...]:
     while stack:
         current, inside, around = stack.pop()
         for site in current.sites:
-            if not (site.replace or site.cut or site.free or site.free_cut):
+            if not (site.replace or site.cut or site.free or site.free_cut
+                    or site.free_operands):
                 continue
             drops = current.drops_of(site.eqn) if current.drops_of is not None else ()
             guards.append(Guard(site.eqn.primitive.name, location_of(site.eqn),
@@ -252,7 +256,7 @@ def _operand_text(op: GuardedOperand) -> str:
         return f"{target}: no derivative in dropped lanes ({op.reason})"
     if op.kind == "forward-mode value":
         return f"{target} -> {op.safe_value!r} where it carries no derivative (forward mode)"
-    return f"{target}: no derivative where it carries none (forward mode)"
+    return f"{target}: {op.reason} (forward mode)"
 
 
 def _guard_block(guard: Guard, indent: str) -> list[str]:

@@ -31,7 +31,7 @@ to guard: `jnp.where(x > 0, x, 1.)`, the inner half of a hand-written double whe
 from __future__ import annotations
 
 import itertools
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -286,8 +286,7 @@ class FreeValues:
 
     def _guards(self, i: int, eqn: JaxprEqn, rule: PrimitiveRule) -> dict[int, float]:
         guard = guard_for(eqn)
-        if guard is None or not guard.finite_at_singularities or not rule.elementwise \
-                or len(eqn.outvars) != 1 \
+        if guard is None or not rule.elementwise or len(eqn.outvars) != 1 \
                 or not is_float(eqn.outvars[0]) or self.carry(eqn.outvars[0]) != Carry.PART:
             return {}
         diff = self.sweep.diff[i]
@@ -296,26 +295,78 @@ class FreeValues:
                         diff[k] or isinstance(eqn.invars[k], Literal))}
         if not operands or disjoint(self.free_sym(eqn.outvars[0]), self.sweep.sym(eqn.outvars[0])):
             return {}  # its such lanes are all dropped (a hand-written double where's inner half)
-        if self._finite_there(eqn):
+        # a primitive singular only where its value is inf or NaN (a pole) shows it in the
+        # forward value. Known values are read all the same: `log(1e-5)` is finite in
+        # float16, its derivative 1e5 is not.
+        shows = not guard.finite_at_singularities
+        finite = self._finite_there(eqn, shows)
+        if finite or (finite is None and shows):
             return {}
         return operands
 
-    def _finite_there(self, eqn: JaxprEqn) -> bool:
+    def operand_cuts(self, i: int, eqn: JaxprEqn, rule: PrimitiveRule) -> dict[int, float]:
+        """The NaN-prone operands whose lanes that carry no derivative meet another operand's
+        that do (`x / jnp.maximum(n, 1e-20)` where the constant wins: the output carries `x`'s
+        derivative): forward mode weighs their zero tangent by a partial derivative that may
+        be inf at a finite value (`-x / 1e-40`). Operand -> its safe value; there, the output
+        is computed again with the operand's derivative cut (`_emit.py`). Only where the values
+        they hold are known: elsewhere, as for a free output, a pole is taken to show in the
+        forward value."""
+        guard = guard_for(eqn)
+        if guard is None or not rule.elementwise or len(eqn.outvars) != 1 \
+                or not is_float(eqn.outvars[0]):
+            return {}
+        diff, shape = self.sweep.diff[i], shape_of(eqn.outvars[0])
+        passing = [k for k, (u, d) in enumerate(zip(eqn.invars, diff, strict=True))
+                   if d and isinstance(u, Var) and is_float(u)]
+        if len(passing) < 2:
+            return {}
+        live = self.sweep.sym(eqn.outvars[0])
+        cuts = {}
+        for k, value in guard.safe.items():
+            u = eqn.invars[k] if k < len(eqn.invars) else None
+            # a scalar or a row keeps its shape (XLA divides by it as by its reciprocal)
+            if k not in passing or not _broadcasts_to(shape_of(u), shape) \
+                    or any(shape_of(eqn.invars[j]) != shape_of(u) for j in cuts) \
+                    or self.carry(u) != Carry.PART or disjoint(self.free_sym(u), live):
+                continue
+            held = self.held(u)
+            if held is None or len(held) > MAX_POINTS:
+                continue
+            # the others' values are not known: a partial derivative that is the others' value
+            # times a factor of this operand alone (a divisor's -x / y ** 2) is read at 1
+            if k not in guard.apart or not all(
+                    _finite_at(eqn, _at_one(eqn, k, h), [k], not guard.finite_at_singularities)
+                    for h in held):
+                cuts[k] = value
+        return cuts
+
+    def _finite_there(self, eqn: JaxprEqn, shows: bool) -> bool | None:
         """Whether `eqn` and its derivatives are finite at every value its operands may hold
-        where its output carries no derivative."""
+        where its output carries no derivative; None where those values are not known.
+        `shows`: a point where the value itself is inf or NaN counts as finite (a pole that the
+        forward value shows: `log(0)`)."""
         helds = [self.held(u) for u in eqn.invars]
         points = _points(helds)
         # derivatives in the operands that pass a tangent only: a literal exponent has none
         # (`(1 - e) ** 2.` at a negative base: its derivative in the exponent is NaN)
         passing = [k for k, u in enumerate(eqn.invars) if isinstance(u, Var) and is_float(u)]
         if points is None:
-            return False
-        if not passing:
-            return all(finite_with_derivatives(eqn, p) for p in points)
-        # to a higher order in each operand (forward over forward differentiates each
-        # derivative again): `0. ** 2.` is finite with its first two derivatives, not its third
-        return all(finite_with_derivatives(eqn, p, order=FREE_LANE_ORDER, wrt=k)
-                   for p in points for k in passing)
+            return None
+        return all(_finite_at(eqn, p, passing, shows) for p in points)
+
+
+def _finite_at(eqn: JaxprEqn, point: Sequence, wrt: Sequence[int], shows: bool) -> bool:
+    """Whether `eqn` and its derivatives in the operands `wrt` (to `FREE_LANE_ORDER`; the
+    first, in every float operand, where `wrt` is empty) are finite at `point`; with `shows`, or
+    its value there is not."""
+    if shows and not np.all(np.isfinite(fold(eqn, [np.asarray(x) for x in point])[0])):
+        return True
+    if not wrt:
+        return finite_with_derivatives(eqn, point)
+    # to a higher order in each operand (forward over forward differentiates each derivative
+    # again): `0. ** 2.` is finite with its first two derivatives, not its third
+    return all(finite_with_derivatives(eqn, point, order=FREE_LANE_ORDER, wrt=k) for k in wrt)
 
 
 FREE_LANE_ORDER = 3
@@ -338,6 +389,18 @@ def _combined(eqn: JaxprEqn, rule: PrimitiveRule, classes: list, helds: list[Hel
     if rule.elementwise and rule.foldable and len(eqn.outvars) == 1:
         return evaluate_at(eqn, helds)
     return None
+
+
+def _broadcasts_to(operand: tuple, shape: tuple) -> bool:
+    """Whether an elementwise operand of this shape broadcasts to `shape` (rank 0, or the same
+    rank with axes of size 1)."""
+    return operand == () or (len(operand) == len(shape)
+                             and all(a in (1, b) for a, b in zip(operand, shape, strict=True)))
+
+
+def _at_one(eqn: JaxprEqn, k: int, value: Any) -> list:
+    """A point with operand `k` at `value` and every other operand at 1 (of its dtype)."""
+    return [value if j == k else np.ones((), dtype_of(u)) for j, u in enumerate(eqn.invars)]
 
 
 def _points(helds: list[Held]) -> list[tuple] | None:

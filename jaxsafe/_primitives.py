@@ -286,7 +286,8 @@ register_elementwise(prims.sqrt_p, guard=ONE, decreasing=True, bound=bounds.root
 register_elementwise(prims.cbrt_p, guard=ONE, decreasing=True)
 register_elementwise(prims.rsqrt_p, prims.log_p, guard=POLE_AT_ONE, decreasing=True)
 register_elementwise(prims.log1p_p, guard=POLE_AT_ZERO, decreasing=True, edge=-1.0)
-register_elementwise(prims.div_p, guard=Guard({1: 1.0}, finite_at_singularities=False), divisor=1,
+register_elementwise(prims.div_p, guard=Guard({1: 1.0}, finite_at_singularities=False,
+                                              apart=frozenset({1})), divisor=1,
                      bound=bounds.quotient, preimage=bounds.quotient_preimage,
                      range=ranges.quotient_range,
                      derivative_reads=(frozenset({1}), frozenset({0, 1})))
@@ -523,12 +524,12 @@ for prim, identity in ((prims.reduce_max_p, -np.inf), (prims.reduce_min_p, np.in
                        nonfinite_when=reduces_an_empty_axis)
 # a running maximum only grows: its choice is two cumulative ops, not a scan tree's derivative
 register(prims.cummax_p, masks=comparison_masks(reads_as(prims.cumsum_p),
-                                                running_choice(lax.cummin, np.inf)),
+                                                running_choice(lax.cummin, +1)),
          static=along_axes_syms(cumulative_axis), works_along=cumulative_axis,
          drops=_always,
          chooser=RUNNING_FILL, identity=-np.inf, foldable=True)
 register(prims.cummin_p, masks=comparison_masks(reads_as(prims.cumsum_p),
-                                                running_choice(lax.cummax, -np.inf)),
+                                                running_choice(lax.cummax, -1)),
          static=along_axes_syms(cumulative_axis), works_along=cumulative_axis,
          drops=_always,
          chooser=RUNNING_FILL, identity=np.inf, foldable=True)

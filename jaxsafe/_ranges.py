@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ._atoms import dtype_of, is_float, shape_of
+from ._atoms import dtype_of, is_float, next_toward, shape_of
 from ._compat import JaxprEqn, Literal, Var
 from ._constants import fold
 from ._maxima import maximum_of
@@ -434,8 +434,8 @@ class Ranges:
         point = np.asarray(c, dtype).reshape(())
         if compare.invars.index(case) == greater:  # case >= c
             if strict:
-                point = np.nextafter(point, np.asarray(np.inf, dtype))
+                point = next_toward(point, 1)
             return max(r[0], float(point)), r[1]
         if strict:  # case <= c
-            point = np.nextafter(point, np.asarray(-np.inf, dtype))
+            point = next_toward(point, -1)
         return r[0], min(r[1], float(point))

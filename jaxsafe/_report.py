@@ -34,6 +34,10 @@ class Site:
     """Operands of `replace` guarded where a coarser mask drops them (`_symbolic.named_along`:
     the rows the program's predicates drop), not in every dropped lane: their exact mask would
     need a run-time reduction. Operand -> that mask's formula, over the operand's axes."""
+    free_operands: dict[int, float] = dataclasses.field(default_factory=dict)
+    """Operands whose lanes that carry no derivative meet an operand's that carry one, with
+    their safe values: there the output is computed again with their derivative cut
+    (`_free.FreeValues.operand_cuts`)."""
 
 
 @dataclasses.dataclass(eq=False)

@@ -291,6 +291,10 @@ class Guard:
     primitive whose derivative is inf or NaN only where its value is too (`exp`'s overflow, `log`
     at 0, a pole): a live lane that carries no derivative needs no forward-mode guard there
     (`_free.py`), since the forward value itself shows the singularity."""
+    apart: frozenset[int] = frozenset()
+    """Operands whose partial derivative is the other operands' values times a factor of that
+    operand alone (a divisor: `-x * y ** -2`): at finite other values it is finite where that
+    factor is, read at 1 (`_free.FreeValues.operand_cuts`)."""
     overflows_through: frozenset[int] = frozenset()
     """Operands outside `safe` whose finite values alone can overflow the result (a power's
     exponent: `10. ** n` at n = 100): with one of them not a literal, the primitive is NaN-prone

@@ -107,8 +107,9 @@ def place_guards(closed: ClosedJaxpr, sweep: Sweep, seeds: Set, report: Report,
                 # already guarded by hand (`_by_hand.py`): its dropped lanes stay as they are,
                 # and may hold NaN or inf for what reads them
                 covered.add(i)
-                site = (Site(eqn, {}, {}, frozenset(), site.free, site.free_cut)
-                        if site.free else None)
+                site = (Site(eqn, {}, {}, frozenset(), site.free, site.free_cut,
+                             free_operands=site.free_operands)
+                        if site.free or site.free_operands else None)
             if site is not None:
                 sites[i] = site
                 report.sites.append(site)
@@ -164,6 +165,8 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
         return None
     out_kinds = [sweep.kind(o) for o in eqn.outvars]
     free, free_cut = free_values.guards(i, eqn, rule) if rule.guard is not None else ({}, False)
+    free_operands = free_values.operand_cuts(i, eqn, rule) \
+        if rule.guard is not None and not free else {}
     # as the liveness pass read them: a batched `cholesky` whose every matrix keeps a live
     # lane gives its operand no dropped lane, though its output has some
     guarded = [kind_of_sym(m) != Kind.LIVE for m in sweep.operand_syms[i]]
@@ -174,7 +177,8 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
     # lanes, where its rule may make NaN itself (`where(x > 0, t / sqrt(x), 0.)`)
     by_value = rule.custom_rule and not drops_output and any(guarded)
     if not (drops_output or by_value):
-        return Site(eqn, {}, {}, frozenset(), free, free_cut) if free else None
+        return Site(eqn, {}, {}, frozenset(), free, free_cut, free_operands=free_operands) \
+            if free or free_operands else None
     diff = sweep.diff[i]
     tangents = [d and v not in fixed for v, d in zip(eqn.invars, diff, strict=True)]
     replace, reasons = _value_guards(eqn, rule, diff, guarded, tainted, dropped, bounds)
@@ -213,9 +217,10 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
         # weighs that NaN by 0: the output's dropped lanes are cut too
         cut_output = cut_output or (rule.custom_rule and bool(cut) and drops_output
                                     and not _selected_only(eqn, sweep))
-    if not replace and not cut and not free:
+    if not replace and not cut and not free and not free_operands:
         return None
-    return Site(eqn, replace, reasons, frozenset(cut), free, free_cut, cut_output, coarse)
+    return Site(eqn, replace, reasons, frozenset(cut), free, free_cut, cut_output, coarse,
+                free_operands)
 
 
 def _selected_only(eqn: JaxprEqn, sweep: Sweep) -> bool:

@@ -35,16 +35,28 @@ from jax import lax
 from jax.random import bernoulli
 from jax.typing import ArrayLike, DTypeLike
 
+from ._atoms import farthest
+
 Array = jax.Array
 Axis = int | Sequence[int] | None
 
 __all__ = ["dot_product_attention", "log_softmax", "logsumexp", "softmax"]
 
 
+def _masked(x: ArrayLike, where: ArrayLike | None) -> Array:
+    """`x` with its masked-out entries `-inf`, or the lowest finite number in a float8 without
+    inf (where `-inf` is NaN, which a row max would spread to the valid entries)."""
+    x = jnp.asarray(x)
+    if where is None:
+        return x
+    fill = farthest(x.dtype, -1) if jnp.issubdtype(x.dtype, jnp.floating) else -jnp.inf
+    return jnp.where(where, x, fill)
+
+
 def _shift(x_safe: Array, axis: Axis, where: ArrayLike | None) -> Array:
     """The row max to subtract, at least the lowest finite number; `keepdims`, no gradient.
 
-    A row with no valid entry (masked entries are -inf in `x_safe`) gets the lowest finite
+    A row with no valid entry (masked entries are `_masked`'s fill) gets the lowest finite
     number, so `exp(x - shift)` is `exp(-inf) = 0` there. A valid row's max is at least that
     number (or NaN), so it is jax.nn's max. The floor is the reduction's initial value, not an
     operation after it: XLA:CPU then fuses max, exp, sum and divide as it does for `jax.nn`
@@ -148,7 +160,7 @@ def softmax(x: ArrayLike, axis: Axis = -1, where: ArrayLike | None = None) -> Ar
 
 
 def _softmax(x, axis, where):
-    x_safe = x if where is None else jnp.where(where, x, -jnp.inf)
+    x_safe = _masked(x, where)
     unnormalized = jnp.exp(x_safe - _shift(x_safe, axis, where))  # 0 on an empty row
     result = unnormalized / _denominator(jnp.sum(unnormalized, axis, where=where, keepdims=True))
     if where is not None:
@@ -187,8 +199,7 @@ def log_softmax(x: ArrayLike, axis: Axis = -1, where: ArrayLike | None = None) -
 
         jaxsafe.nn.log_softmax(jnp.array([-jnp.inf, -jnp.inf]))  # [-inf, -inf], gradient 0
     """
-    x = jnp.asarray(x)
-    x_safe = x if where is None else jnp.where(where, x, -jnp.inf)
+    x_safe = _masked(x, where)
     shift = _shift(x_safe, axis, where)
     if jnp.issubdtype(x_safe.dtype, jnp.floating):
         # A row with no valid entry is -inf already; cut the derivative of its `x_i` term. The
@@ -249,6 +260,8 @@ def logsumexp(a: ArrayLike, axis: Axis = None, b: ArrayLike | None = None,
         jnp.max(a_arr.real, axis=dims, keepdims=keepdims, where=where, initial=-jnp.inf))
     amax_raw = amax  # -inf on an empty reduction
     amax = lax.select(jnp.isfinite(amax), amax, lax.full_like(amax, 0))
+    if not np.isinf(farthest(a_arr.real.dtype, -1)):
+        amax_raw = amax  # a float8 without inf: JAX's max is NaN (its initial -inf), then 0
     pos_dims = tuple(d % a_arr.ndim for d in dims)  # valid: jnp.max has checked them
     amax_with_dims = amax if keepdims else lax.expand_dims(amax, pos_dims)
 

@@ -1597,3 +1597,40 @@ def test_one_byte_dtypes_do_not_share_folded_constants():
             grads.append(np.asarray(jax.grad(jaxsafe.nan_safe(f))(x).astype(jnp.float32)))
     for g in grads:
         assert np.isfinite(g).all() and g[1] == 0.0, grads
+
+
+@pytest.mark.parametrize("dt", ["float8_e4m3fn", "float8_e4m3fnuz"])
+@pytest.mark.parametrize("op", ["cummax", "cummin"])
+def test_a_running_extreme_in_a_float8_without_inf_keeps_its_live_derivative(op, dt):
+    """Hunt BA: the choice of `cummax` filled the lanes no live output reads with `inf`, which
+    is NaN in a float8 without inf: the running minimum of the fill spread it, no lane was
+    chosen, and a live lane's derivative was 0 (contract point 3)."""
+    dtype = jnp.dtype(dt)
+    running = getattr(lax, op)
+    f = lambda x: jnp.sum(running(x, axis=1)[:, 1].astype(jnp.float32))  # noqa: E731
+    x = jnp.array([[1., 3., -3., 2.], [0.5, 0.25, 1., 4.]], dtype)
+    want = jax.grad(f)(x)
+    assert np.asarray(want.astype(jnp.float32)).sum() == 2.0  # one chosen lane per row
+    assert_bitwise(jax.grad(jaxsafe.nan_safe(f))(x), want)
+
+
+@pytest.mark.parametrize("dt", ["float8_e4m3fn", "float8_e4m3fnuz"])
+def test_jaxsafe_nn_in_a_float8_without_inf(dt):
+    """Hunt BA: `-inf` is NaN in these dtypes. `jaxsafe.nn.logsumexp` added the NaN row max
+    that JAX replaces with 0 (NaN where JAX gives the value), and a masked `softmax` filled
+    its masked entries with it (every entry NaN)."""
+    dtype = jnp.dtype(dt)
+    x = jnp.array([[1., 2., -3.], [0.5, 0.25, 1.]], dtype)
+    for axis in (0, 1):
+        assert_bitwise(jaxsafe.nn.logsumexp(x, axis=axis),
+                       jax.scipy.special.logsumexp(x, axis=axis))
+    mask = jnp.array([[True, False, True], [False, False, False]])
+    got = np.asarray(jaxsafe.nn.softmax(x, where=mask).astype(jnp.float32))
+    want = np.asarray(jaxsafe.nn.softmax(x.astype(jnp.float32), where=mask)
+                      .astype(dtype).astype(jnp.float32))
+    np.testing.assert_allclose(got, want, atol=0.07)  # float8's rounding of float32's
+    assert got[1].tolist() == [0., 0., 0.] and np.isfinite(got).all()
+    lse = np.asarray(jaxsafe.nn.logsumexp(x, axis=1, where=mask).astype(jnp.float32))
+    assert np.isfinite(lse[0])
+    row0 = jax.grad(lambda x: jaxsafe.nn.softmax(x, where=mask)[0, 2].astype(jnp.float32))(x)
+    assert np.isfinite(np.asarray(row0.astype(jnp.float32))).all()

@@ -328,3 +328,94 @@ def test_a_product_with_relu_at_its_kink_carries_nothing_as_below_it():
         assert np.isnan(np.diag(jax.jacrev(f)(x))[1])
         assert forward[0] == reverse[0] == 0. and forward[1] == reverse[1] == 0.
         assert_close(forward[2], np.diag(jax.jacrev(f)(x))[2])
+
+
+# --------------------------------------------------------------------------- near a pole
+# A pole shows in the forward value (`log(0) = -inf`), but near it, in finite precision, the
+# value can be finite where the derivative overflows: `log(1e-5)` in float16 is -11.5, its
+# derivative 1e5 is inf. Where a lane carries no derivative and holds such a value, forward
+# mode's zero tangent meets that inf.
+
+@pytest.mark.parametrize("name,f,hand,dtype", [
+    ("log of a float16 clamp",
+     lambda x: jnp.log(jnp.maximum(x, jnp.float16(1e-5))),
+     lambda x: jnp.where(x > 1e-5, jnp.log(jnp.where(x > 1e-5, x, 1.)), jnp.log(jnp.float16(1e-5))),
+     jnp.float16),
+    ("rsqrt of a tiny placeholder",
+     lambda x: lax.rsqrt(jnp.where(x > 0, x, 1e-30)),
+     lambda x: jnp.where(x > 0, lax.rsqrt(jnp.where(x > 0, x, 1.)), lax.rsqrt(1e-30)),
+     jnp.float32),
+    ("reciprocal of a tiny placeholder",
+     lambda x: 1. / jnp.where(x > 0, x, 1e-20),
+     lambda x: jnp.where(x > 0, 1. / jnp.where(x > 0, x, 1.), 1e20),
+     jnp.float32),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_a_held_value_near_a_pole_is_guarded_for_forward_mode(name, f, hand, dtype):
+    """Hunt BA: the lanes that carry no derivative hold a known value where the primitive is
+    finite and its derivative is not; plain JAX's forward mode is NaN there, reverse mode 0."""
+    x = jnp.array([0., 2., 1e-6, -1.], dtype)
+    assert np.isnan(np.asarray(jax.jacfwd(f)(x), np.float32)).any()
+    assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+    for order in (jax.jacfwd, jax.jacrev):
+        got = np.asarray(order(nan_safe(f))(x), np.float32)
+        np.testing.assert_array_equal(got, np.asarray(order(hand)(x), np.float32))
+    assert_close(jax.hessian(nan_safe(f))(x[:2].astype(jnp.float32)),
+                 jax.hessian(hand)(x[:2].astype(jnp.float32)))
+
+
+def _normalized(v, eps):
+    return v / jnp.maximum(jnp.linalg.norm(v, axis=-1, keepdims=True), eps)
+
+
+def _normalized_by_hand(v, eps):
+    n = jnp.linalg.norm(jnp.where(jnp.any(v != 0, axis=-1, keepdims=True), v, 1.), axis=-1,
+                        keepdims=True)
+    big = jnp.linalg.norm(v, axis=-1, keepdims=True) > eps
+    return jnp.where(big, v / jnp.where(big, n, 1.), v / eps)
+
+
+@pytest.mark.parametrize("name,f,hand,dtype", [
+    ("where divisor",
+     lambda x: x / jnp.where(x > 1, x, 1e-20),
+     lambda x: jnp.where(x > 1, x / jnp.where(x > 1, x, 1.), x / 1e-20), jnp.float32),
+    ("normalize, float32",
+     lambda v: _normalized(v, 1e-20), lambda v: _normalized_by_hand(v, 1e-20), jnp.float32),
+    ("normalize, float16",
+     lambda v: _normalized(v, jnp.float16(1e-3)),
+     lambda v: _normalized_by_hand(v, jnp.float16(1e-3)), jnp.float16),
+    ("scalar divisor",
+     lambda v: v / jnp.maximum(jnp.sqrt(jnp.sum(v * v)), 1e-20),
+     lambda v: _normalized_by_hand(v.reshape(1, -1), 1e-20).reshape(-1), jnp.float32),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_a_divisor_that_carries_nothing_beside_a_numerator_that_does(name, f, hand, dtype):
+    """`v / jnp.maximum(norm(v), eps)` at `v = 0`: the constant wins, so the divisor's tangent
+    is an exact zero, but the output carries `v`'s derivative. JAX's derivative in the
+    divisor, `-v * y ** -2`, overflows at `eps = 1e-20` in float32 (or `1e-3` in float16):
+    forward mode's `0 * inf`. The output is computed again there with the divisor's
+    derivative cut; the reference is the double where, with the literal `eps` as divisor."""
+    x = jnp.array([[0., 0., 0.], [3., 4., 0.5]], dtype)
+    if name.startswith("scalar"):
+        x = x[0]
+    elif name.startswith("where"):
+        x = jnp.array([0.5, 2., -1.], dtype)
+    assert np.isnan(np.asarray(jax.jacfwd(f)(x), np.float32)).any()
+    assert_bitwise(nan_safe(f)(x), jax.jit(f)(x))
+    rtol = 1e-2 if dtype == jnp.float16 else 1e-6
+    for order in (jax.jacfwd, jax.jacrev):
+        got = np.asarray(order(nan_safe(f))(x), np.float32)
+        assert_close(got, np.asarray(order(hand)(x), np.float32), rtol=rtol)
+    if dtype == jnp.float32:
+        assert_close(jax.hessian(nan_safe(f))(x), jax.hessian(hand)(x), rtol=1e-5)
+    text = str(jaxsafe.explain(f)(x))
+    assert "beside operands that carry one" in text
+
+
+@pytest.mark.parametrize("f", [
+    lambda x: x / jnp.where(x > 1, x, 1.),  # 1 / 1 ** 2: finite
+    lambda x: jnp.log(jnp.maximum(x, 1e-5)),  # float32: 1e5
+    lambda x: x / jnp.where(x > 1, x, 1e-6),  # -x / 1e-12, -6 / 1e-24: finite in float32
+], ids=["one", "log clamp", "small eps"])
+def test_a_held_value_far_enough_from_the_pole_takes_no_forward_mode_guard(f):
+    x = jnp.array([0.5, 2., -1.])
+    assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
+    assert_close(jax.jacfwd(nan_safe(f))(x), jax.jacfwd(f)(x))
