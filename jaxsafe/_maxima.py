@@ -37,7 +37,9 @@ def maximum_of(b: object, a: object, producer: dict, eqns: Sequence[JaxprEqn]
         if i is None or len(eqns[i].outvars) != 1:
             return None
         step = eqns[i]
-        facts = rule_for(step.primitive).at_least or _kept_where_finite(step, producer, eqns)
+        rule = rule_for(step.primitive)
+        facts = rule.at_least or (rule.at_least_when(step) if rule.at_least_when else None) \
+            or _kept_where_finite(step, producer, eqns)
         reaching = [k for k in sorted(facts) if step.invars[k] is a]
         onward = reaching or [k for k in sorted(facts) if isinstance(step.invars[k], Var)]
         if not onward:
@@ -61,6 +63,23 @@ def maximum_of(b: object, a: object, producer: dict, eqns: Sequence[JaxprEqn]
         return None
     sizes = shape_of(a)
     return frozenset(i for i, d in enumerate(axis_of) if d is None and sizes[i] != 1), exact
+
+
+def reduced_by_a_max(eqn: JaxprEqn) -> frozenset[int]:
+    """A one-operand `lax.reduce` whose computation is one `max` of its two arguments (a
+    softmax's row max with a finite start, `jaxsafe.nn`'s): at least its operand and its
+    initial value. The initial value is not the identity: not exactly the row's maximum."""
+    bodies = [p for p in eqn.params.values() if hasattr(p, "eqns") or hasattr(p, "jaxpr")]
+    if len(eqn.invars) != 2 or len(bodies) != 1:
+        return frozenset()
+    body = getattr(bodies[0], "jaxpr", bodies[0])
+    if len(body.eqns) != 1 or len(body.invars) != 2:
+        return frozenset()
+    step = body.eqns[0]
+    if rule_for(step.primitive).at_least != frozenset({0, 1}) \
+            or set(step.invars) != set(body.invars) or step.outvars != body.outvars:
+        return frozenset()
+    return frozenset({0, 1})
 
 
 def _kept_where_finite(step: JaxprEqn, producer: dict, eqns: Sequence[JaxprEqn]

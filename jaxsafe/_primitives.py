@@ -189,6 +189,7 @@ from ._liveness_rules import (
     windowed_masks,
     winner_masks,
 )
+from ._maxima import reduced_by_a_max
 from ._rules import Carries, Chooser, Guard, Selection, Zeros, register, update
 from ._sinking import ScanSteps
 from ._symbolic import Connective
@@ -555,7 +556,8 @@ register_reduction(prims.reduce_prod_p)
 # the generic `lax.reduce` (a softmax's row max with a finite start): row by row, as the named
 # reductions; finite for finite operands when its computation only picks (`lax.max`)
 register(prims.reduce_p, masks=reduce_masks, align=reduce_alignment, static=aligned_syms,
-         foldable=True, makes_nonfinite=True, finite_when=computation_selects)
+         foldable=True, makes_nonfinite=True, finite_when=computation_selects,
+         at_least_when=reduced_by_a_max)
 register(prims.cumsum_p, masks=cumulative_masks, static=along_axes_syms(cumulative_axis),
          works_along=cumulative_axis,
          linear=True, foldable=True)

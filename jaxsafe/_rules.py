@@ -549,6 +549,9 @@ class PrimitiveRule:
     """Operands the output is at least, lane by lane along the alignment (`reduce_max`, `max`;
     a value moved unchanged: `broadcast_in_dim`, `stop_gradient`): `x - stop_gradient(max(x))`
     is at most 0 (`_maxima.maximum_of`)."""
+    at_least_when: Callable[[JaxprEqn], frozenset[int]] | None = None
+    """`at_least` for one equation, where it depends on the equation (a generic `lax.reduce`
+    whose computation is a `max`)."""
     true_where_finite: bool = False
     """True exactly in the lanes where its operand is finite (`is_finite`): for finite values,
     `select_n(is_finite(m), 0., m)` is `m` (logsumexp's shift, `_maxima.maximum_of`)."""

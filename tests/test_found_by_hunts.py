@@ -1634,3 +1634,20 @@ def test_jaxsafe_nn_in_a_float8_without_inf(dt):
     assert np.isfinite(lse[0])
     row0 = jax.grad(lambda x: jaxsafe.nn.softmax(x, where=mask)[0, 2].astype(jnp.float32))(x)
     assert np.isfinite(np.asarray(row0.astype(jnp.float32))).all()
+
+
+# --------------------------------------------------------------------------- hunt BC
+
+
+def test_jaxsafe_nn_log_softmax_needs_no_guard_under_finite_args():
+    """Hunt BC: `jaxsafe.nn.log_softmax` shifts by a row max that is a generic `lax.reduce`
+    with a finite start (for XLA's fusion), which the analysis did not read as a maximum: the
+    `exp` of the shift took an overflow guard that `jax.nn.log_softmax`'s does not, and
+    `assert_no_leaks` flagged the function."""
+    f = lambda x: -jnp.mean(jaxsafe.nn.log_softmax(x)[:, 0])  # noqa: E731
+    x = jnp.array([[1., 2., 3., 4.], [0., -1., 5., 2.], [3., 3., 3., 3.]])
+    report = jaxsafe.explain(f, finite_args=True)(x)
+    assert not [s for s in report.sites if s.replace or s.cut], str(report)
+    jaxsafe.testing.assert_no_leaks(f, x)
+    assert_bitwise(jaxsafe.nan_safe(f, finite_args=True)(x), jax.jit(f)(x))
+    assert_bitwise(jax.grad(jaxsafe.nan_safe(f, finite_args=True))(x), jax.grad(f)(x))
