@@ -6,6 +6,7 @@ import collections
 import copy
 import functools
 import inspect
+import numbers
 import threading
 import traceback
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -54,8 +55,18 @@ class DataDependentShapeError(TypeError):
 _CONTROL_FLOW_NOTE = (
     "nan_safe: under jit, vmap or a jitted grad, nan_safe traces the function as jax.jit does: "
     "write the branch with jnp.where or lax.cond, or mark the argument static "
-    "(static_argnums=/static_argnames=); called eagerly, nan_safe traces it at the values.")
+    "(static_argnums=/static_argnames=); called eagerly, nan_safe reads an `if`, bool() or "
+    "int() of a traced value at the call's values, but not float(), range(), a slice or a "
+    "shape, which need the argument static.")
 """The line nan_safe adds to JAX's error for Python control flow on a traced value."""
+
+_BY_VALUE_NOTE = (
+    "nan_safe: called eagerly, nan_safe traced the function at the values, which answers an "
+    "`if`, bool() or int() of a traced value but not every conversion (float(), for one), nor "
+    "one of a float that is being differentiated (its derivative would be lost). Mark a Python "
+    "number that the function converts static (static_argnums=/static_argnames=), or write "
+    "the branch with jnp.where or lax.cond.")
+"""The line nan_safe adds to JAX's error when even the trace at the values needs a value."""
 
 _NEEDS_VALUES = (jax.errors.NonConcreteBooleanIndexError, jax.errors.ConcretizationTypeError)
 """Errors of a trace that asked for a value: an eager call retries with the values in hand."""
@@ -115,8 +126,25 @@ def _check_static_in_signature(fun: Callable, params: list | None, static_argnum
         known = {p.name for p in params if p.kind != p.POSITIONAL_ONLY}
         bad_names = [a for a in static_argnames if a not in known]
         if bad_names:
-            raise ValueError(f"{who}: `static_argnames` {bad_names} name no argument of "
-                             f"`{name}`; its arguments are: {', '.join(sorted(known)) or 'none'}.")
+            _refuse_static_names(name, params, bad_names, who)
+
+
+def _refuse_static_names(name: str, params: list, bad_names: list[str], who: str) -> None:
+    """The error for `static_argnames` that `fun` takes by no name: a positional-only
+    parameter's (say its position, as `jax.jit` says it is positional-only) or none."""
+    positions = {p.name: i for i, p in enumerate(params) if p.kind == p.POSITIONAL_ONLY}
+    only = [a for a in bad_names if a in positions]
+    if only:
+        nums = [positions[a] for a in only]
+        what = ("names a positional-only parameter", "it", nums[0]) if len(only) == 1 else \
+            ("name positional-only parameters", "them", tuple(nums))
+        raise ValueError(f"{who}: `static_argnames` {only} {what[0]} of `{name}`, which cannot "
+                         f"be passed by name; mark {what[1]} static by position: "
+                         f"static_argnums={what[2]}.")
+    known = sorted(p.name for p in params if p.kind != p.POSITIONAL_ONLY)
+    label = "the arguments it takes by name" if positions else "its arguments"
+    raise ValueError(f"{who}: `static_argnames` {bad_names} name no argument of `{name}`; "
+                     f"{label} are: {', '.join(known) or 'none'}.")
 
 
 def _static_positions(static_argnums: Any, who: str) -> tuple[int, ...]:
@@ -190,17 +218,23 @@ FiniteArgs = bool | int | Sequence[int] | Any
 arguments."""
 
 
+def _is_position(x: Any) -> bool:
+    """An argument position: any integer (a NumPy one too, as `static_argnums` takes), not a
+    bool."""
+    return isinstance(x, numbers.Integral | np.integer) and not isinstance(x, bool | np.bool_)
+
+
 def _check_finite_args(finite_args: Any, who: str) -> Any:
     """Validate `finite_args` once, when the function is wrapped; returns its normal form: a
     bool, a frozenset of positions, or a tuple prefix of booleans."""
     if isinstance(finite_args, bool | np.bool_):
         return bool(finite_args)
-    if isinstance(finite_args, int):
-        return frozenset({finite_args})
+    if _is_position(finite_args):
+        return frozenset({int(finite_args)})
     leaves = jax.tree_util.tree_leaves(finite_args)
     if isinstance(finite_args, list | tuple) and finite_args and all(
-            isinstance(x, int) and not isinstance(x, bool) for x in finite_args):
-        return frozenset(finite_args)
+            _is_position(x) for x in finite_args):
+        return frozenset(int(x) for x in finite_args)
     if isinstance(finite_args, list | tuple) and all(isinstance(x, bool) for x in leaves):
         return tuple(finite_args)
     raise TypeError(
@@ -559,6 +593,7 @@ class NanSafeFunction:
                                        [isinstance(x, Tracer) for x in leaves])
         except _NEEDS_VALUES as e:
             if not _shape_from_data(e):
+                e.add_note(_BY_VALUE_NOTE)
                 raise
             raise DataDependentShapeError(
                 _data_dependent_message(self._fun, e, by_value=True)) from e

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import cast
+from typing import Literal, cast, overload
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,16 @@ Array = jax.Array
 Axis = int | Sequence[int] | None
 
 __all__ = ["dot_product_attention", "log_softmax", "logsumexp", "softmax"]
+
+
+def _array(x: ArrayLike, fun: str, arg: str) -> Array:
+    """`x` as an array (a Python scalar has no dtype), refusing a list or tuple as `jax.nn`
+    does: JAX reads no Python sequence as an array, so that none is traced element by element."""
+    if not (isinstance(x, np.ndarray | jax.Array) or hasattr(x, "__jax_array__")
+            or np.isscalar(x)):
+        raise TypeError(f"{fun}: `{arg}` must be an array or a scalar, as in jax.nn, got "
+                        f"{type(x)}; convert it first: jnp.asarray({arg}).")
+    return jnp.asarray(x)
 
 
 def _masked(x: ArrayLike, where: ArrayLike | None) -> Array:
@@ -153,6 +163,7 @@ def softmax(x: ArrayLike, axis: Axis = -1, where: ArrayLike | None = None) -> Ar
 
         jaxsafe.nn.softmax(jnp.array([[1., 2.], [-jnp.inf, -jnp.inf]]))  # row 1: [0., 0.]
     """
+    x = _array(x, "softmax", "x")  # before either path: a Python scalar has no dtype
     # the same switch as jax.nn.softmax (a config flag the type stubs do not declare)
     if jax.config.jax_softmax_custom_jvp:  # pyright: ignore[reportAttributeAccessIssue]
         return _softmax_custom_jvp(x, axis, where)
@@ -199,7 +210,7 @@ def log_softmax(x: ArrayLike, axis: Axis = -1, where: ArrayLike | None = None) -
 
         jaxsafe.nn.log_softmax(jnp.array([-jnp.inf, -jnp.inf]))  # [-inf, -inf], gradient 0
     """
-    x_safe = _masked(x, where)
+    x_safe = _masked(_array(x, "log_softmax", "x"), where)
     shift = _shift(x_safe, axis, where)
     if jnp.issubdtype(x_safe.dtype, jnp.floating):
         # A row with no valid entry is -inf already; cut the derivative of its `x_i` term. The
@@ -247,6 +258,7 @@ def logsumexp(a: ArrayLike, axis: Axis = None, b: ArrayLike | None = None,
 
         jax.grad(lambda x: jaxsafe.nn.logsumexp(x))(jnp.full(3, -jnp.inf))  # [0., 0., 0.]
     """
+    a = _array(a, "logsumexp", "a")
     if where is not None:
         a = jnp.where(where, a, 0)
     b_arr = None
@@ -331,9 +343,10 @@ def _apply_masks(logits, mask, is_causal, q_seqlen, kv_seqlen, local_window_size
 
 
 def _attention_core(query, key, value, bias, mask, is_causal, scale, q_seqlen, kv_seqlen,
-                    local_window_size, given_precision=None, finish=None):
+                    local_window_size, given_precision=None, finish=None, residual=False):
     """`given_precision`: the caller's (Flax's `precision=`), for both einsums; `finish`: what
-    is done to the probabilities before they weigh the values (Flax's sow and dropout)."""
+    is done to the probabilities before they weigh the values (Flax's sow and dropout).
+    Returns the output and, with `residual`, jax.nn's `return_residual` output (else None)."""
     logits_dtype = jnp.promote_types(query.dtype, np.float32)
     precision = {np.dtype(jnp.bfloat16): lax.DotAlgorithmPreset.BF16_BF16_F32,
                  np.dtype(np.float16): lax.DotAlgorithmPreset.F16_F16_F32}.get(query.dtype)
@@ -351,10 +364,16 @@ def _attention_core(query, key, value, bias, mask, is_causal, scale, q_seqlen, k
     logits = _apply_masks(logits, mask, is_causal, q_seqlen, kv_seqlen, local_window_size)
     # Always float32, as jax.nn; a row with no attendable key gives probabilities 0, hence
     # output 0 (query rows past `q_seqlen` are such rows, so no output mask is needed).
-    probs = _softmax(logits.astype(np.float32), -1, None).astype(key.dtype)
+    logits = logits.astype(np.float32)
+    probs = _softmax(logits, -1, None).astype(key.dtype)
     if finish is not None:
         probs = finish(probs)
-    return jnp.einsum("BNTS,BSNH->BTNH", probs, value, precision=given_precision)
+    encoded = jnp.einsum("BNTS,BSNH->BTNH", probs, value, precision=given_precision)
+    if not residual:
+        return encoded, None
+    # jax.nn's residual: each query row's logsumexp (-inf on a row with no key), B N T -> B T N
+    lse = cast(Array, logsumexp(logits, axis=-1)).astype(key.dtype)
+    return encoded, lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)))
 
 
 def _flax_finish(module, dropout_rate: float, dropout_rng, broadcast_dropout: bool,
@@ -383,7 +402,7 @@ def _sow(module, weights) -> None:
 
 
 def _attention_grouped(query, key, value, bias, mask, is_causal, scale, q_seqlen, kv_seqlen,
-                       local_window_size):
+                       local_window_size, residual):
     B, T, N, H = query.shape
     K = key.shape[2]
     G = N // K
@@ -398,10 +417,11 @@ def _attention_grouped(query, key, value, bias, mask, is_causal, scale, q_seqlen
         assert tN == N
         return jnp.reshape(t, (tB, K, G, tT, tS))
 
-    core = jax.vmap(_attention_core, in_axes=(3, None, None, 2, 2) + (None,) * 5, out_axes=3)
-    out = core(query, key, value, to_grouped(bias), to_grouped(mask), is_causal, scale,
-               q_seqlen, kv_seqlen, local_window_size)
-    return jnp.reshape(out, (B, T, N, H))
+    core = jax.vmap(functools.partial(_attention_core, residual=residual),
+                    in_axes=(3, None, None, 2, 2) + (None,) * 5, out_axes=3)
+    out, lse = core(query, key, value, to_grouped(bias), to_grouped(mask), is_causal, scale,
+                    q_seqlen, kv_seqlen, local_window_size)
+    return jnp.reshape(out, (B, T, N, H)), None if lse is None else jnp.reshape(lse, (B, T, N))
 
 
 def _ensure_4d(t) -> Array:
@@ -422,6 +442,74 @@ def _check(t, shape: Sequence[int], dtype, name: str) -> None:
         raise ValueError(f"{name} shape should be {shape}: but got {t.shape}")
 
 
+def _check_implementation(implementation: object) -> None:
+    """jaxsafe.nn has the XLA path of jax.nn's attention only: say so for cuDNN's."""
+    if implementation is None or implementation == "xla":
+        return
+    if implementation == "cudnn":
+        raise ValueError(
+            "dot_product_attention: jaxsafe.nn implements the XLA path only, got "
+            "implementation='cudnn'. Pass implementation='xla' (or leave it out) for "
+            "jaxsafe.nn's rows with no key (0, zero gradient), or call "
+            "jax.nn.dot_product_attention(implementation='cudnn') for cuDNN's kernel.")
+    raise ValueError(f"dot_product_attention: `implementation` must be None or 'xla' (the "
+                     f"path jaxsafe.nn implements), got {implementation!r}.")
+
+
+def _prepare(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
+             dtype):
+    """The arrays as jax.nn prepares and checks them (4D, lengths as arrays), in `dtype` when
+    given (Flax's), with a numeric mask read as Flax reads it: nonzero attends."""
+    if dtype is not None:
+        query, key, value = (jnp.asarray(t, dtype) for t in (query, key, value))
+    query, key, value = _ensure_4d(query), _ensure_4d(key), _ensure_4d(value)
+    bias = _ensure_4d(bias) if bias is not None else None
+    mask = _ensure_4d(mask) if mask is not None else None
+    if mask is not None and mask.dtype != np.dtype(bool) and (
+            jnp.issubdtype(mask.dtype, jnp.number)):
+        mask = mask != 0  # Flax's `make_attention_mask` is float32: nonzero attends
+    lengths = [None if t is None else jnp.asarray(t)
+               for t in (query_seq_lengths, key_value_seq_lengths)]
+    B, S, K, H = key.shape
+    _check(value, [B, S, K, H], key.dtype, "value")
+    _check(query, [B, -1, -1, H], key.dtype, "query")
+    _check(mask, [-1] * 4, np.dtype(bool), "mask")
+    _check(bias, [-1] * 4, None, "bias")
+    _check(lengths[0], [B], np.dtype("int32"), "query_seq_lengths")
+    _check(lengths[1], [B], np.dtype("int32"), "key_value_seq_lengths")
+    if query.shape[-2] % K != 0:
+        raise ValueError(f"The number of query heads must be a multiple of key/value heads, "
+                         f"but got {query.shape[-2]} vs {K}")
+    return query, key, value, bias, mask, *lengths
+
+
+@overload
+def dot_product_attention(
+    query: ArrayLike, key: ArrayLike, value: ArrayLike, bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None, *, scale: float | None = None, is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None, key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Literal["xla", "cudnn"] | None = None,
+    return_residual: Literal[False] = False, dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None, broadcast_dropout: bool = True,
+    deterministic: bool = False, dtype: DTypeLike | None = None,
+    precision: lax.PrecisionLike = None, module: object | None = None) -> Array: ...
+
+
+@overload
+def dot_product_attention(
+    query: ArrayLike, key: ArrayLike, value: ArrayLike, bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None, *, scale: float | None = None, is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None, key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Literal["xla", "cudnn"] | None = None,
+    return_residual: Literal[True], dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None, broadcast_dropout: bool = True,
+    deterministic: bool = False, dtype: DTypeLike | None = None,
+    precision: lax.PrecisionLike = None,
+    module: object | None = None) -> tuple[Array, Array]: ...
+
+
 def dot_product_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -434,6 +522,8 @@ def dot_product_attention(
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
     local_window_size: int | tuple[int, int] | None = None,
+    implementation: Literal["xla", "cudnn"] | None = None,
+    return_residual: bool = False,
     dropout_rate: float = 0.0,
     dropout_rng: ArrayLike | None = None,
     broadcast_dropout: bool = True,
@@ -441,7 +531,7 @@ def dot_product_attention(
     dtype: DTypeLike | None = None,
     precision: lax.PrecisionLike = None,
     module: object | None = None,
-) -> Array:
+) -> Array | tuple[Array, Array]:
     """Scaled dot-product attention, as `jax.nn.dot_product_attention(implementation='xla')`.
 
     A query row with no attendable key (all masked by `mask`, `is_causal`, the sequence lengths
@@ -463,6 +553,11 @@ def dot_product_attention(
     - `is_causal`: query `i` attends to keys `j <= i`.
     - `query_seq_lengths`, `key_value_seq_lengths`: `int32[batch]` valid lengths; 0 is allowed.
     - `local_window_size`: `(left, right)` or a symmetric int.
+    - `implementation`: `None` or `'xla'`, the path this function implements; `'cudnn'` is a
+      `ValueError` (call `jax.nn`'s for cuDNN's kernel).
+    - `return_residual`: also return jax.nn's residual, the logsumexp of each query row's
+      scaled and masked logits, `[batch, q_len, heads]`, without gradient; `-inf` on a row
+      with no attendable key (`jax.nn`'s is that of its large negative fill, about -2.4e38).
 
     and as Flax's `attention_fn` (so that `nnx.MultiHeadAttention(attention_fn=...)` and Linen's
     `MultiHeadDotProductAttention` take it as is): `dropout_rate`, `dropout_rng`,
@@ -471,40 +566,20 @@ def dot_product_attention(
     sown on it as `attention_weights`). Dropout, `precision` and `module` need as many key/value
     heads as query heads, as Flax's attention has.
 
-    **Returns:** an array shaped like `query`.
+    **Returns:** an array shaped like `query`, or `(output, residual)` with `return_residual`.
 
     Example:
 
         mask = jnp.zeros((1, 1, 4, 6), bool).at[..., :2, :].set(True)  # rows 2, 3: no key
         out = jaxsafe.nn.dot_product_attention(q, k, v, mask=mask)      # out[:, 2:] == 0
     """
+    _check_implementation(implementation)
     output_shape = jnp.asarray(query).shape
-    if dtype is not None:
-        query, key, value = (jnp.asarray(t, dtype) for t in (query, key, value))
-    query_arr, key_arr, value_arr = _ensure_4d(query), _ensure_4d(key), _ensure_4d(value)
-    bias = _ensure_4d(bias) if bias is not None else None
-    mask = _ensure_4d(mask) if mask is not None else None
-    if mask is not None and mask.dtype != np.dtype(bool) and (
-            jnp.issubdtype(mask.dtype, jnp.number)):
-        mask = mask != 0  # Flax's `make_attention_mask` is float32: nonzero attends
-    if query_seq_lengths is not None:
-        query_seq_lengths = jnp.asarray(query_seq_lengths)
-    if key_value_seq_lengths is not None:
-        key_value_seq_lengths = jnp.asarray(key_value_seq_lengths)
+    query_arr, key_arr, value_arr, bias, mask, query_seq_lengths, key_value_seq_lengths = \
+        _prepare(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths, dtype)
     if isinstance(local_window_size, int):
         local_window_size = (local_window_size, local_window_size)
-
-    B, S, K, H = key_arr.shape
-    _check(value_arr, [B, S, K, H], key_arr.dtype, "value")
-    _check(query_arr, [B, -1, -1, H], key_arr.dtype, "query")
-    _check(mask, [-1] * 4, np.dtype(bool), "mask")
-    _check(bias, [-1] * 4, None, "bias")
-    _check(query_seq_lengths, [B], np.dtype("int32"), "query_seq_lengths")
-    _check(key_value_seq_lengths, [B], np.dtype("int32"), "key_value_seq_lengths")
-    if query_arr.shape[-2] % K != 0:
-        raise ValueError(f"The number of query heads must be a multiple of key/value heads, "
-                         f"but got {query_arr.shape[-2]} vs {K}")
-
+    K, H = key_arr.shape[2:]
     scale_val = (1.0 / np.sqrt(H)) if scale is None else scale
     dropout = not deterministic and dropout_rate > 0.0
     if dropout and dropout_rng is None:
@@ -517,11 +592,14 @@ def dot_product_attention(
                              f"{query_arr.shape[-2]} query heads and {K}.")
         finish = _flax_finish(module, dropout_rate, dropout_rng, broadcast_dropout,
                               deterministic)
-        out = _attention_core(query_arr, key_arr, value_arr, bias, mask, is_causal, scale_val,
-                              query_seq_lengths, key_value_seq_lengths, local_window_size,
-                              precision, finish)
+        out, residual = _attention_core(
+            query_arr, key_arr, value_arr, bias, mask, is_causal, scale_val, query_seq_lengths,
+            key_value_seq_lengths, local_window_size, precision, finish, return_residual)
     else:
-        out = _attention_grouped(query_arr, key_arr, value_arr, bias, mask, is_causal,
-                                 scale_val, query_seq_lengths, key_value_seq_lengths,
-                                 local_window_size)
-    return jnp.reshape(out, output_shape)
+        out, residual = _attention_grouped(
+            query_arr, key_arr, value_arr, bias, mask, is_causal, scale_val, query_seq_lengths,
+            key_value_seq_lengths, local_window_size, return_residual)
+    out = jnp.reshape(out, output_shape)
+    if residual is None:
+        return out
+    return out, jnp.reshape(residual, output_shape[:-1])

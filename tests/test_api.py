@@ -408,3 +408,73 @@ def test_a_positional_only_static_argument():
     assert_bitwise(jax.grad(nan_safe(f, static_argnums=1))(x, 3), jnp.array([1.5, 0.]))
     import operator
     assert_bitwise(nan_safe(operator.mul, static_argnums=1)(x, 3), x * 3)
+
+
+def test_finite_args_takes_numpy_integer_positions_as_static_argnums_does():
+    """Hunt BC 7: `np.int64(1)` and `tuple(np.arange(2))` were refused with a message that said
+    positions are accepted. They mean what the Python ints mean."""
+    def masked_product(w, data, valid):
+        return jnp.sum(jnp.where(valid, w * data, 0.0))
+    args = (2.0, jnp.ones(3), jnp.array([True, False, True]))
+
+    def program(finite_args):
+        return str(jaxsafe.make_jaxpr(masked_product, finite_args=finite_args)(*args))
+    assert program(1) != program(False)  # a finite `data` leaves the product unguarded
+    for numpy_form, python_form in [(np.int64(1), 1), (np.int32(-2), -2),
+                                    (tuple(np.arange(2)), (0, 1)), ([np.uint8(1)], [1])]:
+        assert program(numpy_form) == program(python_form), numpy_form
+        assert nan_safe(masked_product, finite_args=numpy_form)(*args) == 4.
+    for not_a_position in (1.0, np.float32(1), [np.True_]):
+        with pytest.raises(TypeError, match=r"`finite_args` must be True, False, an argument "
+                                            r"position"):
+            nan_safe(masked_product, finite_args=not_a_position)
+
+
+def test_static_argnames_naming_a_positional_only_parameter_says_so():
+    """Hunt BC 8: the error said `f` has no arguments ("its arguments are: none"); jax.jit says
+    the name is positional-only. nan_safe says so too, and gives the position to use."""
+    def f(x, n, /):
+        return jnp.sum(jnp.where(x > 0, jnp.sqrt(x), 0.)) * n
+
+    x = jnp.array([4., -1.])
+    with pytest.raises(ValueError, match="positional-only"):
+        jax.jit(f, static_argnames="n")(x, 2)
+    with pytest.raises(ValueError, match=r"`static_argnames` \['n'\] names a positional-only "
+                                         r"parameter of `f`, which cannot be passed by name; "
+                                         r"mark it static by position: static_argnums=1\.$"):
+        nan_safe(f, static_argnames="n")
+    assert nan_safe(f, static_argnums=1)(x, 2) == jax.jit(f, static_argnums=1)(x, 2)
+
+    def g(x, n, m, /, k=1):
+        return x * n * m * k
+    with pytest.raises(ValueError, match=r"name positional-only parameters of `g`.*"
+                                         r"static_argnums=\(1, 2\)\."):
+        jaxsafe.explain(g, static_argnames=("n", "m"))
+    with pytest.raises(ValueError, match=r"\['j'\] name no argument of `g`; the arguments it "
+                                         r"takes by name are: k\."):
+        nan_safe(g, static_argnames="j")
+
+
+def test_an_eager_call_reads_control_flow_at_the_values_but_not_float_of_an_argument():
+    """Hunt BC 6: docs/api.md said an eager call is traced at the values, as an eager jax.grad;
+    `if n > 1` is read so (`test_python_control_flow_under_jit_...`), `float(n)` is not: JAX's
+    error, now with a line that says to mark `n` static. The gradient is then the hand fix's."""
+    x = jnp.array([-1., 0., 4.])
+
+    def hand_fixed(x):
+        ok = x > 0
+        return jnp.where(ok, jnp.sqrt(jnp.where(ok, x, 1.)), 0.)
+
+    def scaled(x, n):
+        return jnp.sum(jnp.where(x > 0, jnp.sqrt(x), 0.) * float(n))
+
+    want = jax.grad(lambda x: jnp.sum(hand_fixed(x)) * 2)(x)
+    with pytest.raises(jax.errors.ConcretizationTypeError) as error:
+        jax.grad(nan_safe(scaled))(x, 2)
+    notes = [n for n in getattr(error.value, "__notes__", []) if n.startswith("nan_safe:")]
+    assert len(notes) == 1 and "\n" not in notes[0]
+    assert "float()" in notes[0] and "static_argnums=/static_argnames=" in notes[0]
+    assert_bitwise(jax.grad(nan_safe(scaled, static_argnums=1))(x, 2), want)
+    with pytest.raises(jax.errors.ConcretizationTypeError) as under_jit:
+        jax.jit(nan_safe(scaled))(x, 2)
+    assert any("but not float()" in n for n in under_jit.value.__notes__)

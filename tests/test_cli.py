@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -27,6 +28,18 @@ SAFE_MODULE = textwrap.dedent("""\
 
     def leaky_root(x, scale=1.0):
         return jnp.sum(jnp.where(x > 0, jnp.sqrt(x), 0.0)) * scale  # the leak
+
+
+    def total(x, axis=0):
+        return jnp.sum(jnp.where(x > 0, jnp.sqrt(x), 0.0), axis=axis)
+
+
+    SEEN = []
+
+
+    def phase(z):
+        SEEN.append(z.dtype)
+        return jnp.sum(jnp.where(z.real > 0, jnp.log(z), 0.0))
 
 
     NOT_A_FUNCTION = 3
@@ -73,12 +86,49 @@ def test_a_leak_exits_1_and_diff_prints_the_jaxprs(user_module, capsys):
     (["explain", "user_model:root", "--arg", "x32[3]"], "bad --arg 'x32[3]'"),
     (["explain", "user_model:root", "--arg", "f32[]", "--static", "scale"], "bad --static"),
     (["explain", "user_model:root", "--arg", "f32[]", "--static", "mode=sum"], "is not JSON"),
+    # hunt BC 5: these crashed with a traceback and exit status 1 ("the program changes")
+    (["explain", "user_model:root"], "root(x, scale=1.0) does not take the arguments given "
+                                     "(0 --arg, --static none): missing a required argument"),
+    (["explain", "user_model:root", "--arg", "f32[]", "--arg", "f32[]", "--arg", "f32[]"],
+     "too many positional arguments. Give one --arg per positional argument"),
+    (["explain", "user_model:root", "--arg", "f32[]", "--static", "size=2"],
+     "unexpected keyword argument 'size'"),
+    (["explain", "user_model:root", "--arg", "f32[]", "--static", 'scale={"a": 1}'],
+     "a static value must be hashable, and a JSON object is not"),
 ])
 def test_usage_errors_exit_2_with_a_message(user_module, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
         _cli.main(argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_json_array_static_is_a_tuple(user_module, capsys):
+    """Hunt BC 5: `axis=[0,1]` reached jax.jit as an unhashable list (a traceback, exit 1)."""
+    assert _cli.parse_static("axes=[[0], [1, [2]], 3]") == ("axes", ((0,), (1, (2,)), 3))
+    assert _cli.parse_static("axis=[]") == ("axis", ())
+    assert _cli.main(["explain", "user_model:total", "--arg", "f32[3,4]",
+                      "--static", "axis=[0, 1]"]) == 1
+    import user_model  # the fixture's module, which main imported
+    want = jaxsafe.explain(user_model.total, static_argnames="axis")(
+        jnp.zeros((3, 4)), axis=(0, 1))
+    assert capsys.readouterr().out == f"{want}\n"
+
+
+@pytest.mark.parametrize("arg, dtype", [("c128[2]", "complex128"), ("complex128[2]", "complex128"),
+                                        ("f64[2]", "float64"), ("i64[]", "int64"),
+                                        ("u64[3]", "uint64"), ("c64[2]", "complex64")])
+def test_a_64_bit_dtype_turns_on_x64(user_module, arg, dtype):
+    """Hunt BC 4: c128 did not turn x64 on (it does not end in "64"): explained at complex64."""
+    before = jax.config.jax_enable_x64
+    try:
+        _cli.main(["explain", "user_model:phase", "--arg", arg])
+        x64 = jax.config.jax_enable_x64
+    finally:
+        jax.config.update("jax_enable_x64", before)
+    import user_model
+    assert [str(d) for d in user_model.SEEN] == [dtype]
+    assert x64 == (before or dtype != "complex64")
 
 
 def test_argparse_errors_exit_2(capsys):
@@ -143,3 +193,14 @@ def test_assert_no_leaks_takes_static_arguments():
     with pytest.raises(AssertionError):
         assert_no_leaks(root, jnp.ones(3), safe=False, static_argnames="safe")
     assert jaxsafe.testing.assert_no_leaks is assert_no_leaks
+
+
+def test_a_function_that_fails_at_the_arguments_given_exits_2(user_module, capsys):
+    """Hunt BC 5's follow-up: the function's own error at the given arguments (a matrix
+    product of mismatched shapes) exited 1, the status of "the program changes"."""
+    user_module.write_text(user_module.read_text() + "\n\ndef gram(x):\n    return x @ x\n")
+    with pytest.raises(SystemExit) as exit_:
+        _cli.main(["explain", "user_model:gram", "--arg", "f32[2,3]"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "user_model:gram failed at the arguments given" in err and "TypeError" in err

@@ -236,6 +236,38 @@ def test_no_nan_anywhere_inside_under_debug_nans():
                 jax.block_until_ready(jax.jit(jax.grad(finite_loss(f, 1.)))(X))
 
 
+def test_python_scalars_and_sequences_are_taken_as_jax_nn_takes_them():
+    """Hunt BC 1: softmax read `x.dtype` before converting `x` (AttributeError on a float), and
+    a list or tuple was stacked into an array where jax.nn refuses it. (Under jit, one
+    compilation each: the function itself still gets the Python scalar.)"""
+    def both(name, x, **kwargs):
+        return [jax.jit(functools.partial(getattr(module, name), x, **kwargs))()
+                for module in (jsnn, jax.nn)]
+
+    for name in ("log_softmax", "logsumexp"):
+        assert_bitwise(*both(name, 2.0, axis=None))
+    before = jax.config.jax_softmax_custom_jvp
+    try:
+        for custom_jvp in (True, False):  # softmax converts before either path
+            jax.config.update("jax_softmax_custom_jvp", custom_jvp)
+            for x in (2.0, np.float32(-1.5)):
+                assert_bitwise(*both("softmax", x, axis=None))
+            for f in (jsnn.softmax, jax.nn.softmax):  # the default axis -1 of a scalar
+                with pytest.raises(ValueError, match="axis -1 is out of bounds"):
+                    f(3.0)
+    finally:
+        jax.config.update("jax_softmax_custom_jvp", before)
+    with pytest.raises(ValueError, match="axis -1 is out of bounds"):
+        jsnn.log_softmax(3.0)
+    for name in ("softmax", "log_softmax", "logsumexp"):
+        for x in ([1., 2.], (1., 2.)):
+            with pytest.raises(TypeError):
+                getattr(jax.nn, name)(x)
+            with pytest.raises(TypeError, match=rf"{name}: `[xa]` must be an array or a scalar, "
+                                                rf".*jnp.asarray"):
+                getattr(jsnn, name)(x)
+
+
 @jax.jit
 def _softmax_and_grad(x, w):
     loss = lambda x: jnp.sum(jnp.sin(jsnn.softmax(x, where=w)))
@@ -495,6 +527,65 @@ def test_half_precision_accumulates_in_float32(dtype):
         grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(ours(q, k, v).astype(jnp.float32)),
                                  (0, 1, 2)))(q, k, v)
         assert_finite(grads)
+
+
+@pytest.mark.parametrize("name", ["mask", "bias_minus_inf", "both_lens"])
+def test_attention_takes_jax_nn_s_implementation_and_return_residual(name):
+    """Hunt BC 2: `implementation=` and `return_residual=`, jax.nn's keywords, were refused.
+    The residual is jax.nn's on the rows with a key, -inf on the others; no gradient."""
+    config = CONFIGS[name]
+    _, rows = reference_attention(Q, KEY, VAL, **config)
+    assert not rows.all()
+
+    def ours(q, k, v, **config):
+        out, residual = jsnn.dot_product_attention(q, k, v, return_residual=True, **config)
+        no_residual_grad = jax.grad(lambda q: jnp.sum(jnp.where(rows, jsnn.dot_product_attention(
+            q, k, v, return_residual=True, **config)[1], 0.)))(q)
+        return (jsnn.dot_product_attention(q, k, v, **config),
+                [jsnn.dot_product_attention(q, k, v, implementation=i, **config)
+                 for i in (None, "xla")], out, residual, no_residual_grad)
+
+    plain, implementations, out, residual, grad = jitted(ours, config)(Q, KEY, VAL)
+    _, want = jitted(functools.partial(JAX_XLA, return_residual=True), config)(Q, KEY, VAL)
+    assert_bitwise(implementations, [plain, plain])
+    assert_bitwise(out, plain)
+    residual = np.asarray(residual)
+    assert residual.shape == (B, T, N) == want.shape
+    assert_bitwise(residual[rows], np.asarray(want)[rows])
+    assert np.all(residual[~rows] == -np.inf)
+    assert all_zero(grad)  # as jax.nn's, the residual has no gradient
+
+
+def test_attention_residual_unbatched_and_on_flax_s_path():
+    """The residual of unbatched inputs is `[q_len, heads]`, as jax.nn's; Flax's path
+    (`precision=`, as many key/value heads as query heads) gives the same residual."""
+    k, v = normal(1, S, N, H), normal(1, S, N, H)
+    q, mask = Q[:1], MASK[:1]
+    _, rows = reference_attention(q, k, v, mask=mask)
+    assert not rows.all()
+
+    @jax.jit
+    def both(q, k, v, mask):
+        attend = functools.partial(jsnn.dot_product_attention, return_residual=True)
+        return (attend(q[0], k[0], v[0], mask=mask[0]), attend(q, k, v, mask=mask),
+                attend(q, k, v, mask=mask, precision=jax.lax.Precision.DEFAULT),
+                JAX_XLA(q[0], k[0], v[0], mask=mask[0], return_residual=True))
+
+    unbatched, batched, flax_path, want = both(q, k, v, mask)
+    assert (unbatched[0].shape, unbatched[1].shape) == ((T, N, H), (T, N))
+    assert_bitwise(np.asarray(unbatched[1])[rows[0]], np.asarray(want[1])[rows[0]])
+    assert np.all(np.asarray(unbatched[1])[~rows[0]] == -np.inf)
+    assert_bitwise(flax_path, batched)
+
+
+def test_attention_refuses_the_cudnn_implementation_saying_what_to_do():
+    with pytest.raises(ValueError, match=r"jaxsafe.nn implements the XLA path only, got "
+                                         r"implementation='cudnn'. Pass implementation='xla'"):
+        jsnn.dot_product_attention(Q, KEY, VAL, implementation="cudnn")  # pyright: ignore
+    with pytest.raises(ValueError, match=r"`implementation` must be None or 'xla'"):
+        jsnn.dot_product_attention(Q, KEY, VAL, implementation="flash")  # pyright: ignore
+    with pytest.raises(ValueError, match="Unsupported implementation"):
+        jax.nn.dot_product_attention(Q, KEY, VAL, implementation="flash")  # pyright: ignore
 
 
 def test_attention_validates_like_jax_nn():
