@@ -62,6 +62,7 @@ from ._symbolic import (
     move,
     opaque,
     predicate_literal,
+    relaxed_lanes,
     split_on,
     sym_and_literal,
     sym_or,
@@ -607,7 +608,11 @@ def gather_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sy
     rest = [d for d in range(len(op_shape)) if (d not in to_operand.values()
                                                  or d in dn.operand_batching_dims)
             and op_shape[d] != 1]
-    lanes = _lanes_read(eqn, rest, ctx, gather=True) if static and rest else None
+    # read only by the output lanes that may be live, as far as known now (a constant padding
+    # mask after `(x @ x.T)[i, i]`, whatever a clamp decides at run time)
+    by = relaxed_lanes(out_syms[0], shape_of(eqn.outvars[0]), ctx.known_mask) \
+        if static and rest else None
+    lanes = _lanes_read(eqn, rest, ctx, gather=True, by=by) if static and rest else None
     if lanes is not None:  # the rows `x[jnp.array([0, 2])]` reads, as a slice's are known
         sym = _known_literal(move(out_syms[0], to_operand), rest, lanes)
     return [sym] + indices
@@ -627,13 +632,14 @@ def _known_literal(sym: Sym, axes: Sequence[int], lanes: np.ndarray) -> Sym:
 
 
 def _lanes_read(eqn: JaxprEqn, axes: Sequence[int], ctx: Context,
-                gather: bool) -> np.ndarray | None:
+                gather: bool, by: np.ndarray | None = None) -> np.ndarray | None:
     """The lanes along `axes` (sorted) of a movement's operand 0 that some output lane reads
     (a `gather`, as XLA runs it: `_as_read`) or that no update overwrites (a scatter), from
     indices known when jaxsafe plans: its transpose on ones, in every index mode as the
     equation has it, on float32 values whatever the operand's dtype. The indices are operand
     1; a scatter's updates, after them, are taken at 0 (the transpose does not read them).
-    None for an operand of more than `STATIC_CORE_LIMIT` lanes, or indices not known."""
+    None for an operand of more than `STATIC_CORE_LIMIT` lanes, or indices not known. `by`:
+    only the output lanes where it holds read (a gather's)."""
     shape = shape_of(eqn.invars[0])
     indices = ctx.constant(eqn.invars[1])
     if int(np.prod(shape)) > STATIC_CORE_LIMIT or indices is None:
@@ -645,7 +651,9 @@ def _lanes_read(eqn: JaxprEqn, axes: Sequence[int], ctx: Context,
         return bind_eqn(moved, [operand, *(jnp.asarray(r) for r in rest)])[0]
     with jax.ensure_compile_time_eval():
         _, pull = jax.vjp(move_lanes, jnp.zeros(shape, jnp.float32))
-        (pulled,) = pull(jnp.ones(shape_of(eqn.outvars[0]), jnp.float32))
+        reading = jnp.ones(shape_of(eqn.outvars[0]), jnp.float32) if by is None else \
+            jnp.asarray(np.broadcast_to(by, shape_of(eqn.outvars[0])), jnp.float32)
+        (pulled,) = pull(reading)
     others = tuple(d for d in range(len(shape)) if d not in axes)
     read = np.asarray(pulled) != 0
     return np.asarray(read.any(axis=others)) if others else read

@@ -361,9 +361,11 @@ def _or_off_axes(lit: Lit, axes: set, known: Callable[[object], np.ndarray | Non
     literal known lane by lane on the others, or a constant (True where some lane holds); None
     where its value is not known."""
     key, positive, embed = lit
-    if known is None or not isinstance(key, Var) or embed is None:
+    if embed is None:
         return None
-    value = known(key)
+    # a static mask known as an array is read as a known predicate is
+    value = key.lanes if isinstance(key, Unknown) else \
+        known(key) if known is not None and isinstance(key, Var) else None
     if value is None or np.ndim(value) != len(embed):
         return None
     held = np.asarray(value).astype(bool) == positive
@@ -396,15 +398,37 @@ def known_lanes(sym: Sym, shape: Sequence[int]) -> np.ndarray | None:
         for key, positive, embed in term:
             if not isinstance(key, Unknown) or key.lanes is None or embed is None:
                 return None
-            lanes = np.asarray(key.lanes)
-            sizes, order, axes = key_layout(lanes.shape, embed)
-            core = np.transpose(np.reshape(lanes, sizes), order)
-            place = [1] * len(shape)
-            for axis, size in zip(axes, core.shape, strict=True):
-                place[axis] = size
-            held &= np.reshape(core, place) == positive
+            held &= _placed(np.asarray(key.lanes), embed, shape) == positive
         out |= held
     return out
+
+
+def relaxed_lanes(sym: Sym, shape: Sequence[int],
+                  known: Callable[[object], np.ndarray | None]) -> np.ndarray:
+    """A mask over a value of `shape` that holds wherever `sym` may: its literals known now (a
+    static mask known as an array, a predicate whose value `known` gives) evaluated, every
+    other literal taken to hold, whichever its sign (a choice made at run time)."""
+    out = np.zeros(tuple(shape), bool)
+    for term in sym:
+        held = np.ones(tuple(shape), bool)
+        for key, positive, embed in term:
+            value = key.lanes if isinstance(key, Unknown) else \
+                known(key) if isinstance(key, Var) else None
+            if value is None or embed is None or np.ndim(value) != len(embed):
+                continue
+            held &= _placed(np.asarray(value).astype(bool), embed, shape) == positive
+        out |= held
+    return out
+
+
+def _placed(lanes: np.ndarray, embed: Sequence[int | None], shape: Sequence[int]) -> np.ndarray:
+    """A literal's key value (over the key's axes) laid on a value of `shape`, broadcastable."""
+    sizes, order, axes = key_layout(lanes.shape, embed)
+    core = np.transpose(np.reshape(lanes, sizes), order)
+    place = [1] * len(shape)
+    for axis, size in zip(axes, core.shape, strict=True):
+        place[axis] = size
+    return np.reshape(core, place)
 
 
 class Connective(enum.Enum):

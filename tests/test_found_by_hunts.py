@@ -1651,3 +1651,36 @@ def test_jaxsafe_nn_log_softmax_needs_no_guard_under_finite_args():
     jaxsafe.testing.assert_no_leaks(f, x)
     assert_bitwise(jaxsafe.nan_safe(f, finite_args=True)(x), jax.jit(f)(x))
     assert_bitwise(jax.grad(jaxsafe.nan_safe(f, finite_args=True))(x), jax.grad(f)(x))
+
+
+# --------------------------------------------------------------------------- hunt BB
+
+_PADDED_PARTICLES = jnp.array([True, False, True, True])  # particle 1 is padding
+_DIAGONAL = jnp.arange(4)
+
+
+@pytest.mark.parametrize("clamp", [
+    lambda s: jnp.maximum(s, 1e-12), lambda s: jnp.clip(s, 1e-12, 1e6), jax.nn.relu,
+], ids=["maximum", "clip", "relu"])
+def test_a_padded_row_dropped_through_a_clamped_gram_diagonal(clamp):
+    """Hunt BB: squared norms read off a Gram matrix's diagonal (`(x @ x.T)[i, i]`), clamped,
+    under a constant padding mask: the gather lost the mask's predicate, the clamp's run-time
+    choice joined it, and the matmul's operands were left unguarded ("a guard would need a
+    run-time reduction"): the padded NaN row reached every live gradient. The lanes a gather
+    with known indices reads are now read only from the output lanes that may be live."""
+    x = jnp.array([[1., 2.], [jnp.nan, 0.], [3., 5.], [0.5, -1.]])
+
+    def f(x):
+        sq = (x @ x.T)[_DIAGONAL, _DIAGONAL]
+        return jnp.sum(jnp.where(_PADDED_PARTICLES, jnp.sqrt(clamp(sq) + 1.), 0.))
+
+    def without_padding(x):
+        live = x[np.array([0, 2, 3])]
+        return jnp.sum(jnp.sqrt(clamp(jnp.sum(live * live, -1)) + 1.))
+
+    assert np.isnan(np.asarray(jax.grad(f)(x))).any()  # plain JAX: the leak
+    assert_bitwise(jaxsafe.nan_safe(f)(x), jax.jit(f)(x))
+    got = jax.grad(jaxsafe.nan_safe(f))(x)
+    want = jax.grad(without_padding)(x)
+    assert_close(got[np.array([0, 2, 3])], want[np.array([0, 2, 3])], rtol=1e-6)
+    assert got[1].tolist() == [0., 0.]
