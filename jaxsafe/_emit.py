@@ -185,45 +185,62 @@ class _Emitter:
         site = plan.sites.get(i)
         free = None
         guarded = invals
+        cut_lanes = None
         if site is not None:
             self._guard(i, site, invals)
             guarded = list(invals)
             free = self._guard_free(site, invals)
+            cut_lanes = self._operand_cut_lanes(site, free, invals)
         outs = self._bind(i, invals)
         if site is not None:
             outs = self._cut_outputs(i, site, outs, free, guarded)
-            outs = self._cut_free_operands(i, site, outs, invals)
+            if cut_lanes is not None:
+                outs = self._cut_free_operands(i, site, outs, guarded, cut_lanes)
         self._record(i, outs, shared and site is None)
 
-    def _cut_free_operands(self, i: int, site: Site, outs: list, invals: list) -> list:
-        """Where an operand's lanes carry no derivative and the output's do
-        (`Site.free_operands`): the output computed again there with that operand's derivative
-        cut (a `stop_gradient` of the whole operand: a select would give it a zero tangent,
-        and forward mode would weigh it by the partial derivative, `0 * -x / 1e-40`). Each
-        such operand takes its safe value where the other computation is taken: the cotangent
-        of what is not taken is 0, and `0 / 0` there would reach a live operand. With several
-        such operands, the lanes where all of them carry nothing."""
+    def _operand_cut_lanes(self, site: Site, free: Any, invals: list) -> Any:
+        """The lanes, at the shape of the operands of `Site.free_operands`, where all of them
+        carry no derivative and the output does (`free`: the output's lanes that carry none,
+        which `_cut_outputs` cuts); None where there are none to cut. Beside a free output,
+        only at the output's shape (a broadcast operand's lanes would need a reduction).
+        There those operands take their safe value in `invals`: the computation from them is
+        not taken, its cotangent is 0, and `0 * -x / 1e-40` would reach the operand."""
         if not site.free_operands:
-            return outs
-        shape = shape_of(site.eqn.invars[next(iter(site.free_operands))])  # the same for all
+            return None
+        operands = [site.eqn.invars[k] for k in site.free_operands]
+        shape = shape_of(operands[0])  # the same for all (`operand_cuts`)
+        if free is not None and shape != shape_of(site.eqn.outvars[0]):
+            return None
         frees = []
-        for k in site.free_operands:
-            carrying = self.plan.sweep.carry_mask(site.eqn.invars[k], self.orig)
+        for u in operands:
+            carrying = self.plan.sweep.carry_mask(u, self.orig)
             if carrying is None:
-                return outs
+                return None
             frees.append(not_mask(carrying))
+        if free is not None:
+            frees.append(not_mask(free))
         self.changed = True
-        taken = materialize(all_of(frees), shape)
-        carried, cut = list(invals), list(invals)
+        lanes = materialize(all_of(frees), shape)
         for k, value in site.free_operands.items():
-            operand = invals[k]
-            if np.shape(operand) != shape:
-                operand = broadcast(operand, shape)
-            safe = lax.full_like(operand, value)
-            carried[k] = lax.select_n(taken, operand, safe)
-            cut[k] = lax.stop_gradient(lax.select_n(taken, safe, operand))
-        carried_out, cut_out = self._bind(i, carried)[0], self._bind(i, cut)[0]
-        return [lax.select_n(broadcast(taken, np.shape(carried_out)), carried_out, cut_out)]
+            invals[k] = lax.select_n(lanes, invals[k], lax.full_like(invals[k], value))
+        return lanes
+
+    def _cut_free_operands(self, i: int, site: Site, outs: list, guarded: list,
+                           lanes: Any) -> list:
+        """In `lanes` (`_operand_cut_lanes`: where the operands of `Site.free_operands` carry
+        no derivative and the output does), the output computed again from the guarded
+        operands with theirs cut (a `stop_gradient` of the whole operand: a select would give
+        it a zero tangent, and forward mode would weigh it by the partial derivative, `0 *
+        -x / 1e-40`). Elsewhere that computation takes each such operand's safe value, as the
+        one computed before does in `lanes`: the cotangent of what is not taken is 0, and
+        `0 / 0` there would reach an operand."""
+        cut = list(guarded)
+        for k, value in site.free_operands.items():
+            operand = guarded[k]
+            cut[k] = lax.stop_gradient(
+                lax.select_n(lanes, lax.full_like(operand, value), operand))
+        cut_out = self._bind(i, cut)[0]
+        return [lax.select_n(broadcast(lanes, np.shape(outs[0])), outs[0], cut_out)]
 
     def _cut_outputs(self, i: int, site: Site, outs: list, free: Any, guarded: list) -> list:
         """The site's output lanes that pass no derivative: those that carry none (`free`),

@@ -165,8 +165,7 @@ def _site(i: int, eqn: JaxprEqn, rule: PrimitiveRule, sweep: Sweep, tainted: set
         return None
     out_kinds = [sweep.kind(o) for o in eqn.outvars]
     free, free_cut = free_values.guards(i, eqn, rule) if rule.guard is not None else ({}, False)
-    free_operands = free_values.operand_cuts(i, eqn, rule) \
-        if rule.guard is not None and not free else {}
+    free_operands = free_values.operand_cuts(i, eqn, rule) if rule.guard is not None else {}
     # as the liveness pass read them: a batched `cholesky` whose every matrix keeps a live
     # lane gives its operand no dropped lane, though its output has some
     guarded = [kind_of_sym(m) != Kind.LIVE for m in sweep.operand_syms[i]]

@@ -419,3 +419,33 @@ def test_a_held_value_far_enough_from_the_pole_takes_no_forward_mode_guard(f):
     x = jnp.array([0.5, 2., -1.])
     assert structure(jaxsafe.make_jaxpr(f)(x)) == structure(jax.make_jaxpr(f)(x))
     assert_close(jax.jacfwd(nan_safe(f))(x), jax.jacfwd(f)(x))
+
+
+@pytest.mark.parametrize("name,f,hand", [
+    ("masked numerator",
+     lambda x, y: jnp.where(x > 0, x, 0.) / jnp.where(y > 0, y, 1e-20),
+     lambda x, y: jnp.where(y > 0, jnp.where(x > 0, x, 0.) / jnp.where(y > 0, y, 1.),
+                            jnp.where(x > 0, x, 0.) / 1e-20)),
+    ("relu row normalized",
+     lambda x, y: jax.nn.relu(x) * y / jnp.maximum(jnp.linalg.norm(jax.nn.relu(x)), 1e-20),
+     lambda x, y: jnp.where(jnp.linalg.norm(jax.nn.relu(x)) > 1e-20,
+                            jax.nn.relu(x) * y / jnp.where(
+                                jnp.linalg.norm(jax.nn.relu(x)) > 1e-20,
+                                jnp.linalg.norm(jnp.where(x > 0, x, 1.)), 1.),
+                            jax.nn.relu(x) * y / 1e-20)),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_a_divisor_cut_beside_an_output_that_carries_nothing_in_other_lanes(name, f, hand):
+    """Hunt BD: where the output also had lanes that carry no derivative (a masked numerator),
+    the divisor's cut was left out for the whole equation: `jacfwd` NaN where `jacrev` is
+    finite. The two cuts take disjoint lanes now."""
+    x, y = jnp.array([2., -1., 3.]), jnp.array([-1., 2., -3.])
+    if name.startswith("relu"):
+        x = jnp.array([-2., -1., -3.])  # every entry cut by the ReLU: the norm's clamp wins
+    assert np.isnan(np.asarray(jax.jacfwd(f, argnums=(0, 1))(x, y))).any()
+    assert_bitwise(nan_safe(f)(x, y), jax.jit(f)(x, y))
+    for order in (jax.jacfwd, jax.jacrev):
+        got = order(nan_safe(f), argnums=(0, 1))(x, y)
+        want = order(hand, argnums=(0, 1))(x, y)
+        for g, w in zip(got, want, strict=True):
+            assert_close(g, w)
+    assert_close(jax.hessian(nan_safe(f))(x, y), jax.hessian(hand)(x, y))
