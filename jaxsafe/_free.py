@@ -21,6 +21,12 @@ original value back with its derivative cut, `select_n(free, f(safe), stop_gradi
 (live lanes only beside a value guard of dropped lanes). The forward value is the original,
 bit for bit, either way.
 
+**Beside an operand that carries** (`FreeValues.operand_cuts`, `Site.free_operands`): a
+divisor whose lanes carry nothing where the numerator's carry (`v / jnp.maximum(norm(v), eps)`
+at `v = 0`) has a zero tangent that forward mode weighs by `-v * y ** -2`, inf for a tiny `eps`.
+The output's lanes carry, so there the equation is computed again with that operand's
+derivative cut (`_emit.py`), where its known values make a derivative in it non-finite.
+
 **No guard where the values are known** (`FreeValues`): the lanes that carry nothing hold values
 the program fixes (the constant a `where` takes, a padding value), often known when the rewrite is
 planned. Where the primitive and its derivatives are finite at every such value, there is nothing

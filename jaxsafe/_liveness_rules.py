@@ -610,8 +610,10 @@ def gather_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sy
             and op_shape[d] != 1]
     # read only by the output lanes that may be live, as far as known now (a constant padding
     # mask after `(x @ x.T)[i, i]`, whatever a clamp decides at run time)
+    small = max(int(np.prod(op_shape)), int(np.prod(shape_of(eqn.outvars[0])))) \
+        <= STATIC_CORE_LIMIT
     by = relaxed_lanes(out_syms[0], shape_of(eqn.outvars[0]), ctx.known_mask) \
-        if static and rest else None
+        if static and rest and small else None
     lanes = _lanes_read(eqn, rest, ctx, gather=True, by=by) if static and rest else None
     if lanes is not None:  # the rows `x[jnp.array([0, 2])]` reads, as a slice's are known
         sym = _known_literal(move(out_syms[0], to_operand), rest, lanes)
