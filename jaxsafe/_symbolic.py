@@ -363,9 +363,7 @@ def _or_off_axes(lit: Lit, axes: set, known: Callable[[object], np.ndarray | Non
     key, positive, embed = lit
     if embed is None:
         return None
-    # a static mask known as an array is read as a known predicate is
-    value = key.lanes if isinstance(key, Unknown) else \
-        known(key) if known is not None and isinstance(key, Var) else None
+    value = _key_value(key, known)
     if value is None or np.ndim(value) != len(embed):
         return None
     held = np.asarray(value).astype(bool) == positive
@@ -376,6 +374,15 @@ def _or_off_axes(lit: Lit, axes: set, known: Callable[[object], np.ndarray | Non
         return bool(reduced)
     return (Unknown(static=True, lanes=np.asarray(reduced)), True,
             tuple(embed[j] for j in on))
+
+
+def _key_value(key: object, known: Callable[[object], np.ndarray | None] | None
+               ) -> np.ndarray | None:
+    """A literal key's value over its axes where known now: a static mask known as an array
+    (`Unknown.lanes`), read as a predicate whose value `known` gives is; else None."""
+    if isinstance(key, Unknown):
+        return key.lanes
+    return known(key) if known is not None and isinstance(key, Var) else None
 
 
 def key_layout(key_shape: Sequence[int], embed: Sequence[int | None]
@@ -412,8 +419,7 @@ def relaxed_lanes(sym: Sym, shape: Sequence[int],
     for term in sym:
         held = np.ones(tuple(shape), bool)
         for key, positive, embed in term:
-            value = key.lanes if isinstance(key, Unknown) else \
-                known(key) if isinstance(key, Var) else None
+            value = _key_value(key, known)
             if value is None or embed is None or np.ndim(value) != len(embed):
                 continue
             held &= _placed(np.asarray(value).astype(bool), embed, shape) == positive
