@@ -521,12 +521,24 @@ def by_wins(eqn: JaxprEqn, guarded: list, originals: Sequence[Any], operand_mask
     """`max`, `min`, `clamp`: each operand where it wins alone on the original values. An
     unguarded operand whose rivals are all literals needs no select: where it wins, the
     operation is that operand, and its derivative hands the literals' share (0 * a non-finite
-    cotangent) to nothing (`max(x, 0.)` before a `sqrt`)."""
+    cotangent) to nothing (`max(x, 0.)` before a `sqrt`).
+
+    Where a guard changed an operand (in its dropped lanes: where it is guarded, or where it
+    loses), the result's dropped lanes are decided on the guarded values: they hold the guarded
+    operands' `max`, so a bound that let a later `sqrt` go unguarded holds there too (a guarded
+    0 that won on the original values would sit below the clamp). Its live lanes are decided
+    on the original values, as the original program decided them."""
     selection = rule_for(eqn.primitive).selection
     assert selection is not None and selection.wins is not None
     out = bind_eqn(eqn, guarded)[0]
     cases = [broadcast(lax.convert_element_type(x, out.dtype), out.shape) for x in guarded]
     wins = selection.wins(eqn, originals)
+    if any(g is not originals[k] for k, g in enumerate(guarded)):
+        live = out_masks()[0]
+        if live is not None:
+            live = selecting(live, out)
+            wins = [lax.select_n(live, on_guarded, original) for original, on_guarded
+                    in zip(wins, selection.wins(eqn, guarded), strict=True)]
     for i, (win, case) in enumerate(zip(wins, cases, strict=True)):
         rivals = [v for j, v in enumerate(eqn.invars) if j != i]
         if guarded[i] is originals[i] and all(isinstance(v, Literal) for v in rivals):

@@ -49,6 +49,9 @@ class Decisions:
     """Decisions computed from guarded values (every operand read as guarded)."""
     safe_reads: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
     """Equation -> operands read for their value only that may be read as guarded."""
+    split_predicates: set[int] = dataclasses.field(default_factory=set)
+    """`select_n` equations emitted again whose predicate was computed from guarded values:
+    decided on those in the result's dropped lanes, on the original values in its live lanes."""
 
 
 class ChangedLanes:
@@ -152,9 +155,25 @@ def _plan_equation(i: int, eqn: JaxprEqn, sweep: Sweep, sites: Mapping[int, Site
         return  # cuts only: every value is the original's, only derivatives differ
     # a LIVE output has no dropped lane, so it is bitwise the original: not "changed"
     lanes.changed.update(o for o in eqn.outvars if is_float(o) and sweep.kind(o) != Kind.LIVE)
+    if _splits_its_predicate(i, eqn, lanes, out):
+        out.split_predicates.add(i)
     if selects_by_value(eqn, sweep):
         out.selections.add(i)  # any changed operand: decide on the original values
         report.selections.append(eqn)
+
+
+def _splits_its_predicate(i: int, eqn: JaxprEqn, lanes: ChangedLanes, out: Decisions) -> bool:
+    """Whether a `select_n` emitted again takes a changed case by a predicate that guarded
+    values would decide differently. The ranges (`_ranges.py`) narrow a case by the comparison
+    that takes it (`jnp.where(s > eps, s, eps)` is at least eps, so a `sqrt` of it goes
+    unguarded); on the original predicate, a guarded `s` of 0 in a dropped lane would be taken
+    where the original `s` passed. Deciding the dropped lanes on the guarded values keeps the
+    narrowing true there; the live lanes keep the original decision."""
+    selection = rule_for(eqn.primitive).selection
+    pred = eqn.invars[0] if eqn.invars else None
+    return selection is not None and selection.by_predicate and isinstance(pred, Var) \
+        and pred in lanes.chain and 0 not in out.safe_reads.get(i, ()) \
+        and any(isinstance(v, Var) and v in lanes.changed for v in eqn.invars[1:])
 
 
 def wins_wherever_live(eqn: JaxprEqn, carrying: list[bool], sweep: Sweep) -> bool:

@@ -182,6 +182,8 @@ class _Emitter:
             orig.values.update(zip(eqn.outvars, outs, strict=True))
             return
         invals = [safe[v] if g else orig[v] for g, v in zip(as_guarded, eqn.invars, strict=True)]
+        if i in decisions.split_predicates:
+            self._split_predicate(i, invals)
         site = plan.sites.get(i)
         free = None
         guarded = invals
@@ -197,6 +199,18 @@ class _Emitter:
             if cut_lanes is not None:
                 outs = self._cut_free_operands(i, site, outs, guarded, cut_lanes)
         self._record(i, outs, shared and site is None)
+
+    def _split_predicate(self, i: int, invals: list) -> None:
+        """A `select_n`'s predicate decided on the guarded values in the result's dropped lanes
+        and on the original ones in its live lanes (`Decisions.split_predicates`)."""
+        eqn = self.plan.closed.jaxpr.eqns[i]
+        pred, out = eqn.invars[0], eqn.outvars[0]
+        live = self.mask_of(out)
+        if live is None or pred not in self.safe:
+            return
+        shape = shape_of(out)
+        original, on_guarded = (broadcast(v, shape) for v in (self.orig[pred], self.safe[pred]))
+        invals[0] = lax.select_n(selecting(live, original), on_guarded, original)
 
     def _operand_cut_lanes(self, site: Site, free: Any, invals: list) -> Any:
         """The lanes, at the shape of the operands of `Site.free_operands`, where all of them

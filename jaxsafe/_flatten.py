@@ -1,5 +1,7 @@
 """The inlining pass: every `jit` and `closed_call` replaced by its body, every scalar constant by
-a literal, and every selection on a predicate computed from literals by the case it takes.
+a literal, and every selection on a predicate computed from literals by the case it takes. A
+`cond` on an index that is one value wherever an XLA program runs (`platform_index` with only
+Pallas kernel platforms besides the default: `jnp.diagonal`) is its default case.
 
 A jit boundary changes no value, and `jnp.where` is itself a `jit`: the hazard and the drop
 usually sit on opposite sides of one, so liveness and guards must cross it. Which primitives are
@@ -35,7 +37,24 @@ from ._walk import demand
 
 
 def _has_inlinable(jaxpr: Jaxpr) -> bool:
-    return any(rule_for(e.primitive).inline for e in jaxpr.eqns)
+    return any(rule_for(e.primitive).inline or rule_for(e.primitive).case_body is not None
+               for e in jaxpr.eqns)
+
+
+def _inlined_body(eqn: JaxprEqn, invars: list, produced: dict) -> tuple[ClosedJaxpr, list] | None:
+    """The body an equation inlines and its operands: a call's, or the case a choice by an
+    index fixed wherever the program runs takes (`jnp.diagonal`'s default case); else None."""
+    rule = rule_for(eqn.primitive)
+    if rule.inline:
+        return call_jaxpr(eqn), invars
+    if rule.case_body is None or not isinstance(invars[0], Var):
+        return None
+    source = produced.get(invars[0])
+    if source is None:
+        return None
+    fixed = rule_for(source.primitive).fixed_index
+    index = None if fixed is None else fixed(source)
+    return None if index is None else (rule.case_body(eqn, index), invars[1:])
 
 
 def _sub_atom(sub: dict, a: Any) -> Any:
@@ -65,6 +84,7 @@ def flatten(closed: ClosedJaxpr) -> ClosedJaxpr:
     constvars, consts = list(closed.jaxpr.constvars), list(closed.consts)
     eqns: list[JaxprEqn] = []
     top_sub: dict = {}
+    produced: dict = {}  # an emitted variable -> its equation (a case's index)
     # frames: (jaxpr, substitution, rename outputs?, equation iterator, the call being inlined,
     # the traceback its equations take: None, their own)
     stack: list[tuple[Jaxpr, dict, bool, Any, Any, Any]] = [
@@ -82,8 +102,9 @@ def flatten(closed: ClosedJaxpr) -> ClosedJaxpr:
         invars = [_sub_atom(sub, v) for v in eqn.invars]
         if traceback is not None:
             eqn = eqn.replace(source_info=eqn.source_info.replace(traceback=traceback))
-        if rule_for(eqn.primitive).inline:
-            inner = call_jaxpr(eqn)
+        inlined = _inlined_body(eqn, invars, produced)
+        if inlined is not None:
+            inner, invars = inlined
             inner_sub: dict = {}
             for cv, c in zip(inner.jaxpr.constvars, inner.consts, strict=True):
                 inner_sub[cv] = new_var = Var(cv.aval)
@@ -100,6 +121,7 @@ def flatten(closed: ClosedJaxpr) -> ClosedJaxpr:
                        for o in eqn.outvars]
             sub.update(zip(eqn.outvars, outvars, strict=True))
         eqns.append(eqn.replace(invars=invars, outvars=outvars))
+        produced.update((o, eqns[-1]) for o in outvars)
     outvars = [_sub_atom(top_sub, v) for v in closed.jaxpr.outvars]
     jaxpr = Jaxpr(constvars, closed.jaxpr.invars, outvars, eqns, closed.jaxpr.effects,
                   closed.jaxpr.debug_info)

@@ -410,11 +410,15 @@ class Sweep:
 
     def known_mask(self, atom: Any) -> np.ndarray | None:
         """The value of a boolean the program closes over (`bool_constants`), or computes from
-        literals and small constants alone, known when jaxsafe plans; else None."""
+        literals and small constants alone, or from its float constants (`W > 0` of a padding
+        weight, `weight`), known when jaxsafe plans; else None."""
         if isinstance(atom, Var) and atom in self.bool_constants:
             value = self.bool_constants[atom] = np.asarray(self.bool_constants[atom])  # once
             return value
-        return self.constant(atom)
+        value = self.constant(atom)
+        if value is None and dtype_of(atom) == np.bool_:
+            value = self.weight(atom)
+        return None if value is None else np.asarray(value)
 
     def inner_masks(self, closed: ClosedJaxpr, invals: Sequence[Any],
                     out_masks: Sequence[Mask], structural: bool,

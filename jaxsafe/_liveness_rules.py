@@ -58,6 +58,8 @@ from ._symbolic import (
     Sym,
     Unknown,
     backward_mapping,
+    expand_connectives,
+    held_lanes,
     implies,
     move,
     opaque,
@@ -612,7 +614,8 @@ def gather_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sy
     # mask after `(x @ x.T)[i, i]`, whatever a clamp decides at run time)
     small = max(int(np.prod(op_shape)), int(np.prod(shape_of(eqn.outvars[0])))) \
         <= STATIC_CORE_LIMIT
-    by = relaxed_lanes(out_syms[0], shape_of(eqn.outvars[0]), ctx.known_mask) \
+    by = relaxed_lanes(expand_connectives(out_syms[0], ctx.connective_of),
+                       shape_of(eqn.outvars[0]), ctx.known_mask) \
         if static and rest and small else None
     lanes = _lanes_read(eqn, rest, ctx, gather=True, by=by) if static and rest else None
     if lanes is not None:  # the rows `x[jnp.array([0, 2])]` reads, as a slice's are known
@@ -1085,6 +1088,48 @@ def _carried(sym: Sym, to_operand: dict[int, int], rank: int,
     return frozenset(frozenset(carried(lit) for lit in term) for term in sym)
 
 
+def _carried_known(sym: Sym, to_operand: dict[int, int], rank: int, ctx: Context,
+                   out_shape: Sequence[int], move_lanes: Callable[[np.ndarray], np.ndarray]
+                   ) -> Sym:
+    """`_carried`, but a literal along an axis the equation moves lanes along whose value is
+    known when jaxsafe plans (a padding mask closed over, `_known_lanes`) is moved with the
+    lanes (`move_lanes`: the output's lanes onto the operand's, a stretch or a reshape) and
+    becomes a static mask known lane by lane (`Unknown.lanes`), not a run-time unknown: a
+    gather before a `concatenate` or a `reshape` still reads only the lanes that may be live.
+    Only for values of at most `STATIC_CORE_LIMIT` lanes."""
+    if sym in (TRUE, FALSE) or int(np.prod(out_shape)) > STATIC_CORE_LIMIT:
+        return _carried(sym, to_operand, rank)
+    out: Sym = FALSE
+    for term in sym:
+        moved: list[Lit] = []
+        rest: list[Lit] = []
+        for lit in term:
+            key, _, embed = lit
+            value = None if embed is None or all(e is None or e in to_operand for e in embed) \
+                else _known_lanes(key, ctx)
+            if value is None or embed is None or np.ndim(value) != len(embed):
+                rest.append(lit)
+                continue
+            lanes = np.asarray(move_lanes(held_lanes(lit, value, out_shape)), bool)
+            if not lanes.any():
+                break  # the term never holds on the operand
+            if not lanes.all():
+                moved.append(_static_lanes_literal(lanes))
+        else:
+            carried = _carried(frozenset({frozenset(rest)}), to_operand, rank)
+            out = sym_or(out, frozenset({next(iter(carried)) | frozenset(moved)}))
+    return out
+
+
+def _static_lanes_literal(lanes: np.ndarray) -> Lit:
+    """A static mask known lane by lane over a value (`lanes`, of its shape), along only the
+    axes where it varies."""
+    varying = [d for d in range(lanes.ndim)
+               if not np.all(lanes == np.take(lanes, [0], axis=d))]
+    others = tuple(d for d in range(lanes.ndim) if d not in varying)
+    return unknown(varying, lanes=np.asarray(lanes.any(axis=others)) if others else lanes)
+
+
 def _in_place_but(axes: Iterable[int], rank: int, removed: bool = False) -> dict[int, int]:
     """Output axis -> operand axis for an equation that keeps lanes in place on every axis but
     `axes` (`removed`: the output has the one axis the operand lacks, `stack`'s new one)."""
@@ -1128,15 +1173,22 @@ def concatenate_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> li
     feature axis), one along that axis is decided at run time, or when jaxsafe plans, for a
     predicate it knows (`_known_parts`)."""
     axis = eqn.params["dimension"]
-    rank = len(shape_of(eqn.outvars[0]))
+    out_shape = shape_of(eqn.outvars[0])
+    rank = len(out_shape)
     kept = _in_place_but([axis], rank)
     syms, start = [], 0
     for v in eqn.invars:
         size = shape_of(v)[axis]
-        syms.append(FALSE if isinstance(v, Literal) else _carried(
-            _known_parts(out_syms[0], axis, start, start + size, ctx), kept, rank))
+        stretch = functools.partial(_stretch, axis=axis, start=start, stop=start + size)
+        syms.append(FALSE if isinstance(v, Literal) else _carried_known(
+            _known_parts(out_syms[0], axis, start, start + size, ctx), kept, rank, ctx,
+            out_shape, stretch))
         start += size
     return syms
+
+
+def _stretch(lanes: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
+    return np.take(lanes, range(start, stop), axis=axis)
 
 
 def stack_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym]:
@@ -1144,10 +1196,12 @@ def stack_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[Sym
     the other axes carries over, one along the new axis is decided at run time, or when
     jaxsafe plans, for a predicate it knows (`_known_parts`)."""
     axis = eqn.params["axis"]
-    rank = len(shape_of(eqn.outvars[0]))
+    out_shape = shape_of(eqn.outvars[0])
+    rank = len(out_shape)
     kept = _in_place_but([axis], rank, removed=True)
-    return [FALSE if isinstance(v, Literal) else _carried(
-        _known_parts(out_syms[0], axis, k, k + 1, ctx), kept, rank - 1)
+    return [FALSE if isinstance(v, Literal) else _carried_known(
+        _known_parts(out_syms[0], axis, k, k + 1, ctx), kept, rank - 1, ctx, out_shape,
+        functools.partial(np.take, indices=k, axis=axis))
             for k, v in enumerate(eqn.invars)]
 
 
@@ -1217,7 +1271,9 @@ def reshape_syms(eqn: JaxprEqn, out_syms: Sequence[Sym], ctx: Context) -> list[S
         if ins[-d] != outs[-d] or len(outs) - d in kept or len(ins) - d in kept.values():
             break
         kept[len(outs) - d] = len(ins) - d
-    return [_carried(out_syms[0], kept, len(ins))] + [opaque() for _ in eqn.invars[1:]]
+    return [_carried_known(out_syms[0], kept, len(ins), ctx, outs,
+                           lambda lanes: np.reshape(lanes, ins))] + \
+        [opaque() for _ in eqn.invars[1:]]
 
 
 def aligned_lanes_syms(eqn: JaxprEqn, out_syms: Sequence[Sym],

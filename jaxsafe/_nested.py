@@ -14,6 +14,28 @@ def call_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr:
     return inner if isinstance(inner, ClosedJaxpr) else ClosedJaxpr(inner, ())
 
 
+def branch_jaxpr(eqn: JaxprEqn, i: int) -> ClosedJaxpr:
+    """A `cond`'s branch `i` (clamped into range, as `cond` clamps its index)."""
+    branches = eqn.params["branches"]
+    return branches[min(max(i, 0), len(branches) - 1)]
+
+
+KERNEL_PLATFORMS = frozenset({"mosaic", "mosaic_gpu", "triton"})
+"""The platforms `lax.platform_dependent` may name that only a Pallas kernel lowers to: a
+program run through XLA (jaxsafe's rewrite) never takes their cases."""
+
+
+def default_platform_case(eqn: JaxprEqn) -> int | None:
+    """`platform_index`: the default case, where every other case is for kernel platforms only
+    (`jnp.diagonal`: `mosaic=`, `default=`); else None (a case for `cpu` or `tpu` is decided
+    when the program is lowered, for a platform jaxsafe does not know when it plans)."""
+    platforms = eqn.params.get("platforms")
+    if not isinstance(platforms, tuple) or platforms.count(None) != 1 or not all(
+            p is None or set(p) <= KERNEL_PLATFORMS for p in platforms):
+        return None
+    return platforms.index(None)
+
+
 def sub_jaxprs(eqn: JaxprEqn) -> list[ClosedJaxpr]:
     """Every jaxpr in `eqn`'s parameters, closed."""
     out = []

@@ -190,6 +190,7 @@ from ._liveness_rules import (
     winner_masks,
 )
 from ._maxima import reduced_by_a_max
+from ._nested import branch_jaxpr, default_platform_case
 from ._rules import Carries, Chooser, Guard, Selection, Zeros, register, update
 from ._sinking import ScanSteps
 from ._symbolic import Connective
@@ -375,7 +376,7 @@ register_elementwise(prims.sharding_constraint_p, linear=True, bound=bounds.move
 # sharding both sides, as `jnp.where` with a scalar case traces under `jax.set_mesh`) is the
 # value itself, placed: its mask crosses (`paired_masks`)
 register(*PRIVATE_RESHARDS, masks=paired_masks, static=paired_syms, linear=True, paired=True)
-register(*PRIVATE_PLATFORM_INDEX, zero_derivative=True)
+register(*PRIVATE_PLATFORM_INDEX, zero_derivative=True, fixed_index=default_platform_case)
 # No liveness facts, but finite for finite operands (a primitive without a row may make NaN or
 # inf: `CONSERVATIVE`): picks and updates of finite values, random numbers, decompositions and
 # integer arithmetic. `bitcast_convert_type`: integer bits make any float, unless a constant
@@ -629,6 +630,7 @@ register(prims.custom_vjp_call_p, masks=custom_rule_masks, kinds=custom_rule_kin
          custom_rule=True, backward_param="bwd", forward_param="fwd_jaxpr_thunk",
          identity_param="out_trees", masked_body=SeededBackward())
 register(prims.cond_p, masks=cond_masks, kinds=cond_kinds, nested_params=("branches",),
+         case_body=branch_jaxpr,
          runs_bodies_once=True,
          masked_body=CondBody(), body_inputs=cond_body_inputs, body_operands=cond_body_operands)
 register(prims.scan_p, masks=scan_masks, kinds=scan_kinds, static=scan_syms,

@@ -65,6 +65,11 @@ class Context(Protocol):
         """The first variable the program computes exactly as it computes `var`."""
         ...
 
+    def connective_of(self, key: Var) -> Any:
+        """The `and`, `or` or `not` that computes the predicate `key` from others, with their
+        literals (`_symbolic.Expansion`), else None."""
+        ...
+
     def broadcast_of(self, var: Var) -> JaxprEqn | None:
         """The equation that computes `var` as a broadcast of one operand, else None."""
         ...
@@ -485,6 +490,13 @@ class PrimitiveRule:
     # -- nested jaxprs --------------------------------------------------------------------------
     inline: bool = False
     """A call that changes no value (`jit`): inlined before the analysis."""
+    case_body: Callable[[JaxprEqn, int], ClosedJaxpr] | None = None
+    """The body a choice of a case by index runs for case `i` (a `cond`'s branch), on operands
+    1 onwards: inlined where the index is `fixed_index`'s (`_flatten.py`)."""
+    fixed_index: Callable[[JaxprEqn], int | None] | None = None
+    """An integer that is one value wherever jaxsafe's program runs, else None: `platform_index`
+    of a `lax.platform_dependent` whose other cases are for Pallas kernels only (`jnp.diagonal`'s
+    Mosaic case) gives its default case on every XLA platform."""
     nested_params: tuple[str, ...] = ()
     """Parameters holding bodies that are rewritten on their own, keeping their signature."""
     body_inputs: BodyInputs | None = None

@@ -427,6 +427,15 @@ def relaxed_lanes(sym: Sym, shape: Sequence[int],
     return out
 
 
+def held_lanes(lit: Lit, value: np.ndarray, shape: Sequence[int]) -> np.ndarray:
+    """Where the literal `lit`, whose key holds `value` (over the key's axes), holds on a value
+    of `shape`: a boolean array of that shape."""
+    _, positive, embed = lit
+    assert embed is not None
+    placed = _placed(np.asarray(value).astype(bool), embed, shape) == positive
+    return np.broadcast_to(placed, tuple(shape))
+
+
 def _placed(lanes: np.ndarray, embed: Sequence[int | None], shape: Sequence[int]) -> np.ndarray:
     """A literal's key value (over the key's axes) laid on a value of `shape`, broadcastable."""
     sizes, order, axes = key_layout(lanes.shape, embed)

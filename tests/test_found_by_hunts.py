@@ -1684,3 +1684,203 @@ def test_a_padded_row_dropped_through_a_clamped_gram_diagonal(clamp):
     want = jax.grad(without_padding)(x)
     assert_close(got[np.array([0, 2, 3])], want[np.array([0, 2, 3])], rtol=1e-6)
     assert got[1].tolist() == [0., 0.]
+
+
+# --------------------------------------------------------------------------- hunt BE
+
+_PAIRS = np.triu_indices(4, 1)
+_LIVE_PAIRS = np.asarray(_PADDED_PARTICLES)[_PAIRS[0]] & np.asarray(_PADDED_PARTICLES)[_PAIRS[1]]
+
+
+@pytest.mark.parametrize("padding", [[jnp.inf, 1e30], [30., 40.]], ids=["inf", "finite"])
+@pytest.mark.parametrize("clamp", [
+    lambda s: jnp.maximum(s, 1e-6), lambda s: jnp.clip(s, 1e-6, 1e30),
+], ids=["maximum", "clip"])
+def test_a_re_decided_clamp_keeps_its_bound_in_dropped_lanes(padding, clamp):
+    """Hunt BE: a clamp whose operand a row guard changed was re-decided on the original values
+    alone, so in a dropped lane it took the guarded 0 where the original had won, below the
+    bound that let the `sqrt` after it go unguarded: `0 * inf` reached the live rows through the
+    Gram matrix, even with a finite padded row (plain JAX finite). It now takes an operand where
+    it wins on the original and on the guarded values both."""
+    x = jnp.array([[1., 2.], padding, [0.5, 1.5], [2., -1.]])
+    ts = jnp.array([1., 2.])
+
+    def energy(pairs, keep):
+        def f(x, ts):
+            def body(c, t):
+                y = x * t
+                s = (y @ y.T)[pairs]
+                e = jnp.where(s > 1., jnp.sqrt(clamp(s)), 0.)
+                return c + jnp.sum(jnp.where(keep, e, 0.)), None
+            return lax.scan(body, 0., ts)[0]
+        return f
+
+    f = energy(_PAIRS, _LIVE_PAIRS)
+    live = np.array([0, 2, 3])
+    without_padding = energy(np.triu_indices(3, 1), True)
+    _same_forward(f, x, ts)
+    gx, gt = jax.grad(jaxsafe.nan_safe(f), (0, 1))(x, ts)
+    wx, wt = jax.grad(without_padding, (0, 1))(x[live], ts)
+    assert_close(gx[live], wx, rtol=1e-6)
+    assert gx[1].tolist() == [0., 0.]
+    assert_close(gt, wt, rtol=1e-6)
+
+
+def test_a_re_decided_max_keeps_the_original_choice_in_its_live_lanes():
+    """The other side of the fix above: `log(x)` guarded where it loses to `b` (its lane is
+    dropped there, the result's is live): the guarded `log(1) = 0` would beat `b = -5` on the
+    guarded values, so the result's live lanes must keep the original choice, `b`."""
+    def f(x, b):
+        return jnp.sum(jnp.where(b > -10., jnp.maximum(jnp.log(x), b), 0.))
+
+    x, b = jnp.array([0., 2., 0.]), jnp.array([-5., -5., -20.])
+    _same_forward(f, x, b)
+    gx, gb = jax.grad(jaxsafe.nan_safe(f), (0, 1))(x, b)
+    assert gx.tolist() == [0., 0.5, 0.]
+    assert gb.tolist() == [1., 0., 0.]
+
+
+def _clamped_norm(sq):
+    return jnp.sqrt(jnp.maximum(sq, 1e-12) + 1.)
+
+
+_WEIGHTS = jnp.array([1., 0., 1., 2.])  # particle 1 is padding, stored as a zero weight
+
+
+def _diagonal_gather(x):
+    return (x @ x.T)[_DIAGONAL, _DIAGONAL]
+
+
+_PADDED_FORMS = {
+    "float mask": lambda x: jnp.where(_WEIGHTS > 0, _clamped_norm(_diagonal_gather(x)), 0.),
+    "concatenate": lambda x: jnp.where(
+        jnp.concatenate([_PADDED_PARTICLES, _PADDED_PARTICLES]),
+        _clamped_norm(jnp.concatenate([_diagonal_gather(x), _diagonal_gather(x)])), 0.),
+    "reshape": lambda x: jnp.where(
+        _PADDED_PARTICLES.reshape(2, 2),
+        _clamped_norm(_diagonal_gather(x).reshape(2, 2)), 0.),
+    "mask and predicate": lambda x: jnp.where(
+        _PADDED_PARTICLES & (_diagonal_gather(x) < 100.), _clamped_norm(_diagonal_gather(x)), 0.),
+    "jnp.diagonal": lambda x: jnp.where(
+        _PADDED_PARTICLES, _clamped_norm(jnp.diagonal(x @ x.T)), 0.),
+}
+
+
+@pytest.mark.parametrize("form", list(_PADDED_FORMS))
+def test_a_padded_row_dropped_after_the_gram_gather_in_other_forms(form):
+    """Hunt BE: the forms the BB fix did not reach. The padding mask stored as floats
+    (`W > 0`: a predicate computed from a float constant is now known when jaxsafe plans), a
+    `concatenate` or `reshape` between the gather and the `where` (a known mask moves with the
+    lanes), one `where` on the mask and a run-time predicate (the connective is expanded) and
+    `jnp.diagonal` (its `platform_dependent` cond is its default case: the Mosaic case runs in
+    Pallas kernels only). Each reads the padded NaN row only from dropped lanes."""
+    x = jnp.array([[1., 2.], [jnp.nan, 0.], [3., 5.], [0.5, -1.]])
+    live = np.array([0, 2, 3])
+    body = _PADDED_FORMS[form]
+
+    def f(x):
+        return jnp.sum(body(x))
+
+    def without_padding(x):  # every form sums each live particle's clamped norm once or twice
+        return jnp.sum(_clamped_norm(jnp.sum(x * x, -1)))
+
+    assert np.isnan(np.asarray(jax.grad(f)(x))).any()  # plain JAX: the leak
+    _same_forward(f, x)
+    got = jax.grad(jaxsafe.nan_safe(f))(x)
+    times = 2. if form == "concatenate" else 1.
+    assert_close(got[live], times * jax.grad(without_padding)(x[live]), rtol=1e-6)
+    assert got[1].tolist() == [0., 0.]
+    hess = jax.hessian(jaxsafe.nan_safe(f))(x)
+    assert_close(hess[live][:, :, live], times * jax.hessian(without_padding)(x[live]),
+                 rtol=1e-5, atol=1e-6)
+    assert not np.asarray(hess[1]).any() and not np.asarray(hess[:, :, 1]).any()
+
+
+def test_a_platform_dependent_choice_between_xla_platforms_is_not_taken_when_planning():
+    """Only Pallas kernel platforms are known never to run: a `platform_dependent` choosing
+    between `cpu` and a default stays a run-time choice (both cases' reads count)."""
+    def f(x):
+        y = lax.platform_dependent(x, cpu=lambda v: v[:2], default=lambda v: v[1:])
+        return jnp.sum(jnp.where(jnp.array([True, False]), jnp.sqrt(y), 0.))
+
+    x = jnp.array([4., -1., 9.])
+    closed = jaxsafe.make_jaxpr(f)(x)
+    assert "cond" in [str(e.primitive) for e in closed.jaxpr.eqns]
+    _same_forward(f, x)
+    assert jax.grad(jaxsafe.nan_safe(f))(x).tolist() == [0.25, 0., 0.]
+
+
+# --------------------------------------------------------------------------- hunt BF
+
+_VALID_POINTS = jnp.array([True, True, False, False, False])
+_EPS = 1e-6
+
+_HAND_CLAMPS = {  # each keeps the squared distance at or above _EPS, in a `where` taking it
+    "s > eps": lambda s: jnp.sqrt(jnp.where(s > _EPS, s, _EPS)),
+    "s <= eps": lambda s: jnp.sqrt(jnp.where(s <= _EPS, _EPS, s)),
+    "power": lambda s: jnp.where(s >= _EPS, s, _EPS) ** 0.5,
+    "log of a where": lambda s: jnp.log(jnp.where(s > 0., s, 1.)),
+}
+
+
+@pytest.mark.parametrize("distances", ["outer difference", "gram"])
+@pytest.mark.parametrize("clamp", list(_HAND_CLAMPS))
+def test_a_hand_clamp_by_where_after_a_guarded_value_decides_its_dropped_lanes_again(
+        clamp, distances):
+    """Hunt BF: `sqrt(where(s > eps, s, eps))` is at least sqrt(eps), so its `sqrt` goes
+    unguarded. But `s` is computed from a guarded `sqrt(x)`: in a dropped pair the guarded `s`
+    may be 0 where the original passed the comparison, and the `select_n` emitted again took it
+    on the original predicate (`0 * inf` reached the live points through `s`). Its dropped lanes
+    are now decided on the guarded values, its live lanes on the original ones."""
+    hand_clamp = _HAND_CLAMPS[clamp]
+
+    def pairwise(y):
+        if distances == "gram":
+            n2 = jnp.sum(y * y, -1)
+            return n2[:, None] + n2[None, :] - 2 * y @ y.T
+        return jnp.sum((y[:, None] - y[None, :]) ** 2, -1)
+
+    def f(x, valid):
+        s = pairwise(jnp.sqrt(x))
+        pair = valid[:, None] & valid[None, :]
+        return jnp.sum(jnp.where(pair, hand_clamp(s), 0.))
+
+    def double_where(x, valid):  # the hand fix: the invalid points and pairs replaced first
+        pair = valid[:, None] & valid[None, :]
+        s = jnp.where(pair, pairwise(jnp.sqrt(jnp.where(valid[:, None], x, 1.))), 1.)
+        return jnp.sum(jnp.where(pair, hand_clamp(s), 0.))
+
+    # valid points 0, 1; the invalid ones sit at other distances, one outside sqrt's domain.
+    # Point 0 sits where a guarded invalid point does (sqrt's guard puts 1 there): their
+    # guarded distance is 0, their original one passes the comparison.
+    x = jnp.array([[1., 1.], [4., 1.], [9., 3.], [16., 2.], [-1., 5.]])
+    assert np.isnan(np.asarray(jax.grad(f)(x, _VALID_POINTS))).any()  # plain JAX
+    _same_forward(f, x, _VALID_POINTS)
+    got = jax.grad(jaxsafe.nan_safe(f))(x, _VALID_POINTS)
+    assert_close(got, jax.grad(double_where)(x, _VALID_POINTS), rtol=1e-6)
+    assert not np.asarray(got[2:]).any()
+    hess = jax.hessian(jaxsafe.nan_safe(f))(x, _VALID_POINTS)
+    assert_close(hess, jax.hessian(double_where)(x, _VALID_POINTS), rtol=1e-5, atol=1e-6)
+
+
+def test_a_where_clamp_in_a_live_lane_keeps_the_original_decision():
+    """The other side: where the result is live, the predicate is the original one. In lane 0
+    `s = sqrt(x) + w` fails `s > eps`, so `sqrt(x)` is dropped there and guarded (x = 0 makes
+    `0 * inf`), while the clamp's result is live; the guarded `s = sqrt(1) - 0.5` passes the
+    comparison, so deciding that lane on the guarded values would give `w` a derivative there
+    (the original takes the constant eps). Lane 2 is dropped: decided on the guarded values."""
+    mask = jnp.array([True, True, False, False])
+
+    def f(x, w):
+        s = jnp.sqrt(x) + w
+        return jnp.sum(jnp.where(mask, jnp.sqrt(jnp.where(s > _EPS, s, _EPS)), 0.))
+
+    x, w = jnp.array([0., 4., 0., 9.]), jnp.array([-.5, 0., -.5, 0.])
+    closed = jaxsafe.make_jaxpr(f)(x, w)
+    assert sum(str(e.primitive) == "gt" for e in closed.jaxpr.eqns) == 2  # both decisions
+    _same_forward(f, x, w)
+    gx, gw = jax.grad(jaxsafe.nan_safe(f), (0, 1))(x, w)
+    assert gx[0] == 0. and gx[2:].tolist() == [0., 0.]
+    assert_close(gx[1], 0.5 / np.sqrt(2.) * 0.25, rtol=1e-6)
+    assert gw[0] == 0. and gw[2:].tolist() == [0., 0.]
+    assert_close(gw[1], 0.5 / np.sqrt(2.), rtol=1e-6)
