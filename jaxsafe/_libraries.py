@@ -58,8 +58,10 @@ def register_rule(primitive: Primitive, *, elementwise: bool = False, linear: bo
                         ("differentiable", differentiable), ("makes_nonfinite", makes_nonfinite)):
         if not isinstance(value, bool):
             raise TypeError(f"register_rule: `{name}` must be True or False, got {value!r}.")
+    # repeatable=False: whether two calls give the same values is not among the facts asked
+    # (a library primitive may count, draw or call out): `_repeats.py` never merges them
     facts: dict[str, Any] = dict(linear=linear, zero_derivative=not differentiable,
-                                 makes_nonfinite=makes_nonfinite)
+                                 makes_nonfinite=makes_nonfinite, repeatable=False)
     if elementwise:  # not evaluated at planning time: a library primitive need not run there
         register_elementwise(primitive, foldable=False, **facts)
     else:

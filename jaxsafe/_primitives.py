@@ -383,8 +383,9 @@ register(*PRIVATE_PLATFORM_INDEX, zero_derivative=True, fixed_index=default_plat
 # sets the exponent (`jax.random.uniform`)
 register(prims.bitcast_convert_type_p, makes_nonfinite=True,
          finite_when=exponent_set_by(prims.or_p, prims.shift_right_logical_p))
+register(prims.rng_uniform_p, repeatable=False)  # XLA's RngUniform: a new draw each time
 register(prims.select_and_gather_add_p, prims.select_and_scatter_add_p,
-         prims.select_and_scatter_p, prims.rng_uniform_p,
+         prims.select_and_scatter_p,
          prims.random_bits_p, prims.random_seed_p,
          prims.random_fold_in_p, prims.random_split_p, prims.rng_bit_generator_p,
          prims.threefry2x32_p, prims.hessenberg_p, prims.schur_p, prims.tridiagonal_p,

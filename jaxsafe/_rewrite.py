@@ -1,7 +1,7 @@
 """The rewrite: a program whose dropped lanes are safe to differentiate, as named passes.
 
     flatten -> sink -> dce -> liveness -> taint seeds -> nested bodies -> guards
-            -> masked bodies -> decisions -> emission -> dce
+            -> masked bodies -> decisions -> emission -> dce -> merge
 
 1. `flatten` (`_flatten.py`): inline `jit` and `closed_call`, and scalar constants as literals.
    `sink` (`_sinking.py`): elementwise work on a scan's stacked operand that the scan's body
@@ -21,6 +21,8 @@
    program, the masks, and the guarded shadow.
 10. `dce`: JAX's dead-code elimination removes what the shadow made unused; for
     `jnp.where(c, sqrt(x), 0)` the result is exactly the hand-written double where.
+11. merge (`_repeats.py`): an equation the emitted program computes twice (a comparison the
+    masks made, made again by a re-decided `max`) is computed once.
 
 Passes 3 to 8 (`plan_program`) make the `Plan`; each reads what the passes before it produced.
 When nothing needs a guard, the original ClosedJaxpr is returned as it is.
@@ -78,6 +80,7 @@ from ._liveness import Sweep, Sweeps, kind_of_sym, sym_of_kind
 from ._masks import all_staged
 from ._nested import any_equation, sub_jaxprs
 from ._plan import Plan
+from ._repeats import merge_repeated_equations
 from ._report import AnalysisFailedWarning, Report, failure_text, note_failure, strict
 from ._rules import GuardMismatchError, Kind, rule_for
 from ._sinking import sink_into_scans
@@ -141,7 +144,7 @@ def _rewrite(closed: ClosedJaxpr, sweeps: Sweeps, finite_invars: Sequence[bool] 
         return closed, plan.report
     avals = [v.aval for v in closed.jaxpr.invars]
     changed: list[bool] = []
-    new = dce(trace_to_jaxpr(partial(emit, plan, changed), avals))
+    new = merge_repeated_equations(dce(trace_to_jaxpr(partial(emit, plan, changed), avals)))
     if not any(changed):  # every planned guard's lanes were live: contract 4, the original
         _unplace(plan.report)
         return closed, plan.report

@@ -624,6 +624,10 @@ class PrimitiveRule:
 
     known: bool = True
     """False for a primitive jaxsafe knows nothing about: reported, outputs possibly non-finite."""
+    repeatable: bool = True
+    """Two equations of it on the same operands with the same parameters give the same values
+    (`_repeats.py` merges them): not XLA's stateful `rng_uniform`, not a row a library
+    registered (`register_rule` does not ask)."""
 
     @property
     def has_body(self) -> bool:
@@ -633,12 +637,12 @@ class PrimitiveRule:
 
 RULES: dict[Primitive, PrimitiveRule] = {}
 
-CONSERVATIVE = PrimitiveRule(makes_nonfinite=True)
+CONSERVATIVE = PrimitiveRule(makes_nonfinite=True, repeatable=False)
 """The default for JAX's own primitives without a row (the generic `reduce_window`, ...): every
 lane live, and outputs that may be non-finite (`bitcast_convert_type` makes any float from
 integer bits; a generic reduction's body may divide)."""
 
-UNKNOWN = PrimitiveRule(known=False)
+UNKNOWN = PrimitiveRule(known=False, repeatable=False)
 """The default for any other primitive."""
 
 JAX_PRIMITIVES: frozenset[Primitive] = frozenset(
