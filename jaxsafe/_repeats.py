@@ -10,8 +10,12 @@ on the same values gives the same bits, so the program's values are unchanged.
 Merged only where that holds by construction: no effects, no body of its own (a custom rule's
 equation, a loop), every parameter hashable, and a row that says it computes the same values
 each time (`PrimitiveRule.repeatable`: not XLA's stateful `rng_uniform`, not a primitive
-jaxsafe has no row for). Runs on the emitted program only: when nothing is guarded, the
-original program is returned as it is (contract 4), repeats included.
+jaxsafe has no row for). Broadcasts are not merged either: each `select_n` reads a mask
+broadcast afresh (`_masks.selecting`) so that XLA's sharding propagation places each copy as the
+value it selects; one broadcast shared by values sharded differently makes XLA gather one of
+them (`tests/test_multidevice.py`: 6 all-gathers against the original's 2 on a 2x4 mesh). A
+broadcast costs nothing once fused. Runs on the emitted program only: when nothing is guarded,
+the original program is returned as it is (contract 4), repeats included.
 """
 
 from __future__ import annotations
@@ -50,8 +54,8 @@ def _params_key(eqn: JaxprEqn) -> tuple | None:
 
 def _equation_key(eqn: JaxprEqn, operands: list) -> tuple | None:
     rule = rule_for(eqn.primitive)
-    if eqn.effects or not rule.repeatable or rule.has_body:
-        return None
+    if eqn.effects or not rule.repeatable or rule.has_body or rule.broadcast:
+        return None  # a broadcast: one copy per reader, placed as it (the module's docstring)
     atoms = [_atom_key(a) for a in operands]
     params = _params_key(eqn)
     if params is None or any(a is None for a in atoms):

@@ -14,9 +14,12 @@ import jaxsafe
 
 
 def _repeats(closed) -> list[str]:
-    """The equations of `closed` (top level) that compute what an earlier one computed."""
+    """The equations of `closed` (top level) that compute what an earlier one computed; not
+    broadcasts, kept one per reader on purpose (tests/test_multidevice.py checks why)."""
     seen, found = set(), []
     for eqn in closed.jaxpr.eqns:
+        if eqn.primitive is lax.broadcast_in_dim_p:
+            continue
         operands = tuple(repr(v) if hasattr(v, "val") else id(v) for v in eqn.invars)
         key = (eqn.primitive, operands, repr(sorted(eqn.params.items())))
         if key in seen:
