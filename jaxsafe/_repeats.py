@@ -33,8 +33,10 @@ def _atom_key(atom: Any) -> tuple | None:
     if isinstance(atom, Var):
         return ("var", id(atom))
     if isinstance(atom, Literal):
-        value = np.asarray(atom.val)
-        return ("literal", str(atom.aval), value.dtype.str, value.shape, value.tobytes())
+        value, aval = np.asarray(atom.val), atom.aval
+        return ("literal", getattr(aval, "dtype", None), getattr(aval, "shape", None),
+                getattr(aval, "weak_type", False),
+                getattr(aval, "sharding", None), value.dtype.str, value.shape, value.tobytes())
     return None
 
 
@@ -60,7 +62,12 @@ def _equation_key(eqn: JaxprEqn, operands: list) -> tuple | None:
     params = _params_key(eqn)
     if params is None or any(a is None for a in atoms):
         return None
-    return (eqn.primitive, tuple(atoms), params)
+    key = (eqn.primitive, tuple(atoms), params)
+    try:
+        hash(key)  # a literal's sharding, say
+    except TypeError:
+        return None
+    return key
 
 
 def _can_stand_for(earlier: JaxprEqn, eqn: JaxprEqn) -> bool:
