@@ -52,6 +52,7 @@ from ._masks import (
     any_of,
     broadcast,
     broadcast_mask,
+    decided_per_lane,
     fit,
     known_false,
     materialize,
@@ -536,9 +537,7 @@ def by_wins(eqn: JaxprEqn, guarded: list, originals: Sequence[Any], operand_mask
     if any(g is not originals[k] for k, g in enumerate(guarded)):
         live = out_masks()[0]
         if live is not None:
-            live = selecting(live, out)
-            wins = [lax.select_n(live, on_guarded, original) for original, on_guarded
-                    in zip(wins, selection.wins(eqn, guarded), strict=True)]
+            wins = decided_per_lane(live, out, zip(wins, selection.wins(eqn, guarded), strict=True))
     for i, (win, case) in enumerate(zip(wins, cases, strict=True)):
         rivals = [v for j, v in enumerate(eqn.invars) if j != i]
         if guarded[i] is originals[i] and all(isinstance(v, Literal) for v in rivals):

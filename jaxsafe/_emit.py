@@ -31,6 +31,7 @@ from ._masks import (
     Placed,
     all_of,
     broadcast,
+    decided_per_lane,
     mask_scope,
     materialize,
     not_mask,
@@ -210,7 +211,7 @@ class _Emitter:
             return
         shape = shape_of(out)
         original, on_guarded = (broadcast(v, shape) for v in (self.orig[pred], self.safe[pred]))
-        invals[0] = lax.select_n(selecting(live, original), on_guarded, original)
+        invals[0], = decided_per_lane(live, original, [(original, on_guarded)])
 
     def _operand_cut_lanes(self, site: Site, free: Any, invals: list) -> Any:
         """The lanes, at the shape of the operands of `Site.free_operands`, where all of them

@@ -627,12 +627,9 @@ def _known_literal(sym: Sym, axes: Sequence[int], lanes: np.ndarray) -> Sym:
     """`sym` and a static literal along `axes` known lane by lane (`lanes`, over `axes` in
     order), along only the axes where those lanes vary: rows kept whole stay a literal on the
     row axis, which a coarse guard can carry through a matmul (`named_along`)."""
-    varying = [j for j in range(lanes.ndim)
-               if not np.all(lanes == np.take(lanes, [0], axis=j))]
+    varying, kept = _varying_lanes(lanes)
     if not varying:
         return sym if lanes.all() else FALSE
-    others = tuple(j for j in range(lanes.ndim) if j not in varying)
-    kept = np.asarray(lanes.any(axis=others)) if others else lanes  # the same along `others`
     return sym_and_literal(sym, unknown([axes[j] for j in varying], static=True, lanes=kept))
 
 
@@ -1124,10 +1121,17 @@ def _carried_known(sym: Sym, to_operand: dict[int, int], rank: int, ctx: Context
 def _static_lanes_literal(lanes: np.ndarray) -> Lit:
     """A static mask known lane by lane over a value (`lanes`, of its shape), along only the
     axes where it varies."""
+    varying, kept = _varying_lanes(lanes)
+    return unknown(varying, lanes=kept)
+
+
+def _varying_lanes(lanes: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """The axes along which `lanes` varies, and `lanes` over only those (it is the same along
+    the others)."""
     varying = [d for d in range(lanes.ndim)
                if not np.all(lanes == np.take(lanes, [0], axis=d))]
     others = tuple(d for d in range(lanes.ndim) if d not in varying)
-    return unknown(varying, lanes=np.asarray(lanes.any(axis=others)) if others else lanes)
+    return varying, (np.asarray(lanes.any(axis=others)) if others else lanes)
 
 
 def _in_place_but(axes: Iterable[int], rank: int, removed: bool = False) -> dict[int, int]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -221,6 +221,16 @@ def selecting(mask, like) -> jax.Array:
     if core is not mask and _shape(core) != tuple(shape):
         mask = lax.broadcast_in_dim(core, tuple(shape), axes)
     return sharded_like(mask, like)
+
+
+def decided_per_lane(live, like, decisions: Iterable[tuple[Any, Any]]) -> list:
+    """Each `(original, on_guarded)` pair as one decision: `original` in `live`'s lanes,
+    `on_guarded` in the others, at the shape of `like`. A decision made again after a guard
+    changed its operands holds the guarded values' choice only where the result is dropped (so
+    a bound a later hazard relied on holds there); live lanes decide as the original program
+    did. One placed mask serves all pairs (they select values placed as `like`)."""
+    placed = selecting(live, like)
+    return [lax.select_n(placed, on_guarded, original) for original, on_guarded in decisions]
 
 
 def register_broadcast(out, src, dims: Sequence[int]) -> None:

@@ -418,11 +418,12 @@ def relaxed_lanes(sym: Sym, shape: Sequence[int],
     out = np.zeros(tuple(shape), bool)
     for term in sym:
         held = np.ones(tuple(shape), bool)
-        for key, positive, embed in term:
+        for lit in term:
+            key, _, embed = lit
             value = _key_value(key, known)
             if value is None or embed is None or np.ndim(value) != len(embed):
                 continue
-            held &= _placed(np.asarray(value).astype(bool), embed, shape) == positive
+            held &= held_lanes(lit, value, shape)
         out |= held
     return out
 
