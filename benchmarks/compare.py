@@ -125,12 +125,18 @@ class Child:
         self.proc = None
 
 
-def measurements(quick: bool, generated: list[int], chain: list[int]) -> list[dict]:
+def measurements(quick: bool, generated: list[int], chain: list[int],
+                 only: str | None = None) -> list[dict]:
     """What is compared: the rewrite of the generated programs and deep chains, and the trace and
-    rewrite of every runtime workload's nan_safe variant, in each of its modes."""
-    out = [{"kind": "rewrite", "family": cost.GENERATED, "size": n} for n in generated]
-    out += [{"kind": "rewrite", "family": cost.CHAIN, "size": n} for n in chain]
+    rewrite of every runtime workload's nan_safe variant, in each of its modes. `only` (run.py's
+    `--only`): just the workloads whose name contains it, as the other sections do."""
+    out = []
+    if not only:
+        out += [{"kind": "rewrite", "family": cost.GENERATED, "size": n} for n in generated]
+        out += [{"kind": "rewrite", "family": cost.CHAIN, "size": n} for n in chain]
     for i, w in enumerate(W.workloads(quick)):
+        if only and only.lower() not in w.name.lower():
+            continue
         out += [{"kind": "lower", "workload": i, "mode": m, "name": w.name} for m in w.modes]
     return out
 
@@ -143,7 +149,7 @@ def label(m: dict) -> str:
 
 
 def against(rev: str, quick: bool, generated: list[int], chain: list[int], budget_s: float,
-            min_rounds: int, max_rounds: int, log=print) -> dict:
+            min_rounds: int, max_rounds: int, log=print, only: str | None = None) -> dict:
     """Compare the current tree with `rev`; see the module docstring."""
     start = time.perf_counter()
     sha = git("rev-parse", "--short", f"{rev}^{{commit}}")
@@ -159,7 +165,7 @@ def against(rev: str, quick: bool, generated: list[int], chain: list[int], budge
         try:
             for child in children.values():
                 child.start()
-            for m in measurements(quick, generated, chain):
+            for m in measurements(quick, generated, chain, only):
                 row = compare_one(children, m, budget_s, min_rounds, max_rounds)
                 log("  " + "  ".join(row_cells(row)))
                 res["rows"].append(row)

@@ -704,7 +704,7 @@ def main(argv=None) -> int:
     docs.add_argument("--no-docs", dest="docs", action="store_false")
     parser.add_argument("--only", default=None,
                         help="run only the workloads whose name contains this (skips the "
-                             "other sections)")
+                             "other sections; with --base, compares only those workloads)")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: "
                         "runtime, nn, sharded, scaling, collector, dispatch")
     parser.add_argument("--base", default=None, metavar="REV",
@@ -796,7 +796,7 @@ def main(argv=None) -> int:
         try:
             res["against"] = compare.against(
                 opts.base, opts.quick, cfg.base_generated, cfg.base_chain, cfg.base_budget_s,
-                *cfg.base_rounds, log=log)
+                *cfg.base_rounds, log=log, only=opts.only)
         except Exception:  # noqa: BLE001 - report it, keep the other sections' results
             failures += 1
             log(f"  FAILED: the comparison with {opts.base}\n{traceback.format_exc()}")
